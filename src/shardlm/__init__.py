@@ -1,0 +1,29 @@
+"""shardlm: pretrain GPT-style language models with JAX on any device mesh.
+
+Importing `shardlm` does not import JAX, so `shardlm.mesh.simulate_cpu_devices` (and the CLI's `--cpu-devices`)
+can still take effect; the names below load on first use.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Config": "shardlm.config",
+    "load_config": "shardlm.config",
+    "ShardlmError": "shardlm.errors",
+    "make_mesh": "shardlm.mesh",
+    "simulate_cpu_devices": "shardlm.mesh",
+    "GPT": "shardlm.models.gpt",
+    "LOGICAL_AXIS_RULES": "shardlm.sharding.rules",
+    "explain": "shardlm.explain",
+    "train": "shardlm.train.loop",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'shardlm' has no attribute {name!r}")

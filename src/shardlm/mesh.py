@@ -1,0 +1,90 @@
+"""The device mesh: named axes (data, fsdp, tensor), degrees with -1 = "the rest", CPU device simulation.
+
+The axes are always the same three, in this order, so a strategy is nothing but three integers: DP is
+(N, 1, 1), FSDP is (1, N, 1), Megatron TP is (1, 1, N), and every hybrid is a product. Axes are created as
+`AxisType.Auto`: since JAX 0.9 `jax.make_mesh` defaults to Explicit axes, under which XLA refuses the contracting
+dimension sharding that row-parallel (Megatron) weights need.
+"""
+
+import os
+import re
+
+from shardlm.errors import ShardlmError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Make JAX see `n` CPU devices. Must run before JAX initialises its backend (before the first array)."""
+    if n < 1:
+        raise ShardlmError(f"--cpu-devices must be at least 1, got {n}")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import sys
+
+    if "jax" in sys.modules:
+        import jax
+
+        # The backend may already be up (e.g. in a notebook); then the flag would be silently ignored.
+        try:
+            initialised = jax._src.xla_bridge.backends_are_initialized()  # noqa: SLF001
+        except AttributeError:
+            initialised = False
+        if initialised and jax.device_count() != n:
+            raise ShardlmError(
+                f"JAX is already running with {jax.device_count()} devices; --cpu-devices {n} must be set before "
+                "JAX starts (set XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment instead)"
+            )
+
+
+def resolve_degrees(data: int | None, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
+    """Turn configured degrees (None / -1 allowed) into concrete ones whose product is `n_devices`."""
+    degrees = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    rest = [k for k, v in degrees.items() if v == -1]
+    if len(rest) > 1:
+        raise ShardlmError(
+            f"mesh axes {' and '.join(rest)} are both -1; at most one degree may be -1 (\"the rest\")"
+        )
+    if degrees["data"] is None:
+        degrees["data"] = 1 if rest else -1
+        rest = rest or ["data"]
+    fixed = 1
+    for k, v in degrees.items():
+        if v != -1:
+            fixed *= v
+    if rest:
+        if n_devices % fixed:
+            raise ShardlmError(
+                f"mesh degrees {_describe(degrees)} multiply to {fixed}, which does not divide the {n_devices} "
+                f"devices; choose degrees whose product divides {n_devices}"
+            )
+        degrees[rest[0]] = n_devices // fixed
+    elif fixed != n_devices:
+        raise ShardlmError(
+            f"mesh {_describe(degrees)} uses {fixed} devices but {n_devices} are available; make the product of "
+            f"mesh.data, mesh.fsdp and mesh.tensor equal {n_devices}, or set one of them to -1 (\"the rest\")"
+        )
+    return degrees["data"], degrees["fsdp"], degrees["tensor"]
+
+
+def _describe(degrees: dict) -> str:
+    return " x ".join(f"{k}={'-1' if v == -1 else v}" for k, v in degrees.items())
+
+
+def make_mesh(data: int | None = None, fsdp: int = 1, tensor: int = 1, devices=None):
+    """A `jax.sharding.Mesh` over `devices` (default: all) with axes (data, fsdp, tensor), all `AxisType.Auto`."""
+    import jax
+    from jax.sharding import AxisType
+
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_degrees(data, fsdp, tensor, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def mesh_from_config(mesh_cfg, devices=None):
+    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=devices)
+
+
+def describe_mesh(mesh) -> str:
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())

@@ -1,0 +1,1 @@
+"""Performance: FLOP counting, peaks and MFU."""

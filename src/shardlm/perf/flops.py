@@ -1,0 +1,81 @@
+"""FLOP counting, accelerator peaks and MFU, with the convention stated so the numbers can be checked.
+
+Convention (PaLM appendix B, as in nanoGPT's `estimate_mfu`):
+    FLOPs per token = 6 * N_matmul + 12 * n_layers * seq_len * d_model
+- N_matmul counts the weights that take part in matrix multiplies: the attention and MLP weights of every block
+  and the output head (d_model x padded vocabulary, counted once even when tied to the embedding). The embedding
+  lookups, biases and LayerNorms do no matmul and are left out. The factor 6 is 2 (multiply-add) x 3 (forward,
+  and backward for activations and for weights).
+- 12 * L * T * d is attention's QK^T and AV, forward and backward, *not* halved for causal masking.
+MFU = achieved model FLOP/s per device / peak FLOP/s per device. The peak comes from a table of known
+accelerators (dense, no sparsity) for the compute dtype; on CPU there is no datasheet number, so the peak is
+*measured*: a large fp32 matmul run on every device at once, and labelled "measured CPU matmul peak".
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardlm.config import ModelConfig
+
+
+def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
+    d, f, L = cfg.d_model, cfg.d_mlp, cfg.n_layers
+    return L * (4 * d * d + 2 * d * f) + d * padded_vocab
+
+
+def flops_per_token(cfg: ModelConfig, padded_vocab: int) -> int:
+    return 6 * matmul_params(cfg, padded_vocab) + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
+
+
+# Dense peak FLOP/s per device. float32 matmuls run as TF32 on NVIDIA tensor cores and as bf16 passes on TPU under
+# JAX's default precision, so those are the float32 peaks.
+_PEAKS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"bfloat16": 989e12, "float32": 494.5e12}),
+    ("H100", {"bfloat16": 989e12, "float32": 494.5e12}),
+    ("A100", {"bfloat16": 312e12, "float32": 156e12}),
+    ("L4", {"bfloat16": 121e12, "float32": 60e12}),
+    ("TPU v6", {"bfloat16": 918e12, "float32": 918e12}),
+    ("TPU v5p", {"bfloat16": 459e12, "float32": 459e12}),
+    ("TPU v5 lite", {"bfloat16": 197e12, "float32": 197e12}),
+    ("TPU v5e", {"bfloat16": 197e12, "float32": 197e12}),
+    ("TPU v4", {"bfloat16": 275e12, "float32": 275e12}),
+]
+
+
+def table_peak(device_kind: str, dtype: str = "float32") -> float | None:
+    for name, peaks in _PEAKS:
+        if name.lower() in device_kind.lower():
+            return peaks.get(dtype)
+    return None
+
+
+def measure_matmul_peak(devices, n: int = 1024, repeats: int = 5) -> float:
+    """Per-device fp32 matmul FLOP/s with every device busy at once (simulated CPU devices share cores)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.asarray(devices), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    k = len(devices)
+    a = jax.device_put(jnp.ones((k, n, n), jnp.float32), sharding)
+    mm = jax.jit(lambda x: jnp.einsum("kij,kjl->kil", x, x), out_shardings=sharding)
+    mm(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def device_peak(devices, dtype: str = "float32") -> tuple[float, str]:
+    """(peak FLOP/s per device, a label saying where the number comes from)."""
+    kind = devices[0].device_kind
+    peak = table_peak(kind, dtype)
+    if peak is not None:
+        return peak, f"{kind} datasheet dense {dtype} peak"
+    if devices[0].platform == "cpu":
+        return measure_matmul_peak(devices), f"measured CPU matmul peak ({len(devices)} devices busy at once)"
+    return measure_matmul_peak(devices), f"measured matmul peak ({kind}, not in the peak table)"

@@ -1,0 +1,1 @@
+"""Training: sharded state creation, the jitted step, the loop and its metrics."""

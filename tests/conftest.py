@@ -1,0 +1,60 @@
+"""Every test process sees 8 simulated CPU devices; this must happen before JAX is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# A model small enough that six strategies x 20 steps compile and run in well under a minute on 2 cores.
+MICRO = [
+    "model.n_layers=2", "model.n_heads=4", "model.d_model=64", "model.d_mlp=128", "model.seq_len=32",
+    "train.batch_size=16", "train.steps=20", "train.warmup_steps=5", "train.lr=1e-2",
+]
+
+
+@pytest.fixture
+def micro_overrides():
+    return list(MICRO)
+
+
+def structured_tokens(n: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """A learnable stream: runs of arithmetic progressions mod `vocab` with random starts and strides."""
+    rng = np.random.default_rng(seed)
+    out, total = [], 0
+    while total < n:
+        length = int(rng.integers(8, 40))
+        start, stride = int(rng.integers(0, vocab)), int(rng.integers(1, 5))
+        out.append((start + stride * np.arange(length)) % vocab)
+        total += length
+    return np.concatenate(out)[:n].astype(np.int32)
+
+
+def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None):
+    """Train with the real state/step/loader code on a synthetic stream; returns (losses, final TrainState, mesh)."""
+    import jax
+
+    from shardlm.config import load_config
+    from shardlm.data.loader import BatchLoader
+    from shardlm.mesh import make_mesh
+    from shardlm.sharding import batch_sharding
+    from shardlm.train.state import create_train_state, make_schedule
+    from shardlm.train.step import make_train_step
+
+    cfg = load_config(None, overrides)
+    n = int(np.prod([d for d in degrees]))
+    mesh = make_mesh(*degrees, devices=jax.devices()[:n])
+    ts = create_train_state(cfg, mesh, vocab)
+    bsh = batch_sharding(mesh)
+    tokens = structured_tokens(40_000, vocab) if tokens is None else tokens
+    loader = BatchLoader(tokens, cfg.model.seq_len, cfg.train.batch_size, bsh, seed=cfg.seed, shuffle=True)
+    step = make_train_step(ts, mesh, bsh, make_schedule(cfg), cfg.seed, cfg.model.dropout > 0)
+    losses = []
+    for i in range(steps or cfg.train.steps):
+        ts.state, metrics = step(ts.state, loader.get(i))
+        losses.append(float(metrics["loss"]))
+    return losses, ts, mesh

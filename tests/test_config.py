@@ -1,0 +1,65 @@
+import pytest
+
+from shardlm.config import load_config
+from shardlm.errors import ShardlmError
+
+
+def test_defaults_are_the_tiny_preset():
+    cfg = load_config()
+    assert cfg.model.preset == "tiny"
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads) == (4, 128, 4)
+    assert cfg.mesh.data is None and cfg.mesh.fsdp == 1 and cfg.mesh.tensor == 1
+
+
+def test_overrides_are_typed_and_preset_applies_first():
+    cfg = load_config(None, ["model.n_layers=2", "model=gpt2-small", "train.lr=1e-3", "mesh.fsdp=-1",
+                             "model.tie_embeddings=false", "name=abc"])
+    assert cfg.model.preset == "gpt2-small"
+    assert cfg.model.n_layers == 2  # the field override wins although it came before the preset
+    assert cfg.model.d_model == 768
+    assert cfg.train.lr == pytest.approx(1e-3) and isinstance(cfg.train.lr, float)
+    assert cfg.mesh.fsdp == -1
+    assert cfg.model.tie_embeddings is False
+    assert cfg.name == "abc"
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model: small\ntrain:\n  steps: 7\n  batch_size: 8\nmesh:\n  tensor: 2\n")
+    cfg = load_config(f, ["train.steps=9"])
+    assert cfg.model.preset == "small" and cfg.model.d_model == 384
+    assert cfg.train.steps == 9 and cfg.train.batch_size == 8 and cfg.mesh.tensor == 2
+
+
+def test_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(None, ["model=small", "train.steps=5", "mesh.data=2"])
+    f = tmp_path / "round.yaml"
+    f.write_text(cfg.to_yaml())
+    assert load_config(f) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("train.stepz=3", "unknown config key 'train.stepz' (did you mean 'steps'?)"),
+        ("trian.steps=3", "unknown config key 'trian.steps'"),
+        ("train.steps=abc", "train.steps: expected int, got 'abc'"),
+        ("train.steps=1.5", "train.steps: expected int"),
+        ("train.lr=-1", "train.lr must be positive"),
+        ("model=gpt5", "unknown model preset 'gpt5'"),
+        ("mesh.data=0", "mesh.data must be a positive degree or -1"),
+        ("model.d_model=130", "model.d_model=130 is not divisible by model.n_heads=4"),
+        ("train", "is a section"),
+        ("steps", "is not key=value"),
+    ],
+)
+def test_bad_input_names_the_key(override, fragment):
+    with pytest.raises(ShardlmError) as e:
+        load_config(None, [override])
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ShardlmError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")

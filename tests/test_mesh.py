@@ -1,0 +1,42 @@
+import jax
+import pytest
+from jax.sharding import AxisType
+
+from shardlm.errors import ShardlmError
+from shardlm.mesh import make_mesh, resolve_degrees
+
+
+@pytest.mark.parametrize(
+    "degrees, expected",
+    [
+        ((None, 1, 1), (8, 1, 1)),  # default: pure DP over everything
+        ((None, -1, 1), (1, 8, 1)),  # mesh.fsdp=-1 alone gives pure FSDP
+        ((None, 1, 2), (4, 1, 2)),
+        ((2, 2, 2), (2, 2, 2)),
+        ((2, -1, 2), (2, 2, 2)),
+        ((-1, 4, 2), (1, 4, 2)),
+    ],
+)
+def test_resolve_degrees(degrees, expected):
+    assert resolve_degrees(*degrees, n_devices=8) == expected
+
+
+@pytest.mark.parametrize(
+    "degrees, fragment",
+    [
+        ((3, 1, 1), "uses 3 devices but 8 are available"),
+        ((-1, -1, 1), "at most one degree may be -1"),
+        ((None, 3, 1), "does not divide the 8 devices"),
+        ((2, 2, 4), "uses 16 devices"),
+    ],
+)
+def test_bad_mesh(degrees, fragment):
+    with pytest.raises(ShardlmError, match=fragment):
+        resolve_degrees(*degrees, n_devices=8)
+
+
+def test_make_mesh_has_named_auto_axes():
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+    assert mesh.devices.size == jax.device_count() == 8
