@@ -26,39 +26,57 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from shardlm.errors import ShardlmError
 
 MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
 
-LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
+# Ordered (logical name, mesh axes) pairs. A name may appear more than once: the first rule whose mesh axes are
+# still free in the array's spec wins (the semantics of Flax's `logical_to_mesh_axes`), and earlier rules claim
+# axes first. That is how FSDP reaches the parameters that have no `embed` dimension (biases): after `embed` has
+# claimed fsdp elsewhere, the later fallbacks give fsdp to `mlp` or `head_dim`, so ZeRO-3 shards *all* state.
+LOGICAL_AXIS_RULES: Rules = (
     # activations
-    "batch": ("data", "fsdp"),
-    "seq": None,
-    "act_embed": None,
-    "act_heads": "tensor",
-    "act_mlp": "tensor",
-    "act_vocab": "tensor",
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
     # parameters
-    "embed": "fsdp",
-    "vocab": "tensor",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "head_dim": None,
-    "mlp": "tensor",
-    "pos": None,
-}
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", ("tensor", "fsdp")),  # an MLP bias: split over both
+    ("mlp", "tensor"),  # an MLP weight, whose embed dimension already took fsdp
+    ("head_dim", "fsdp"),  # an attention bias [heads, head_dim]: FSDP has no embed dimension to use
+    ("head_dim", None),
+    ("pos", None),
+)
 
 
-def logical_to_spec(names: tuple[str | None, ...], rules: dict[str, MeshAxes] | None = None) -> P:
-    """('embed', 'mlp') -> P('fsdp', 'tensor'). Every name must be in the table (None = replicated)."""
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None) -> P:
+    """('embed', 'mlp') -> P('fsdp', 'tensor'). Every name must have a rule (map it to None to replicate)."""
     rules = LOGICAL_AXIS_RULES if rules is None else rules
-    out = []
+    known = {name for name, _ in rules}
     for name in names:
-        if name is None:
-            out.append(None)
-        elif name not in rules:
+        if name is not None and name not in known:
             raise ShardlmError(
                 f"logical axis '{name}' has no rule; add it to the logical axis rules (map it to None to replicate)"
             )
-        else:
-            out.append(rules[name])
+    out: list[MeshAxes] = [None] * len(names)
+    decided = [name is None for name in names]
+    used: set[str] = set()
+    for rule_name, axes in rules:
+        for i, name in enumerate(names):
+            if decided[i] or name != rule_name:
+                continue
+            if used.isdisjoint(_as_tuple(axes)):
+                out[i], decided[i] = axes, True
+                used.update(_as_tuple(axes))
+            break
     return P(*out)
 
 
@@ -78,7 +96,7 @@ _active = threading.local()
 
 
 @contextlib.contextmanager
-def use_mesh_rules(mesh, rules: dict[str, MeshAxes] | None = None):
+def use_mesh_rules(mesh, rules: Rules | None = None):
     """Within this context, `constrain` pins activations to `mesh` through the logical rules."""
     previous = getattr(_active, "value", None)
     _active.value = (mesh, LOGICAL_AXIS_RULES if rules is None else rules)
@@ -116,7 +134,7 @@ def path_str(path) -> str:
     return ".".join(parts)
 
 
-def state_partition_specs(abstract_state, rules: dict[str, MeshAxes] | None = None):
+def state_partition_specs(abstract_state, rules: Rules | None = None):
     """For an `nnx.State` of variables, a matching tree of mesh PartitionSpecs (variables without names: P())."""
     from flax import nnx
 
@@ -127,7 +145,7 @@ def state_partition_specs(abstract_state, rules: dict[str, MeshAxes] | None = No
     return jax.tree.map(spec, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def state_shardings(abstract_state, mesh, rules: dict[str, MeshAxes] | None = None):
+def state_shardings(abstract_state, mesh, rules: Rules | None = None):
     """NamedShardings for every leaf of an `nnx.State`, after checking every split dimension divides evenly."""
     specs = state_partition_specs(abstract_state, rules)
     check_divisible(abstract_state, specs, mesh)
@@ -142,15 +160,15 @@ def check_divisible(abstract_state, specs, mesh) -> None:
         for dim, (size, axes) in enumerate(zip(leaf.shape, tuple(spec) + (None,) * len(leaf.shape))):
             degree = axis_degree(mesh, axes)
             if size % degree:
-                axes_name = axes if isinstance(axes, str) else " x ".join(axes)
+                knobs = " x ".join(f"mesh.{a}" for a in _as_tuple(axes))
                 raise ShardlmError(
                     f"parameter {path_str(path)} of shape {tuple(leaf.shape)}: dimension {dim} (size {size}) is "
-                    f"split over mesh axis {axes_name} of degree {degree}, which does not divide it; change that "
-                    f"degree to a divisor of {size} or resize the model"
+                    f"split {degree} ways over {knobs}, which does not divide it; choose {knobs} dividing {size} "
+                    "or resize the model"
                 )
 
 
-def batch_sharding(mesh, rules: dict[str, MeshAxes] | None = None) -> NamedSharding:
+def batch_sharding(mesh, rules: Rules | None = None) -> NamedSharding:
     """Sharding of a [batch, seq] token array: batch split over (data, fsdp)."""
     return NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
 

@@ -40,8 +40,8 @@ def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / name
 
 
-def claim_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix a new run into an existing one; `overwrite` clears only shardlm's own files."""
+def check_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse to mix a new run into an existing one (writes nothing)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ShardlmError(f"--run-dir {run_dir} is a file; pass a directory path")
     if (run_dir / "config.yaml").exists() and not overwrite:
@@ -49,13 +49,18 @@ def claim_run_dir(run_dir: Path, overwrite: bool) -> None:
         raise ShardlmError(
             f"--run-dir {run_dir} already holds {state}; pass another --run-dir, or --overwrite to replace it"
         )
+
+
+def claim_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Create the run directory; with `overwrite`, remove only the files a previous shardlm run wrote there."""
+    check_run_dir(run_dir, overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     if overwrite:
         for name in ("config.yaml", "metrics.jsonl", "loss.png", "samples.txt", "tokenizer.json", FINISHED_MARKER):
             (run_dir / name).unlink(missing_ok=True)
         tb = run_dir / "tensorboard"
         if tb.is_dir():
-            for f in tb.iterdir():
+            for f in tb.glob("events.out.tfevents.*"):
                 f.unlink()
 
 
@@ -95,13 +100,12 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     mesh = mesh_from_config(cfg.mesh, devices)
     check_batch(cfg, mesh)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
-    claim_run_dir(run_dir, overwrite)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    check_run_dir(run_dir, overwrite)
     _log(f"shardlm: run {run_dir} | mesh {describe_mesh(mesh)} on {mesh.devices.size} {jax.devices()[0].platform} "
          f"device(s)")
 
+    # Everything that can reject the input runs before the run directory is written.
     tokenizer, train_tokens, eval_tokens = load_data(cfg)
-    tokenizer.save(run_dir / "tokenizer.json")
     _log(f"data: {cfg.data.corpus} | {cfg.data.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size} | "
          f"{len(train_tokens):,} train / {len(eval_tokens):,} eval tokens")
 
@@ -118,6 +122,9 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     train_data = BatchLoader(train_tokens, seq, bsz, bsh, seed=cfg.seed, shuffle=True)
     eval_data = BatchLoader(eval_tokens, seq, bsz, bsh, seed=cfg.seed, shuffle=False, name="eval")
     schedule = make_schedule(cfg)
+    claim_run_dir(run_dir, overwrite)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    tokenizer.save(run_dir / "tokenizer.json")
 
     t0 = time.perf_counter()
     first = train_data.get(0)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from shardlm.config import Config
 from shardlm.models.gpt import GPT, padded_vocab_size
-from shardlm.sharding import state_shardings
+from shardlm.sharding import check_divisible, state_partition_specs, state_shardings
 
 
 def make_schedule(cfg: Config) -> optax.Schedule:
@@ -81,7 +81,10 @@ def create_train_state(cfg: Config, mesh, vocab_size: int) -> TrainState:
 
     with nnx.use_eager_sharding(False):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
-        shardings = state_shardings(abstract_state, mesh)  # raises before any compile if a degree does not divide
+        # Both raise before any compile if a degree does not divide a dimension; the model's own state first, so
+        # the message names the parameter (blocks.0.attn.wq), not its optimizer moment.
+        check_divisible(abstract_state[0], state_partition_specs(abstract_state[0]), mesh)
+        shardings = state_shardings(abstract_state, mesh)
 
         def init():
             return nnx.state(build())

@@ -1,0 +1,108 @@
+"""The CLI as a user runs it: real subprocesses, exit codes, one-line errors, the run directory's files."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from jax.sharding import PartitionSpec as P
+
+REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu"}
+
+
+def shardlm(*args, timeout=600):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "shardlm", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def assert_one_line_error(proc, fragment):
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardlm: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["mesh.data=3"], "uses 3 devices but 8 are available"),
+        (["mesh.fsdp=-1", "mesh.tensor=-1"], "at most one degree may be -1"),
+        (["mesh.tensor=8"], "is split 8 ways over mesh.tensor"),  # tiny has 4 heads
+        (["mesh.data=8", "train.batch_size=12"], "train.batch_size=12 is split over data x fsdp = 8"),
+        (["train.stepz=3"], "unknown config key 'train.stepz'"),
+        (["train.steps=many"], "train.steps: expected int, got 'many'"),
+        (["data.corpus=/no/such/file.txt"], "neither a built-in corpus"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(tmp_path, args, fragment):
+    proc = shardlm("train", "--cpu-devices", "8", "--run-dir", str(tmp_path / "run"), *args)
+    assert_one_line_error(proc, fragment)
+    assert not (tmp_path / "run" / "config.yaml").exists()  # nothing written for a rejected run
+
+
+FAST = ["model.n_layers=2", "model.d_model=64", "model.d_mlp=256", "train.batch_size=16", "train.log_interval=5",
+        "train.eval_interval=10", "train.eval_batches=2", "train.sample_tokens=16", "data.tokenizer_vocab=512"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    proc = shardlm("train", "--cpu-devices", "8", "--run-dir", str(run_dir), "model=tiny", "train.steps=20",
+                   "mesh.fsdp=-1", *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc
+
+
+def test_train_writes_the_run_directory(fsdp_run):
+    run_dir, proc = fsdp_run
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["mesh"]["fsdp"] == -1 and cfg["train"]["steps"] == 20 and cfg["model"]["n_layers"] == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 5, 10, 15, 20]
+    for r in train_rows:
+        assert REQUIRED <= set(r), r
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["grad_norm"] > 0
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 100
+    assert (run_dir / "samples.txt").read_text().strip()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert "6*N_matmul" in summary["mfu_convention"] and "measured CPU matmul peak" in summary["peak_source"]
+    assert "mesh data=1 x fsdp=8 x tensor=1" in proc.stderr + proc.stdout
+
+
+def test_train_refuses_to_overwrite_a_finished_run(fsdp_run):
+    run_dir, _ = fsdp_run
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    proc = shardlm("train", "--cpu-devices", "8", "--run-dir", str(run_dir), "model=tiny", "train.steps=20")
+    assert_one_line_error(proc, "already holds a finished run")
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+
+def test_hybrid_mesh_command_as_spelled_in_the_issue(tmp_path):
+    run_dir = tmp_path / "hybrid"
+    proc = shardlm("train", "--cpu-devices", "8", "--run-dir", str(run_dir), "model=tiny", "train.steps=20",
+                   "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.eval_batches=2", "--explain")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "mesh data=2 x fsdp=2 x tensor=2" in out
+    assert "blocks.0.mlp.w_in" in out and str(P("fsdp", "tensor")) in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 20 and REQUIRED <= set(rows[-1])
+
+
+def test_explain_command():
+    proc = shardlm("explain", "--cpu-devices", "8", "mesh.fsdp=4", "mesh.tensor=2", "data.tokenizer=bytes")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "blocks.3.attn.wq" in proc.stdout and "(128, 4, 32)" in proc.stdout
+    assert str(P("fsdp", "tensor", None)) in proc.stdout
+    assert "per device: parameters" in proc.stdout

@@ -1,0 +1,149 @@
+"""Placement read back from the arrays themselves, compared with the rule table."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import MICRO
+from shardlm.config import load_config
+from shardlm.errors import ShardlmError
+from shardlm.explain import explain_state, format_explanation
+from shardlm.mesh import make_mesh
+from shardlm.sharding import logical_to_spec
+from shardlm.train.state import create_train_state
+
+# What each parameter must look like, in logical names: the model's contract with the rule table.
+EXPECTED_LOGICAL = {
+    "wte": ("vocab", "embed"),
+    "wpe": ("pos", "embed"),
+    "ln_f.scale": ("embed",),
+    "ln_f.bias": ("embed",),
+    "attn.wq": ("embed", "heads", "head_dim"),
+    "attn.wk": ("embed", "heads", "head_dim"),
+    "attn.wv": ("embed", "heads", "head_dim"),
+    "attn.wo": ("heads", "head_dim", "embed"),
+    "attn.bq": ("heads", "head_dim"),
+    "attn.bk": ("heads", "head_dim"),
+    "attn.bv": ("heads", "head_dim"),
+    "attn.bo": ("embed",),
+    "mlp.w_in": ("embed", "mlp"),
+    "mlp.w_out": ("mlp", "embed"),
+    "mlp.b_in": ("mlp",),
+    "mlp.b_out": ("embed",),
+    "ln1.scale": ("embed",),
+    "ln1.bias": ("embed",),
+    "ln2.scale": ("embed",),
+    "ln2.bias": ("embed",),
+}
+
+
+def expected_spec(path: str) -> P:
+    key = next(k for k in EXPECTED_LOGICAL if path == k or path.endswith("." + k))
+    return logical_to_spec(EXPECTED_LOGICAL[key])
+
+
+def _keys(path) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path if getattr(k, "name", None) != "value"]
+
+
+def _same_spec(a: P, b: P) -> bool:
+    """Equal up to trailing unsharded dimensions (P('x') == P('x', None))."""
+    def norm(p):
+        t = list(p)
+        while t and t[-1] is None:
+            t.pop()
+        return tuple(t)
+    return norm(a) == norm(b)
+
+
+@pytest.mark.parametrize("degrees", [(8, 1, 1), (1, 8, 1), (4, 1, 2), (1, 4, 2), (2, 2, 2)])
+def test_every_leaf_is_placed_by_the_rule_table(degrees):
+    cfg = load_config(None, MICRO)
+    mesh = make_mesh(*degrees)
+    state = create_train_state(cfg, mesh, 500).state
+    checked = 0
+    for path, arr in jax.tree_util.tree_flatten_with_path(state[0])[0]:
+        name = ".".join(_keys(path))
+        assert arr.sharding.mesh == mesh
+        assert _same_spec(arr.sharding.spec, expected_spec(name)), (name, arr.sharding.spec)
+        checked += 1
+    assert checked == 4 + 2 * 16  # wte, wpe, ln_f x2, and 16 leaves per block
+    # AdamW: every moment leaf has exactly its parameter's sharding; the step counters are replicated.
+    moments = 0
+    for path, arr in jax.tree_util.tree_flatten_with_path(state[1])[0]:
+        keys = _keys(path)
+        if "mu" in keys or "nu" in keys:
+            param_path = ".".join(keys[keys.index("mu" if "mu" in keys else "nu") + 1:])
+            assert _same_spec(arr.sharding.spec, expected_spec(param_path)), (keys, arr.sharding.spec)
+            moments += 1
+        else:
+            assert arr.ndim == 0 and arr.sharding.is_fully_replicated
+    assert moments == 2 * checked
+
+
+def test_rule_table_gives_megatron_and_zero3_placements():
+    """Anchors the table itself, written out by hand for FSDP x TP."""
+    assert logical_to_spec(("embed", "heads", "head_dim")) == P("fsdp", "tensor", None)  # q/k/v: column-parallel
+    assert logical_to_spec(("heads", "head_dim", "embed")) == P("tensor", None, "fsdp")  # out: row-parallel
+    assert logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert logical_to_spec(("mlp", "embed")) == P("tensor", "fsdp")
+    assert logical_to_spec(("mlp",)) == P(("tensor", "fsdp"))  # biases are ZeRO-3 sharded too
+    assert logical_to_spec(("heads", "head_dim")) == P("tensor", "fsdp")
+    assert logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
+    assert logical_to_spec(("batch", "seq")) == P(("data", "fsdp"), None)
+    assert logical_to_spec(("batch", "seq", "act_embed")) == P(("data", "fsdp"), None, None)
+    with pytest.raises(ShardlmError, match="logical axis 'experts' has no rule"):
+        logical_to_spec(("experts", "embed"))
+
+
+def test_fsdp8_holds_an_eighth_of_the_state_per_device():
+    cfg = load_config(None, MICRO)
+    single = explain_state(create_train_state(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]), 500).state,
+                           make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    mesh = make_mesh(1, 8, 1)
+    ex = explain_state(create_train_state(cfg, mesh, 500).state, mesh)
+    full = single.max_param_bytes + single.max_opt_bytes
+    for dev in ex.param_bytes_per_device:
+        per_dev = ex.param_bytes_per_device[dev] + ex.opt_bytes_per_device[dev]
+        assert per_dev <= full / 8 * 1.01, (dev, per_dev, full)
+    # Pure DP replicates everything: each device holds the whole state.
+    dp_mesh = make_mesh(8, 1, 1)
+    dp = explain_state(create_train_state(cfg, dp_mesh, 500).state, dp_mesh)
+    assert dp.max_param_bytes + dp.max_opt_bytes == full
+
+
+def test_tensor_parallel_splits_heads_mlp_and_vocab():
+    cfg = load_config(None, MICRO)
+    mesh = make_mesh(2, 1, 4)
+    model_state = create_train_state(cfg, mesh, 500).state[0]
+    wq = model_state["blocks"][0]["attn"]["wq"][...]
+    assert wq.addressable_shards[0].data.shape == (64, 1, 16)  # one head of four per tensor device
+    w_in = model_state["blocks"][0]["mlp"]["w_in"][...]
+    assert w_in.addressable_shards[0].data.shape == (64, 32)
+    wte = model_state["wte"][...]
+    assert wte.shape == (512, 64)  # 500 padded to a multiple of 64
+    assert wte.addressable_shards[0].data.shape == (128, 64)
+
+
+def test_indivisible_degree_fails_before_compile_naming_the_parameter():
+    cfg = load_config(None, MICRO)  # 4 heads
+    with pytest.raises(ShardlmError) as e:
+        create_train_state(cfg, make_mesh(1, 1, 8), 500)
+    msg = str(e.value)
+    assert msg.startswith("parameter blocks.0.attn.")
+    assert "(size 4) is split 8 ways over mesh.tensor" in msg and "choose mesh.tensor dividing 4" in msg
+    assert "\n" not in msg
+
+
+def test_explain_lists_every_parameter_with_bytes():
+    cfg = load_config(None, MICRO)
+    mesh = make_mesh(1, 4, 2)
+    ex = explain_state(create_train_state(cfg, mesh, 500).state, mesh)
+    text = format_explanation(ex)
+    assert len(ex.params) == 36
+    row = next(r for r in ex.params if r.path == "blocks.0.mlp.w_in")
+    assert row.shape == (64, 128) and row.spec == str(P("fsdp", "tensor"))
+    assert row.bytes_per_device == 64 * 128 * 4 // 8
+    assert "blocks.0.mlp.w_in" in text and "per device:" in text
+    assert ex.param_count == sum(int(np.prod(r.shape)) for r in ex.params)
