@@ -45,7 +45,7 @@ def test_bad_input_is_a_one_line_error(tmp_path, args, fragment):
 
 
 FAST = ["model.n_layers=2", "model.d_model=64", "model.d_mlp=256", "train.batch_size=16", "train.log_interval=5",
-        "train.eval_interval=10", "train.eval_batches=2", "train.sample_tokens=16", "data.tokenizer_vocab=512"]
+        "train.eval_interval=6", "train.eval_batches=2", "train.sample_tokens=16", "data.tokenizer_vocab=512"]
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +63,13 @@ def test_train_writes_the_run_directory(fsdp_run):
     assert cfg["mesh"]["fsdp"] == -1 and cfg["train"]["steps"] == 20 and cfg["model"]["n_layers"] == 2
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in train_rows] == [1, 5, 10, 15, 20]
+    # Logged: step 1, every log_interval (5), every eval_interval (6), the last.
+    assert [r["step"] for r in train_rows] == [1, 5, 6, 10, 12, 15, 18, 20]
     for r in train_rows:
         assert REQUIRED <= set(r), r
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["grad_norm"] > 0
     evals = [r for r in rows if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [0, 10, 20]
+    assert [r["step"] for r in evals] == [0, 6, 12, 18, 20]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
@@ -91,7 +92,7 @@ def test_train_refuses_to_overwrite_a_finished_run(fsdp_run):
 def test_hybrid_mesh_command_as_spelled_in_the_issue(tmp_path):
     run_dir = tmp_path / "hybrid"
     proc = shardlm("train", "--cpu-devices", "8", "--run-dir", str(run_dir), "model=tiny", "train.steps=20",
-                   "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.eval_batches=2", "--explain")
+                   "mesh.data=2", "mesh.fsdp=2", "--explain", "mesh.tensor=2", "train.eval_batches=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "mesh data=2 x fsdp=2 x tensor=2" in out

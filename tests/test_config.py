@@ -45,11 +45,11 @@ def test_config_round_trips_through_yaml(tmp_path):
         ("trian.steps=3", "unknown config key 'trian.steps'"),
         ("train.steps=abc", "train.steps: expected int, got 'abc'"),
         ("train.steps=1.5", "train.steps: expected int"),
-        ("train.lr=-1", "train.lr must be positive"),
+        ("train.lr=-1", "train.lr must be a positive finite number, got -1.0"),
         ("model=gpt5", "unknown model preset 'gpt5'"),
         ("mesh.data=0", "mesh.data must be a positive degree or -1"),
         ("model.d_model=130", "model.d_model=130 is not divisible by model.n_heads=4"),
-        ("train", "is a section"),
+        ("train=3", "is a section"),
         ("steps", "is not key=value"),
     ],
 )
@@ -63,3 +63,16 @@ def test_bad_input_names_the_key(override, fragment):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ShardlmError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_text_values_stay_verbatim():
+    cfg = load_config(None, ["name=0123", "data.corpus=1.10", "train.lr=1e-2", "mesh.data=null"])
+    assert cfg.name == "0123" and cfg.data.corpus == "1.10"
+    assert cfg.train.lr == 0.01 and cfg.mesh.data is None
+
+
+@pytest.mark.parametrize("override", ["train.lr=nan", "train.lr=.inf", "seed=-1", "train.beta2=2",
+                                      "model.layer_norm_eps=-1", "train.grad_clip=nan"])
+def test_out_of_range_numbers(override):
+    with pytest.raises(ShardlmError, match=override.split("=")[0]):
+        load_config(None, [override])

@@ -24,18 +24,29 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="config overrides, e.g. model=tiny train.steps=20 mesh.fsdp=-1")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="shardlm", description="Pretrain GPT-style models with JAX on any mesh.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model (default: tiny GPT on the built-in Shakespeare corpus)")
-    _common(p)
-    p.add_argument("--run-dir", metavar="DIR", help="where the run's files go (default: runs/<name>)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
-    p.add_argument("--explain", action="store_true", help="print every parameter's placement before training")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    p = sub.add_parser("explain", help="print every parameter's shape, partition spec and bytes per device")
-    _common(p)
-    return parser
+    train = sub.add_parser("train", help="train a model (default: tiny GPT on the built-in Shakespeare corpus)")
+    _common(train)
+    train.add_argument("--run-dir", metavar="DIR", help="where the run's files go (default: runs/<name>)")
+    train.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
+    train.add_argument("--explain", action="store_true", help="print every parameter's placement before training")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    explain = sub.add_parser("explain", help="print every parameter's shape, partition spec and bytes per device")
+    _common(explain)
+    return parser, {"train": train, "explain": explain}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Options may stand anywhere among the key=value overrides (`train a=1 --run-dir x b=2`)."""
+    parser, commands = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in commands:
+        return parser.parse_args(argv)  # help, or argparse's own error for an unknown command
+    args = commands[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -62,7 +73,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         _run(args)
     except ShardlmError as e:

@@ -11,6 +11,7 @@ Design choices:
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -131,6 +132,22 @@ def _unknown(key: str, allowed: list[str]) -> ShardlmError:
     return ShardlmError(f"unknown config key '{key}'{hint}; allowed: {', '.join(allowed)}")
 
 
+class _Raw(str):
+    """A command-line value: YAML-parsed for typed fields, kept verbatim for text fields (name=0123 stays '0123')."""
+
+    def __new__(cls, raw: str, parsed: Any):
+        obj = super().__new__(cls, raw)
+        obj.parsed = parsed
+        return obj
+
+
+def _value_for(value: Any, tp: Any) -> Any:
+    if not isinstance(value, _Raw):
+        return value
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return str(value) if str in args else value.parsed
+
+
 def _set(cfg: Config, key: str, value: Any) -> None:
     parts = key.split(".")
     if len(parts) == 1:
@@ -138,14 +155,14 @@ def _set(cfg: Config, key: str, value: Any) -> None:
         if key == "model":  # a preset name
             from shardlm.models.presets import model_preset
 
-            cfg.model = model_preset(_coerce(key, value, str))
+            cfg.model = model_preset(_coerce(key, _value_for(value, str), str))
             return
         if key not in fields or key in _SECTIONS:
             allowed = [n for n in fields if n not in _SECTIONS] + ["model (a preset name)"]
             if key in _SECTIONS:
                 raise ShardlmError(f"'{key}' is a section; set its fields as {key}.<field>=value")
             raise _unknown(key, allowed)
-        setattr(cfg, key, _coerce(key, value, fields[key].type))
+        setattr(cfg, key, _coerce(key, _value_for(value, fields[key].type), fields[key].type))
         return
     if len(parts) != 2 or parts[0] not in _SECTIONS:
         raise _unknown(key, [f"{s}.<field>" for s in _SECTIONS] + ["name", "seed"])
@@ -153,7 +170,8 @@ def _set(cfg: Config, key: str, value: Any) -> None:
     fields = {f.name: f for f in dataclasses.fields(section)}
     if parts[1] not in fields:
         raise _unknown(key, list(fields))
-    setattr(section, parts[1], _coerce(key, value, fields[parts[1]].type))
+    tp = fields[parts[1]].type
+    setattr(section, parts[1], _coerce(key, _value_for(value, tp), tp))
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -175,7 +193,7 @@ def _parse_override(arg: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    return key.strip(), _Raw(raw, value)
 
 
 def _apply(cfg: Config, items: list[tuple[str, Any]]) -> None:
@@ -196,9 +214,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not p.is_file():
             raise ShardlmError(f"config file {p} does not exist; pass an existing YAML file to --config")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ShardlmError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+        except UnicodeDecodeError:
+            raise ShardlmError(f"config file {p} is not UTF-8 text; pass a YAML file") from None
         if not isinstance(tree, dict):
             raise ShardlmError(f"config file {p} must hold a mapping of keys, not {type(tree).__name__}")
         _apply(cfg, _flatten(tree))
@@ -208,8 +228,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ShardlmError(f"{key} must be positive, got {value}")
+    if not (value > 0 and math.isfinite(value)):  # also rejects nan and inf
+        raise ShardlmError(f"{key} must be a positive finite number, got {value}")
+
+
+def _in_range(key: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value < hi:  # nan fails too
+        raise ShardlmError(f"{key} must be in [{lo}, {hi}), got {value}")
 
 
 def validate(cfg: Config) -> None:
@@ -223,15 +248,18 @@ def validate(cfg: Config) -> None:
         raise ShardlmError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a head count dividing it"
         )
-    if not 0.0 <= m.dropout < 1.0:
-        raise ShardlmError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    _in_range("model.dropout", m.dropout, 0.0, 1.0)
+    _positive("model.layer_norm_eps", m.layer_norm_eps)
+    _in_range("seed", cfg.seed, 0, 2**32)
     for key in ("steps", "batch_size", "lr", "log_interval", "eval_interval", "eval_batches"):
         _positive(f"train.{key}", getattr(t, key))
-    if t.warmup_steps < 0 or t.sample_tokens < 0 or t.weight_decay < 0 or t.grad_clip < 0:
-        raise ShardlmError("train.warmup_steps, sample_tokens, weight_decay and grad_clip must be >= 0")
+    for key in ("warmup_steps", "sample_tokens", "weight_decay", "grad_clip"):
+        _in_range(f"train.{key}", getattr(t, key), 0, math.inf)
+    _in_range("train.beta1", t.beta1, 0.0, 1.0)
+    _in_range("train.beta2", t.beta2, 0.0, 1.0)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ShardlmError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    if not 0.0 < d.eval_fraction < 0.5:
+    if not 0.0 < d.eval_fraction < 0.5:  # nan fails too
         raise ShardlmError(f"data.eval_fraction must be in (0, 0.5), got {d.eval_fraction}")
     if d.tokenizer not in ("bpe", "bytes"):
         raise ShardlmError(f"data.tokenizer must be 'bpe' or 'bytes', got {d.tokenizer!r}")

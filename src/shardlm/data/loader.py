@@ -2,8 +2,8 @@
 
 Design choices:
 - The token stream is cut into non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets).
-- Grain's `MapDataset` gives random access: batch i of the run is `dataset[i]`, a pure function of (seed, i),
-  reshuffled each epoch. That makes runs reproducible and resumption exact without saving iterator state.
+- Grain's `MapDataset` gives random access to the shuffled, repeated stream of windows (reshuffled each epoch):
+  batch i is windows [i * batch_size, (i + 1) * batch_size), a pure function of (seed, i). That makes runs reproducible and resumption exact without saving iterator state.
 - Each process materialises only its own rows of the global batch and `jax.make_array_from_process_local_data`
   assembles the global array, so the same code runs on one host or many.
 """
@@ -34,25 +34,26 @@ class BatchLoader:
     """Global batches of shape [batch_size, seq_len + 1]; `get(i)` returns batch i as a sharded jax.Array."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, sharding, *, seed: int, shuffle: bool,
-                 name: str = "training"):
+                 name: str = "training", hint: str = "use more text"):
         source = TokenWindows(np.asarray(tokens, np.int32), seq_len)
         if len(source) < batch_size:
             raise ShardlmError(
                 f"the {name} split holds {len(source)} windows of {seq_len + 1} tokens, fewer than one batch of "
-                f"{batch_size}; use more text, a smaller train.batch_size or a smaller model.seq_len"
+                f"{batch_size}; {hint}, or use a smaller train.batch_size or model.seq_len"
             )
         ds = grain.MapDataset.source(source)
         if shuffle:
-            ds = ds.shuffle(seed=seed)
+            ds = ds.shuffle(seed=seed)  # reshuffled each epoch by repeat()
         self.windows_per_epoch = len(source)
-        self.dataset = ds.repeat().batch(batch_size, drop_remainder=True)
+        # Window j of the run's stream; batch i is windows [i * batch_size, (i + 1) * batch_size).
+        self.windows = ds.repeat()
         self.sharding = sharding
         self.batch_size = batch_size
-        # The rows of the global batch this process feeds (all of them on a single host).
+        # The rows of the global batch this process reads (all of them on a single host).
         n_proc, pid = jax.process_count(), jax.process_index()
         per_proc = batch_size // n_proc
-        self.rows = slice(pid * per_proc, (pid + 1) * per_proc)
+        self.rows = range(pid * per_proc, (pid + 1) * per_proc)
 
     def get(self, index: int) -> jax.Array:
-        local = np.asarray(self.dataset[index])[self.rows]
+        local = np.stack([self.windows[index * self.batch_size + r] for r in self.rows])
         return jax.make_array_from_process_local_data(self.sharding, local, (self.batch_size, local.shape[1]))

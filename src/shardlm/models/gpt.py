@@ -59,12 +59,12 @@ class CausalSelfAttention(nnx.Module):
         self.wo = _param(rngs, out_init, (h, hd, d), ("heads", "head_dim", "embed"))
         zeros = nnx.initializers.zeros_init()
         if cfg.use_bias:
-            self.bq = _param(rngs, zeros, (h, hd), ("heads", "head_dim"))
-            self.bk = _param(rngs, zeros, (h, hd), ("heads", "head_dim"))
-            self.bv = _param(rngs, zeros, (h, hd), ("heads", "head_dim"))
-            self.bo = _param(rngs, zeros, (d,), ("embed",))
+            self.q_bias = _param(rngs, zeros, (h, hd), ("heads", "head_dim"))
+            self.k_bias = _param(rngs, zeros, (h, hd), ("heads", "head_dim"))
+            self.v_bias = _param(rngs, zeros, (h, hd), ("heads", "head_dim"))
+            self.out_bias = _param(rngs, zeros, (d,), ("embed",))
         else:
-            self.bq = self.bk = self.bv = self.bo = None
+            self.q_bias = self.k_bias = self.v_bias = self.out_bias = None
 
     def __call__(self, x):
         def project(w, b):
@@ -72,11 +72,11 @@ class CausalSelfAttention(nnx.Module):
             y = y + b[...] if b is not None else y
             return constrain(y, "batch", "seq", "act_heads", "head_dim")
 
-        q, k, v = project(self.wq, self.bq), project(self.wk, self.bk), project(self.wv, self.bv)
+        q, k, v = project(self.wq, self.q_bias), project(self.wk, self.k_bias), project(self.wv, self.v_bias)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         y = constrain(y, "batch", "seq", "act_heads", "head_dim")
         out = jnp.einsum("bthd,hde->bte", y, self.wo[...])
-        return out + self.bo[...] if self.bo is not None else out
+        return out + self.out_bias[...] if self.out_bias is not None else out
 
 
 class MLP(nnx.Module):
@@ -87,15 +87,15 @@ class MLP(nnx.Module):
             rngs, nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers)), (f, d), ("mlp", "embed")
         )
         zeros = nnx.initializers.zeros_init()
-        self.b_in = _param(rngs, zeros, (f,), ("mlp",)) if cfg.use_bias else None
-        self.b_out = _param(rngs, zeros, (d,), ("embed",)) if cfg.use_bias else None
+        self.in_bias = _param(rngs, zeros, (f,), ("mlp",)) if cfg.use_bias else None
+        self.out_bias = _param(rngs, zeros, (d,), ("embed",)) if cfg.use_bias else None
 
     def __call__(self, x):
         h = x @ self.w_in[...]
-        h = h + self.b_in[...] if self.b_in is not None else h
+        h = h + self.in_bias[...] if self.in_bias is not None else h
         h = constrain(jax.nn.gelu(h, approximate=True), "batch", "seq", "act_mlp")
         out = h @ self.w_out[...]
-        return out + self.b_out[...] if self.b_out is not None else out
+        return out + self.out_bias[...] if self.out_bias is not None else out
 
 
 class Block(nnx.Module):

@@ -12,6 +12,7 @@ accelerators (dense, no sparsity) for the compute dtype; on CPU there is no data
 *measured*: a large fp32 matmul run on every device at once, and labelled "measured CPU matmul peak".
 """
 
+import re
 import time
 
 import jax
@@ -30,24 +31,24 @@ def flops_per_token(cfg: ModelConfig, padded_vocab: int) -> int:
     return 6 * matmul_params(cfg, padded_vocab) + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
 
 
-# Dense peak FLOP/s per device. float32 matmuls run as TF32 on NVIDIA tensor cores and as bf16 passes on TPU under
-# JAX's default precision, so those are the float32 peaks.
+# Dense peak FLOP/s per device, matched in order against `device.device_kind` (first match wins). float32 matmuls
+# run as TF32 on NVIDIA tensor cores and as bf16 passes on TPU under JAX's default precision, so those are the
+# float32 peaks. H100 SXM reports e.g. "NVIDIA H100 80GB HBM3"; TPU v5p reports "TPU v5", v5e "TPU v5 lite".
 _PEAKS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bfloat16": 989e12, "float32": 494.5e12}),
-    ("H100", {"bfloat16": 989e12, "float32": 494.5e12}),
-    ("A100", {"bfloat16": 312e12, "float32": 156e12}),
-    ("L4", {"bfloat16": 121e12, "float32": 60e12}),
-    ("TPU v6", {"bfloat16": 918e12, "float32": 918e12}),
-    ("TPU v5p", {"bfloat16": 459e12, "float32": 459e12}),
-    ("TPU v5 lite", {"bfloat16": 197e12, "float32": 197e12}),
-    ("TPU v5e", {"bfloat16": 197e12, "float32": 197e12}),
-    ("TPU v4", {"bfloat16": 275e12, "float32": 275e12}),
+    (r"^NVIDIA H100 PCIe", {"bfloat16": 756e12, "float32": 378e12}),
+    (r"^NVIDIA (H100|H200|GH200)\b", {"bfloat16": 989e12, "float32": 494.5e12}),
+    (r"^NVIDIA A100\b", {"bfloat16": 312e12, "float32": 156e12}),
+    (r"^NVIDIA L4$", {"bfloat16": 121e12, "float32": 60e12}),
+    (r"^TPU v6", {"bfloat16": 918e12, "float32": 918e12}),
+    (r"^TPU v5( lite|e)$", {"bfloat16": 197e12, "float32": 197e12}),
+    (r"^TPU v5p?$", {"bfloat16": 459e12, "float32": 459e12}),
+    (r"^TPU v4$", {"bfloat16": 275e12, "float32": 275e12}),
 ]
 
 
 def table_peak(device_kind: str, dtype: str = "float32") -> float | None:
-    for name, peaks in _PEAKS:
-        if name.lower() in device_kind.lower():
+    for pattern, peaks in _PEAKS:
+        if re.search(pattern, device_kind):
             return peaks.get(dtype)
     return None
 

@@ -11,6 +11,7 @@ Design choices:
 """
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.perf.flops import device_peak, flops_per_token
 from shardlm.sharding import batch_sharding
 from shardlm.train.metrics import MetricsLogger
-from shardlm.train.state import create_train_state, make_schedule, vocab_sizes
+from shardlm.train.state import create_train_state, effective_warmup, make_schedule, vocab_sizes
 from shardlm.train.step import make_eval_step, make_train_step
 
 FINISHED_MARKER = "summary.json"
@@ -42,8 +43,13 @@ def default_run_dir(cfg: Config) -> Path:
 
 def check_run_dir(run_dir: Path, overwrite: bool) -> None:
     """Refuse to mix a new run into an existing one (writes nothing)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ShardlmError(f"--run-dir {run_dir} is a file; pass a directory path")
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ShardlmError(f"--run-dir {run_dir}: {parent} is a file; pass a directory path")
+            if not os.access(parent, os.W_OK):
+                raise ShardlmError(f"--run-dir {run_dir}: {parent} is not writable; pass a directory you can write")
+            break
     if (run_dir / "config.yaml").exists() and not overwrite:
         state = "a finished run" if (run_dir / FINISHED_MARKER).exists() else "an unfinished run"
         raise ShardlmError(
@@ -109,6 +115,12 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     _log(f"data: {cfg.data.corpus} | {cfg.data.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size} | "
          f"{len(train_tokens):,} train / {len(eval_tokens):,} eval tokens")
 
+    bsh = batch_sharding(mesh)
+    seq, bsz = cfg.model.seq_len, cfg.train.batch_size
+    train_data = BatchLoader(train_tokens, seq, bsz, bsh, seed=cfg.seed, shuffle=True)
+    eval_data = BatchLoader(eval_tokens, seq, bsz, bsh, seed=cfg.seed, shuffle=False, name="eval",
+                            hint="raise data.eval_fraction")
+
     ts = create_train_state(cfg, mesh, tokenizer.vocab_size)
     ex = explain_state(ts.state, mesh)
     if explain:
@@ -116,11 +128,10 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     padded_vocab = vocab_sizes(cfg, tokenizer.vocab_size, mesh.shape["tensor"])[1]
     _log(f"model: {cfg.model.preset} | {ex.param_count:,} parameters | per device: params "
          f"{fmt_bytes(ex.max_param_bytes)}, optimizer {fmt_bytes(ex.max_opt_bytes)}")
-
-    bsh = batch_sharding(mesh)
-    seq, bsz = cfg.model.seq_len, cfg.train.batch_size
-    train_data = BatchLoader(train_tokens, seq, bsz, bsh, seed=cfg.seed, shuffle=True)
-    eval_data = BatchLoader(eval_tokens, seq, bsz, bsh, seed=cfg.seed, shuffle=False, name="eval")
+    warmup = effective_warmup(cfg)
+    if warmup != cfg.train.warmup_steps:
+        _log(f"note: train.warmup_steps={cfg.train.warmup_steps} would leave no decay in {cfg.train.steps} steps; "
+             f"warming up over {warmup} steps instead")
     schedule = make_schedule(cfg)
     claim_run_dir(run_dir, overwrite)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -160,8 +171,9 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
         steps_since += 1
         bar.update(1)
         is_last = step == steps
-        if step == 1 or step % cfg.train.log_interval == 0 or is_last:
-            metrics = jax.device_get(metrics)  # the only host sync: once per log interval
+        is_eval = step % cfg.train.eval_interval == 0 or is_last
+        if step == 1 or step % cfg.train.log_interval == 0 or is_eval:
+            metrics = jax.device_get(metrics)  # the only host sync: once per log (or eval) interval
             elapsed = time.perf_counter() - t_mark
             tokens_per_s = steps_since * bsz * seq / elapsed
             flops_per_dev = fpt * tokens_per_s / n_dev
@@ -171,7 +183,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
             if not np.isfinite(row["loss"]):
                 logger.close()
                 raise ShardlmError(f"loss became {row['loss']} at step {step}; lower train.lr or raise warmup_steps")
-            if step % cfg.train.eval_interval == 0 or is_last:
+            if is_eval:  # after `elapsed` was read, and the timer restarts below: eval time is not step time
                 row["eval_loss"] = last_eval = evaluate(state)
             logger.log(row)
             last_row = row

@@ -20,6 +20,21 @@ from shardlm.models.gpt import GPT, padded_vocab_size
 from shardlm.sharding import check_divisible, state_partition_specs, state_shardings
 
 
+def effective_warmup(cfg: Config) -> int:
+    """`train.warmup_steps`, unless it would leave no decay: then a tenth of the run (short test runs)."""
+    t = cfg.train
+    return t.warmup_steps if t.warmup_steps < t.steps else t.steps // 10
+
+
+def decays(path, param) -> bool:
+    """nanoGPT's rule: weight decay on matrices and embeddings (ndim >= 2), never on biases or norm scales.
+    Attention biases are [heads, head_dim], so biases are recognised by name (every one ends in 'bias')."""
+    name = str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1])))
+    if name == "value" and len(path) > 1:
+        name = str(getattr(path[-2], "key", path[-2]))
+    return param.ndim >= 2 and not name.endswith("bias")
+
+
 def make_schedule(cfg: Config) -> optax.Schedule:
     """Linear warmup then cosine decay to lr * min_lr_ratio at the last step.
 
@@ -27,7 +42,7 @@ def make_schedule(cfg: Config) -> optax.Schedule:
     lr / warmup_steps (not 0, a wasted step) and the last step end exactly at the floor.
     """
     t = cfg.train
-    warmup = min(t.warmup_steps, t.steps)
+    warmup = effective_warmup(cfg)
     base = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=t.lr,
@@ -40,8 +55,7 @@ def make_schedule(cfg: Config) -> optax.Schedule:
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     t = cfg.train
-    # nanoGPT convention: decay matrices and embeddings (ndim >= 2), never biases or LayerNorm scales.
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(decays, params)  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
         optax.adamw(make_schedule(cfg), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=decay_mask),
@@ -71,7 +85,8 @@ def model_factory(cfg: Config, vocab_size: int, tensor_degree: int):
     return lambda rngs: GPT(cfg.model, real, padded, rngs)
 
 
-def create_train_state(cfg: Config, mesh, vocab_size: int) -> TrainState:
+def compile_init(cfg: Config, mesh, vocab_size: int):
+    """(graphdef, compiled init, shardings): the init computes each device's shards of model + AdamW state."""
     build_model = model_factory(cfg, vocab_size, mesh.shape["tensor"])
     tx = make_optimizer(cfg)
 
@@ -85,9 +100,10 @@ def create_train_state(cfg: Config, mesh, vocab_size: int) -> TrainState:
         # the message names the parameter (blocks.0.attn.wq), not its optimizer moment.
         check_divisible(abstract_state[0], state_partition_specs(abstract_state[0]), mesh)
         shardings = state_shardings(abstract_state, mesh)
+        init = jax.jit(lambda: nnx.state(build()), out_shardings=shardings).lower().compile()
+    return graphdef, init, shardings
 
-        def init():
-            return nnx.state(build())
 
-        state = jax.jit(init, out_shardings=shardings)()
-    return TrainState(graphdef, state, shardings)
+def create_train_state(cfg: Config, mesh, vocab_size: int) -> TrainState:
+    graphdef, init, shardings = compile_init(cfg, mesh, vocab_size)
+    return TrainState(graphdef, init(), shardings)
