@@ -93,6 +93,11 @@ def test_rule_table_gives_megatron_and_zero3_placements():
     assert logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
     assert logical_to_spec(("batch", "seq")) == P(("data", "fsdp"), None)
     assert logical_to_spec(("batch", "seq", "act_embed")) == P(("data", "fsdp"), None, None)
+    # A fallback rule that does not divide gives way; the last rule for a name is binding.
+    mesh = make_mesh(1, 8, 1)
+    assert logical_to_spec(("heads", "head_dim"), shape=(4, 4), mesh=mesh) == P("tensor", None)
+    assert logical_to_spec(("mlp",), shape=(12,), mesh=mesh) == P("tensor")
+    assert logical_to_spec(("heads", "head_dim"), shape=(4, 16), mesh=mesh) == P("tensor", "fsdp")
     with pytest.raises(ShardlmError, match="logical axis 'experts' has no rule"):
         logical_to_spec(("experts", "embed"))
 
@@ -132,7 +137,8 @@ def test_indivisible_degree_fails_before_compile_naming_the_parameter():
         create_train_state(cfg, make_mesh(1, 1, 8), 500)
     msg = str(e.value)
     assert msg.startswith("parameter blocks.0.attn.")
-    assert "(size 4) is split 8 ways over mesh.tensor" in msg and "choose mesh.tensor dividing 4" in msg
+    assert "its 'heads' dimension (size 4) is split 8 ways over mesh.tensor" in msg
+    assert "choose mesh.tensor dividing 4" in msg
     assert "\n" not in msg
 
 

@@ -57,10 +57,16 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None) -> P:
-    """('embed', 'mlp') -> P('fsdp', 'tensor'). Every name must have a rule (map it to None to replicate)."""
+def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *, shape=None, mesh=None) -> P:
+    """('embed', 'mlp') -> P('fsdp', 'tensor'). Every name must have a rule (map it to None to replicate).
+
+    Given the array's `shape` and the `mesh`, a rule that is not a name's last one is also skipped when its degree
+    does not divide that dimension (a bias with head_dim 64 under fsdp=128 falls back to replicated); the last
+    rule for a name is binding, and `check_divisible` reports it if it does not fit.
+    """
     rules = LOGICAL_AXIS_RULES if rules is None else rules
-    known = {name for name, _ in rules}
+    last_rule = {name: i for i, (name, _) in enumerate(rules)}
+    known = set(last_rule)
     for name in names:
         if name is not None and name not in known:
             raise ShardlmError(
@@ -69,11 +75,12 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None) -
     out: list[MeshAxes] = [None] * len(names)
     decided = [name is None for name in names]
     used: set[str] = set()
-    for rule_name, axes in rules:
+    for r, (rule_name, axes) in enumerate(rules):
         for i, name in enumerate(names):
             if decided[i] or name != rule_name:
                 continue
-            if used.isdisjoint(_as_tuple(axes)):
+            fits = shape is None or r == last_rule[name] or shape[i] % axis_degree(mesh, axes) == 0
+            if fits and used.isdisjoint(_as_tuple(axes)):
                 out[i], decided[i] = axes, True
                 used.update(_as_tuple(axes))
             break
@@ -134,37 +141,44 @@ def path_str(path) -> str:
     return ".".join(parts)
 
 
-def state_partition_specs(abstract_state, rules: Rules | None = None):
+def state_partition_specs(abstract_state, mesh, rules: Rules | None = None):
     """For an `nnx.State` of variables, a matching tree of mesh PartitionSpecs (variables without names: P())."""
     from flax import nnx
 
     def spec(variable):
         names = _logical_names(variable)
-        return variable.replace(logical_to_spec(names, rules) if names is not None else P())
+        if names is None:
+            return variable.replace(P())
+        return variable.replace(logical_to_spec(names, rules, shape=variable.shape, mesh=mesh))
 
     return jax.tree.map(spec, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def state_shardings(abstract_state, mesh, rules: Rules | None = None):
     """NamedShardings for every leaf of an `nnx.State`, after checking every split dimension divides evenly."""
-    specs = state_partition_specs(abstract_state, rules)
+    specs = state_partition_specs(abstract_state, mesh, rules)
     check_divisible(abstract_state, specs, mesh)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def check_divisible(abstract_state, specs, mesh) -> None:
     """JAX may silently replicate a dimension its mesh axis does not divide (jax#26946); fail loudly instead."""
-    leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+    from flax import nnx
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    variables = jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=is_var)[0]
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    for (path, leaf), spec in zip(leaves, spec_leaves, strict=True):
-        for dim, (size, axes) in enumerate(zip(leaf.shape, tuple(spec) + (None,) * len(leaf.shape))):
+    for (path, var), spec in zip(variables, spec_leaves, strict=True):
+        shape = tuple(var.shape)
+        names = _logical_names(var) or (None,) * len(shape)
+        for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
             degree = axis_degree(mesh, axes)
             if size % degree:
                 knobs = " x ".join(f"mesh.{a}" for a in _as_tuple(axes))
+                what = f"its '{names[dim]}' dimension" if names[dim] else f"dimension {dim}"
                 raise ShardlmError(
-                    f"parameter {path_str(path)} of shape {tuple(leaf.shape)}: dimension {dim} (size {size}) is "
-                    f"split {degree} ways over {knobs}, which does not divide it; choose {knobs} dividing {size} "
-                    "or resize the model"
+                    f"parameter {path_str(path)} of shape {shape}: {what} (size {size}) is split {degree} ways over "
+                    f"{knobs}, which does not divide it; choose {knobs} dividing {size} or resize the model"
                 )
 
 

@@ -98,7 +98,7 @@ def compile_init(cfg: Config, mesh, vocab_size: int):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
         # Both raise before any compile if a degree does not divide a dimension; the model's own state first, so
         # the message names the parameter (blocks.0.attn.wq), not its optimizer moment.
-        check_divisible(abstract_state[0], state_partition_specs(abstract_state[0]), mesh)
+        check_divisible(abstract_state[0], state_partition_specs(abstract_state[0], mesh), mesh)
         shardings = state_shardings(abstract_state, mesh)
         init = jax.jit(lambda: nnx.state(build()), out_shardings=shardings).lower().compile()
     return graphdef, init, shardings
