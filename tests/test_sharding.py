@@ -169,3 +169,26 @@ def test_sharded_init_never_materialises_a_whole_parameter():
     largest = 4096 * 256 * 4
     assert stats.output_size_in_bytes <= state_bytes / 8 * 1.01
     assert stats.temp_size_in_bytes < largest
+
+
+@pytest.mark.parametrize("degrees, gathers, reduces", [
+    ((8, 1, 1), False, True),  # DP: replicated weights, gradients all-reduced
+    ((1, 8, 1), True, True),  # FSDP: weights all-gathered per use, gradients reduced back to shards
+    ((1, 1, 4), False, True),  # TP: activations all-reduced after row-parallel matmuls, weights never gathered
+])
+def test_strategies_compile_to_their_collectives(degrees, gathers, reduces):
+    """The compiled step's collectives are the ones each strategy is defined by (read from XLA's HLO)."""
+    import re
+
+    from shardlm.sharding import batch_sharding
+    from shardlm.train.state import make_schedule
+    from shardlm.train.step import make_train_step
+
+    cfg = load_config(None, MICRO)
+    mesh = make_mesh(*degrees, devices=jax.devices()[: int(np.prod(degrees))])
+    ts = create_train_state(cfg, mesh, 500)
+    bsh = batch_sharding(mesh)
+    step = make_train_step(ts, mesh, bsh, make_schedule(cfg), 0, False)
+    hlo = step.lower(ts.state, jax.device_put(np.zeros((16, 33), np.int32), bsh)).compile().as_text()
+    assert bool(re.search(r" all-gather(-start)?\(", hlo)) == gathers
+    assert bool(re.search(r" (all-reduce|reduce-scatter)(-start)?\(", hlo)) == reduces
