@@ -199,10 +199,8 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     _log(f"step {steps} | loss {last_row['loss']:.4f} | eval loss {last_eval:.4f} (first {first_eval:.4f}, "
          f"ratio {last_eval / first_eval:.3f})")
 
-    samples = []
-    if cfg.train.sample_tokens:
-        prompt = "\n"
-        samples = sample_text(ts, mesh, tokenizer, prompt, n_samples=2, max_new=cfg.train.sample_tokens,
+    if cfg.train.sample_tokens:  # unconditional samples: the prompt is a bare newline
+        samples = sample_text(ts, mesh, tokenizer, "\n", n_samples=2, max_new=cfg.train.sample_tokens,
                               seq_len=seq, seed=cfg.seed)
         (run_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples) + "\n")
         _log("sample:\n" + samples[0].strip())
