@@ -63,7 +63,7 @@ def test_every_leaf_is_placed_by_the_rule_table(degrees):
     mesh = make_mesh(*degrees)
     state = create_train_state(cfg, mesh, 500).state
     checked = 0
-    for path, arr in jax.tree_util.tree_flatten_with_path(state[0])[0]:
+    for path, arr in jax.tree_util.tree_flatten_with_path(state["model"])[0]:
         name = ".".join(_keys(path))
         assert arr.sharding.mesh == mesh
         assert _same_spec(arr.sharding.spec, expected_spec(name)), (name, arr.sharding.spec)
@@ -71,7 +71,7 @@ def test_every_leaf_is_placed_by_the_rule_table(degrees):
     assert checked == 4 + 2 * 16  # wte, wpe, ln_f x2, and 16 leaves per block
     # AdamW: every moment leaf has exactly its parameter's sharding; the step counters are replicated.
     moments = 0
-    for path, arr in jax.tree_util.tree_flatten_with_path(state[1])[0]:
+    for path, arr in jax.tree_util.tree_flatten_with_path(state["optimizer"])[0]:
         keys = _keys(path)
         if "mu" in keys or "nu" in keys:
             param_path = ".".join(keys[keys.index("mu" if "mu" in keys else "nu") + 1:])
@@ -121,7 +121,7 @@ def test_fsdp8_holds_an_eighth_of_the_state_per_device():
 def test_tensor_parallel_splits_heads_mlp_and_vocab():
     cfg = load_config(None, MICRO)
     mesh = make_mesh(2, 1, 4)
-    model_state = create_train_state(cfg, mesh, 500).state[0]
+    model_state = create_train_state(cfg, mesh, 500).state["model"]
     wq = model_state["blocks"][0]["attn"]["wq"][...]
     assert wq.addressable_shards[0].data.shape == (64, 1, 16)  # one head of four per tensor device
     w_in = model_state["blocks"][0]["mlp"]["w_in"][...]
@@ -136,7 +136,7 @@ def test_indivisible_degree_fails_before_compile_naming_the_parameter():
     with pytest.raises(ShardlmError) as e:
         create_train_state(cfg, make_mesh(1, 1, 8), 500)
     msg = str(e.value)
-    assert msg.startswith("parameter blocks.0.attn.")
+    assert msg.startswith("parameter model.blocks.0.attn.")
     assert "its 'heads' dimension (size 4) is split 8 ways over mesh.tensor" in msg
     assert "choose mesh.tensor dividing 4" in msg
     assert "\n" not in msg

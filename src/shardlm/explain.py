@@ -50,9 +50,9 @@ def _rows_and_usage(tree) -> tuple[list[Row], dict[int, int]]:
 
 
 def explain_state(state, mesh) -> Explanation:
-    """`state` is the nnx.State of (model, optimizer) as built by `create_train_state`."""
-    rows, p_usage = _rows_and_usage(state[0])  # the GPT's only variables are its parameters
-    _, o_usage = _rows_and_usage(state[1])
+    """`state` is the nnx.State {"model", "optimizer"} built by `create_train_state`."""
+    rows, p_usage = _rows_and_usage(state["model"])  # the GPT's only variables are its parameters
+    _, o_usage = _rows_and_usage(state["optimizer"])
     mesh_desc = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
     return Explanation(mesh_desc, rows, p_usage, o_usage)
 

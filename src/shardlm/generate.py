@@ -19,7 +19,7 @@ def sample_tokens(graphdef, state, mesh, prompts: np.ndarray, prompt_len: int, m
     max_new = min(max_new, seq_len - prompt_len)
 
     def run(state, buf, key):
-        model, _ = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef, state)["model"]
 
         def body(i, carry):
             buf, key = carry

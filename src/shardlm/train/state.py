@@ -17,7 +17,8 @@ from flax import nnx
 
 from shardlm.config import Config
 from shardlm.models.gpt import GPT, padded_vocab_size
-from shardlm.sharding import check_divisible, state_partition_specs, state_shardings
+from shardlm.sharding.rules import path_str
+from shardlm.sharding import state_shardings
 
 
 def effective_warmup(cfg: Config) -> int:
@@ -29,10 +30,7 @@ def effective_warmup(cfg: Config) -> int:
 def decays(path, param) -> bool:
     """nanoGPT's rule: weight decay on matrices and embeddings (ndim >= 2), never on biases or norm scales.
     Attention biases are [heads, head_dim], so biases are recognised by name (every one ends in 'bias')."""
-    name = str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1])))
-    if name == "value" and len(path) > 1:
-        name = str(getattr(path[-2], "key", path[-2]))
-    return param.ndim >= 2 and not name.endswith("bias")
+    return param.ndim >= 2 and not path_str(path).endswith("bias")
 
 
 def make_schedule(cfg: Config) -> optax.Schedule:
@@ -64,10 +62,10 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 @dataclasses.dataclass
 class TrainState:
-    """The split form of (model, optimizer) that the jitted step consumes and returns."""
+    """The split form of {"model": GPT, "optimizer": nnx.Optimizer} that the jitted step consumes and returns."""
 
     graphdef: Any
-    state: Any  # nnx.State of (model, optimizer), every leaf a sharded jax.Array
+    state: Any  # nnx.State {"model": ..., "optimizer": ...}, every leaf a sharded jax.Array
     shardings: Any  # matching tree of NamedSharding
 
     def merge(self):
@@ -92,13 +90,11 @@ def compile_init(cfg: Config, mesh, vocab_size: int):
 
     def build():
         model = build_model(nnx.Rngs(params=cfg.seed))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+        return {"model": model, "optimizer": nnx.Optimizer(model, tx, wrt=nnx.Param)}
 
     with nnx.use_eager_sharding(False):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
-        # Both raise before any compile if a degree does not divide a dimension; the model's own state first, so
-        # the message names the parameter (blocks.0.attn.wq), not its optimizer moment.
-        check_divisible(abstract_state[0], state_partition_specs(abstract_state[0], mesh), mesh)
+        # Raises before any compile if a degree does not divide a dimension (model parameters come first).
         shardings = state_shardings(abstract_state, mesh)
         init = jax.jit(lambda: nnx.state(build()), out_shardings=shardings).lower().compile()
     return graphdef, init, shardings

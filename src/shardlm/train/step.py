@@ -22,7 +22,8 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, drop
     base_key = jax.random.key(seed)
 
     def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
+        objects = nnx.merge(graphdef, state)
+        model, optimizer = objects["model"], objects["optimizer"]
         step_index = optimizer.step[...]
         dropout_key = jax.random.fold_in(base_key, step_index)
 
@@ -35,7 +36,7 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, drop
             loss, grads = nnx.value_and_grad(loss_fn)(model)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(step_index)}
         optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), metrics
+        return nnx.state(objects), metrics
 
     return jax.jit(
         step,
@@ -49,7 +50,7 @@ def make_eval_step(train_state, mesh, batch_sharding):
     graphdef = train_state.graphdef
 
     def step(state, batch):
-        model, _ = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef, state)["model"]
         with use_mesh_rules(mesh):
             return cross_entropy(model(batch[:, :-1]), batch[:, 1:])
 
