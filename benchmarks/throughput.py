@@ -14,7 +14,6 @@ cores, so the ratio measures sharding overhead, not speed-up.
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,10 +24,10 @@ REFERENCE = [
 ]
 
 
-def child(n_devices: int, degrees: tuple[int, int, int], steps: int) -> dict:
+def child(n_devices: int, degrees: tuple[int, int, int], steps: int, platform: str) -> dict:
     from shardlm.mesh import simulate_cpu_devices
 
-    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+    if platform == "cpu":
         simulate_cpu_devices(n_devices)
     import jax
     import numpy as np
@@ -77,17 +76,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--configs", nargs="+", default=["1:1,1,1", "8:1,4,2"],
                     help="DEVICES:DATA,FSDP,TENSOR for each configuration")
+    ap.add_argument("--platform", choices=("cpu", "default"), default="cpu",
+                    help="cpu: simulate the devices on the host CPU; default: JAX's own devices (e.g. GPUs)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         n, degs = args.child.split(":")
-        print("RESULT " + json.dumps(child(int(n), tuple(int(d) for d in degs.split(",")), args.steps)))
+        degrees = tuple(int(d) for d in degs.split(","))
+        print("RESULT " + json.dumps(child(int(n), degrees, args.steps, args.platform)))
         return
 
     print("reference: GPT 4 layers, 8 heads, d_model 256, MLP 1024, vocab 50304, context 128, global batch 16, fp32")
     results = []
     for spec in args.configs:
-        proc = subprocess.run([sys.executable, __file__, "--child", spec, "--steps", str(args.steps)],
+        proc = subprocess.run([sys.executable, __file__, "--child", spec, "--steps", str(args.steps),
+                               "--platform", args.platform],
                               capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if proc.returncode or line is None:

@@ -171,12 +171,12 @@ def test_sharded_init_never_materialises_a_whole_parameter():
     assert stats.temp_size_in_bytes < largest
 
 
-@pytest.mark.parametrize("degrees, gathers, reduces", [
-    ((8, 1, 1), False, True),  # DP: replicated weights, gradients all-reduced
-    ((1, 8, 1), True, True),  # FSDP: weights all-gathered per use, gradients reduced back to shards
-    ((1, 1, 4), False, True),  # TP: activations all-reduced after row-parallel matmuls, weights never gathered
+@pytest.mark.parametrize("degrees, gathers", [
+    ((8, 1, 1), False),  # DP: weights stay replicated and are never gathered; gradients are all-reduced
+    ((1, 8, 1), True),  # FSDP: weights are all-gathered for use; gradients are reduced (scattered) back to shards
+    ((1, 1, 4), False),  # TP: weights are never gathered; activations are all-reduced after row-parallel matmuls
 ])
-def test_strategies_compile_to_their_collectives(degrees, gathers, reduces):
+def test_strategies_compile_to_their_collectives(degrees, gathers):
     """The compiled step's collectives are the ones each strategy is defined by (read from XLA's HLO)."""
     import re
 
@@ -191,4 +191,4 @@ def test_strategies_compile_to_their_collectives(degrees, gathers, reduces):
     step = make_train_step(ts, mesh, bsh, make_schedule(cfg), 0, False)
     hlo = step.lower(ts.state, jax.device_put(np.zeros((16, 33), np.int32), bsh)).compile().as_text()
     assert bool(re.search(r" all-gather(-start)?\(", hlo)) == gathers
-    assert bool(re.search(r" (all-reduce|reduce-scatter)(-start)?\(", hlo)) == reduces
+    assert re.search(r" (all-reduce|reduce-scatter)(-start)?\(", hlo)

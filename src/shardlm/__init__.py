@@ -14,9 +14,12 @@ _LAZY = {
     "simulate_cpu_devices": "shardlm.mesh",
     "GPT": "shardlm.models.gpt",
     "LOGICAL_AXIS_RULES": "shardlm.sharding.rules",
-    "explain": "shardlm.explain",
-    "train": "shardlm.train.loop",
+    "create_train_state": "shardlm.train.state",
+    "explain_state": "shardlm.explain",
+    "format_explanation": "shardlm.explain",
 }
+# `shardlm.train` and `shardlm.explain` are subpackages/modules; their entry points are
+# `shardlm.train.loop.train` and `shardlm.explain.explain_state`.
 
 __all__ = sorted(_LAZY)
 

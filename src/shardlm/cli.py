@@ -1,6 +1,7 @@
 """The `shardlm` command line.
 
-    shardlm train [--config FILE] [--run-dir DIR] [--cpu-devices N] [--overwrite] [--explain] [key=value ...]
+    shardlm train [--config FILE] [--run-dir DIR] [--cpu-devices N] [--overwrite] [--explain] [--no-progress]
+                  [key=value ...]
     shardlm explain [--config FILE] [--cpu-devices N] [key=value ...]
 
 JAX is imported only after the arguments are parsed, so `--cpu-devices` can still set the simulated device count.

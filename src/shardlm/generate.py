@@ -1,7 +1,7 @@
 """Sampling text from a trained model, on the training mesh, with temperature and top-k.
 
 This first version recomputes the whole (fixed-length) context for every new token inside one jitted
-`lax.fori_loop`: simple and exact, fine for the short end-of-training samples. KV-cache decoding replaces it.
+`lax.fori_loop`: simple and exact, fine for the short end-of-training samples. KV-cache decoding will replace it.
 """
 
 import jax

@@ -1,4 +1,5 @@
-"""GPT-2 family language model (seed 002's miniGPT, in pre-LN form as in GPT-2 and nanoGPT). Math only.
+"""GPT-2 family language model (the miniGPT of the JAX AI stack tutorial, in pre-LN form as in GPT-2 and nanoGPT).
+Math only.
 
 Design choices:
 - Every parameter carries logical axis names (`embed`, `heads`, `head_dim`, `mlp`, `vocab`, `pos`) and a few

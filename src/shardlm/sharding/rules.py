@@ -8,7 +8,7 @@ Model code names the axes of every parameter and of a few activations with logic
 - FSDP / ZeRO-3 (fsdp=N): `batch` is split over fsdp too, and every parameter's `embed` dimension is split over
   fsdp, so parameters, gradients and AdamW moments are all 1/N per device; XLA all-gathers weights per layer.
 - Megatron TP (tensor=N): attention heads, the MLP hidden dimension and the vocabulary are split over tensor
-  (column-parallel in, row-parallel out, one all-reduce per block half, as in seed 000).
+  (column-parallel in, row-parallel out, one all-reduce per attention or MLP half of a block).
 - Hybrids: the product of the above.
 
 Parameters and activations differ in one name: a parameter's `embed` dimension is FSDP-sharded, while the
@@ -44,7 +44,6 @@ LOGICAL_AXIS_RULES: Rules = (
     ("embed", "fsdp"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
-    ("kv_heads", "tensor"),
     ("mlp", ("tensor", "fsdp")),  # an MLP bias: split over both
     ("mlp", "tensor"),  # an MLP weight, whose embed dimension already took fsdp
     ("head_dim", "fsdp"),  # an attention bias [heads, head_dim]: FSDP has no embed dimension to use
