@@ -11,6 +11,7 @@ from shardlm.errors import ShardlmError
 from shardlm.explain import explain_state, format_explanation
 from shardlm.mesh import make_mesh
 from shardlm.sharding import logical_to_spec
+from shardlm.sharding.rules import path_str
 from shardlm.train.state import create_train_state
 
 # What each parameter must look like, in logical names: the model's contract with the rule table.
@@ -43,10 +44,6 @@ def expected_spec(path: str) -> P:
     return logical_to_spec(EXPECTED_LOGICAL[key])
 
 
-def _keys(path) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path if getattr(k, "name", None) != "value"]
-
-
 def _same_spec(a: P, b: P) -> bool:
     """Equal up to trailing unsharded dimensions (P('x') == P('x', None))."""
     def norm(p):
@@ -64,7 +61,7 @@ def test_every_leaf_is_placed_by_the_rule_table(degrees):
     state = create_train_state(cfg, mesh, 500).state
     checked = 0
     for path, arr in jax.tree_util.tree_flatten_with_path(state["model"])[0]:
-        name = ".".join(_keys(path))
+        name = path_str(path)
         assert arr.sharding.mesh == mesh
         assert _same_spec(arr.sharding.spec, expected_spec(name)), (name, arr.sharding.spec)
         checked += 1
@@ -72,7 +69,7 @@ def test_every_leaf_is_placed_by_the_rule_table(degrees):
     # AdamW: every moment leaf has exactly its parameter's sharding; the step counters are replicated.
     moments = 0
     for path, arr in jax.tree_util.tree_flatten_with_path(state["optimizer"])[0]:
-        keys = _keys(path)
+        keys = path_str(path).split(".")
         if "mu" in keys or "nu" in keys:
             param_path = ".".join(keys[keys.index("mu" if "mu" in keys else "nu") + 1:])
             assert _same_spec(arr.sharding.spec, expected_spec(param_path)), (keys, arr.sharding.spec)

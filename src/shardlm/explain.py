@@ -5,6 +5,7 @@ from collections import defaultdict
 
 import jax
 
+from shardlm.mesh import describe_mesh
 from shardlm.sharding.rules import path_str
 
 
@@ -53,8 +54,7 @@ def explain_state(state, mesh) -> Explanation:
     """`state` is the nnx.State {"model", "optimizer"} built by `create_train_state`."""
     rows, p_usage = _rows_and_usage(state["model"])  # the GPT's only variables are its parameters
     _, o_usage = _rows_and_usage(state["optimizer"])
-    mesh_desc = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    return Explanation(mesh_desc, rows, p_usage, o_usage)
+    return Explanation(describe_mesh(mesh), rows, p_usage, o_usage)
 
 
 def fmt_bytes(n: float) -> str:

@@ -3,7 +3,8 @@
 Design choices:
 - The token stream is cut into non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets).
 - Grain's `MapDataset` gives random access to the shuffled, repeated stream of windows (reshuffled each epoch):
-  batch i is windows [i * batch_size, (i + 1) * batch_size), a pure function of (seed, i). That makes runs reproducible and resumption exact without saving iterator state.
+  batch i is windows [i * batch_size, (i + 1) * batch_size), a pure function of (seed, i). That makes runs
+  reproducible and resumption exact without saving iterator state.
 - Each process materialises only its own rows of the global batch and `jax.make_array_from_process_local_data`
   assembles the global array, so the same code runs on one host or many.
 """

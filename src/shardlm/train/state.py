@@ -68,9 +68,6 @@ class TrainState:
     state: Any  # nnx.State {"model": ..., "optimizer": ...}, every leaf a sharded jax.Array
     shardings: Any  # matching tree of NamedSharding
 
-    def merge(self):
-        return nnx.merge(self.graphdef, self.state)
-
 
 def vocab_sizes(cfg: Config, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
     """(real, padded) vocabulary: `model.vocab_size` if set, else the tokenizer's, padded for the tensor degree."""
