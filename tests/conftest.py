@@ -6,6 +6,14 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Data prepared on the fly (the built-in corpus, test text) goes to a per-session cache, shared with the CLI
+# subprocesses, never to the user's ~/.cache.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+os.environ["SHARDLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardlm-test-cache-")
+atexit.register(shutil.rmtree, os.environ["SHARDLM_CACHE_DIR"], True)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -58,3 +66,21 @@ def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None):
         ts.state, metrics = step(ts.state, loader.get(i))
         losses.append(float(metrics["loss"]))
     return losses, ts, mesh
+
+
+def write_stories(path, stories, trailing=True) -> None:
+    """A file in the published TinyStories layout: each story, then a line holding only <|endoftext|>."""
+    text = "".join(f"{s}\n<|endoftext|>\n" for s in stories)
+    path.write_text(text if trailing else text[: -len("\n<|endoftext|>\n")], encoding="utf-8")
+
+
+def make_stories(n: int, seed: int = 0) -> list[str]:
+    """Short made-up stories, some multi-line and non-ASCII, with varied lengths."""
+    rng = np.random.default_rng(seed)
+    names, things = ["Tom", "Lily", "Ben", "Zoë", "Mia"], ["ball", "cat", "tree", "café", "kite"]
+    stories = []
+    for i in range(n):
+        k = int(rng.integers(1, 6))
+        sents = [f"{names[int(rng.integers(5))]} saw a {things[int(rng.integers(5))]} number {i}." for _ in range(k)]
+        stories.append(("\n" if i % 3 == 0 else " ").join(sents))
+    return stories

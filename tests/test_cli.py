@@ -35,7 +35,8 @@ def assert_one_line_error(proc, fragment):
         (["mesh.data=8", "train.batch_size=12"], "train.batch_size=12 is split over data x fsdp = 8"),
         (["train.stepz=3"], "unknown config key 'train.stepz'"),
         (["train.steps=many"], "train.steps: expected int, got 'many'"),
-        (["data.corpus=/no/such/file.txt"], "neither a built-in corpus"),
+        (["data.path=/no/such/file.txt"], "data.path /no/such/file.txt does not exist"),
+        (["data.tokenizer=gpt3"], "data.tokenizer='gpt3' is not a tokenizer"),
     ],
 )
 def test_bad_input_is_a_one_line_error(tmp_path, args, fragment):
@@ -71,6 +72,7 @@ def test_train_writes_the_run_directory(fsdp_run):
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 6, 12, 18, 20]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert evals[-1]["eval_bpb"] < evals[0]["eval_bpb"] and all(0 < r["eval_bpb"] < 20 for r in evals)
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
@@ -107,3 +109,22 @@ def test_explain_command():
     assert "blocks.3.attn.wq" in proc.stdout and "(128, 4, 32)" in proc.stdout
     assert str(P("fsdp", "tensor", None)) in proc.stdout
     assert "per device: parameters" in proc.stdout
+
+
+def test_train_on_a_prepared_tinystories_file(tmp_path):
+    from conftest import make_stories, write_stories
+
+    write_stories(tmp_path / "TinyStories-train.txt", make_stories(3000))
+    proc = shardlm("data", "prepare", str(tmp_path / "TinyStories-train.txt"), "--tokenizer", "bytes", "--out",
+                   str(tmp_path / "ts"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    run_dir = tmp_path / "run"
+    proc = shardlm("train", "--cpu-devices", "8", "--run-dir", str(run_dir), f"data.path={tmp_path / 'ts'}",
+                   "mesh.data=4", "mesh.tensor=2", "model.n_layers=2", "train.steps=12", "train.eval_interval=12",
+                   "train.eval_batches=2", "train.sample_tokens=8", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bytes tokenizer, vocabulary 257" in proc.stdout + proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tokenizer"] == "bytes" and summary["data"] == str(tmp_path / "ts")
+    assert summary["final_eval_bpb"] < summary["first_eval_bpb"]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["tokenizer"] == "bytes"

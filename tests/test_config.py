@@ -66,8 +66,8 @@ def test_missing_config_file(tmp_path):
 
 
 def test_text_values_stay_verbatim():
-    cfg = load_config(None, ["name=0123", "data.corpus=1.10", "train.lr=1e-2", "mesh.data=null"])
-    assert cfg.name == "0123" and cfg.data.corpus == "1.10"
+    cfg = load_config(None, ["name=0123", "data.path=1.10", "train.lr=1e-2", "mesh.data=null"])
+    assert cfg.name == "0123" and cfg.data.path == "1.10"
     assert cfg.train.lr == 0.01 and cfg.mesh.data is None
 
 

@@ -70,3 +70,27 @@ def test_peak_table(kind, dtype, peak):
 
 def test_optax_version_has_tree_norm():
     assert float(optax.tree.norm({"a": jnp.ones(4)})) == 2.0
+
+
+def test_eval_step_bits_per_byte_by_hand():
+    """nats summed over tokens that spell text, divided by ln 2 and the bytes they spell."""
+    from shardlm.mesh import make_mesh
+    from shardlm.sharding import batch_sharding
+    from shardlm.train.state import create_train_state
+    from shardlm.train.step import make_eval_step
+
+    cfg = load_config(None, MICRO)
+    mesh = make_mesh(2, 2, 2)
+    ts = create_train_state(cfg, mesh, 300)
+    token_bytes = np.arange(300) % 4  # 0 for every fourth token, as for special tokens
+    batch = np.random.default_rng(0).integers(0, 300, (16, 33)).astype(np.int32)
+    out = jax.device_get(make_eval_step(ts, mesh, batch_sharding(mesh), token_bytes)(ts.state, batch))
+    model = nnx.merge(ts.graphdef, ts.state)["model"]
+    logits = np.asarray(model(jnp.asarray(batch[:, :-1])), np.float64)[..., :300]
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    nll = -np.take_along_axis(logp, batch[:, 1:, None], -1)[..., 0]
+    b = token_bytes[batch[:, 1:]]
+    assert float(out["loss"]) == pytest.approx(nll.mean(), rel=1e-5)
+    assert float(out["nats"]) == pytest.approx(nll[b > 0].sum(), rel=1e-5)
+    assert int(out["bytes"]) == b.sum()

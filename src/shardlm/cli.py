@@ -3,6 +3,8 @@
     shardlm train [--config FILE] [--run-dir DIR] [--cpu-devices N] [--overwrite] [--explain] [--no-progress]
                   [key=value ...]
     shardlm explain [--config FILE] [--cpu-devices N] [key=value ...]
+    shardlm data prepare INPUT... --tokenizer T --out DIR [--val INPUT...] [--val-fraction F] [--force]
+    shardlm tokenizer train INPUT... --vocab-size N --out PATH [--force]
 
 JAX is imported only after the arguments are parsed, so `--cpu-devices` can still set the simulated device count.
 Bad input (a `ShardlmError`) prints one line and exits with 2; set SHARDLM_DEBUG=1 to see its traceback.
@@ -36,7 +38,43 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     explain = sub.add_parser("explain", help="print every parameter's shape, partition spec and bytes per device")
     _common(explain)
+
+    data = sub.add_parser("data", help="prepare token files for training")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser(
+        "prepare", help="tokenize text once into DIR/train.bin, DIR/val.bin and DIR/meta.json",
+        description="Inputs: .txt files (documents separated by <|endoftext|>, as in TinyStories), .jsonl, "
+                    ".parquet, or folders of them.")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT")
+    prep.add_argument("--tokenizer", required=True, metavar="T",
+                      help="gpt2 (tiktoken), bytes, bpe:PATH (from `shardlm tokenizer train`), or bpe (train one "
+                           "on the inputs, --vocab-size tokens)")
+    prep.add_argument("--out", required=True, metavar="DIR")
+    prep.add_argument("--val", nargs="+", default=[], metavar="INPUT",
+                      help="validation inputs (default: the last --val-fraction of the tokens)")
+    prep.add_argument("--val-fraction", type=float, default=0.05, metavar="F")
+    prep.add_argument("--vocab-size", type=int, default=2048, metavar="N", help="for --tokenizer bpe")
+    _reading_options(prep)
+    prep.add_argument("--force", action="store_true", help="replace DIR if it holds other prepared data")
+    prep.add_argument("--no-progress", action="store_true")
+
+    tok = sub.add_parser("tokenizer", help="train a tokenizer")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    tok_train = tok_sub.add_parser("train", help="train a byte-level BPE with Hugging Face tokenizers")
+    tok_train.add_argument("inputs", nargs="+", metavar="INPUT")
+    tok_train.add_argument("--vocab-size", type=int, required=True, metavar="N")
+    tok_train.add_argument("--out", required=True, metavar="PATH", help="the tokenizer.json to write")
+    tok_train.add_argument("--max-bytes", type=float, default=None, metavar="B",
+                           help="train on at most this much text (default: all of it)")
+    _reading_options(tok_train)
+    tok_train.add_argument("--force", action="store_true", help="replace PATH if it exists")
     return parser, {"train": train, "explain": explain}
+
+
+def _reading_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text-field", default="text", metavar="NAME", help="JSONL field / Parquet column (default text)")
+    p.add_argument("--invalid-utf8", choices=("error", "replace"), default="error",
+                   help="error (default): stop at the first bad byte, naming its offset; replace: U+FFFD, counted")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,7 +88,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _data_prepare(args: argparse.Namespace) -> None:
+    from shardlm.data.prepare import prepare
+
+    data = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, val_inputs=args.val,
+                   val_fraction=args.val_fraction, text_field=args.text_field, invalid_utf8=args.invalid_utf8,
+                   force=args.force, progress=not args.no_progress)
+    meta = data.meta
+    print(f"{data.path}: {meta['num_documents']:,} documents, "
+          + ", ".join(f"{s} {meta['splits'][s]['num_tokens']:,} tokens" for s in ("train", "val"))
+          + f" ({meta['dtype']}); train with: shardlm train data.path={data.path}")
+
+
+def _tokenizer_train(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from shardlm.data.prepare import save_tokenizer_file, train_tokenizer
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise ShardlmError(f"--out {out} is a directory; pass a file path such as {out / 'tokenizer.json'}")
+    if out.exists() and not args.force:
+        raise ShardlmError(f"--out {out} exists; pass --force to replace it, or choose another path")
+    tok = train_tokenizer(args.inputs, args.vocab_size, max_bytes=args.max_bytes, text_field=args.text_field,
+                          invalid_utf8=args.invalid_utf8, show_progress=True)
+    save_tokenizer_file(tok, out)
+    print(f"{out}: {tok.vocab_size}-token byte-level BPE; use it with --tokenizer bpe:{out}")
+
+
 def _run(args: argparse.Namespace) -> None:
+    if args.command == "data":
+        return _data_prepare(args)
+    if args.command == "tokenizer":
+        return _tokenizer_train(args)
     if args.cpu_devices is not None:
         from shardlm.mesh import simulate_cpu_devices
 
@@ -69,7 +139,7 @@ def _run(args: argparse.Namespace) -> None:
         from shardlm.train.state import create_train_state
 
         mesh = mesh_from_config(cfg.mesh)
-        vocab = cfg.model.vocab_size or load_data(cfg)[0].vocab_size
+        vocab = cfg.model.vocab_size or load_data(cfg).tokenizer.vocab_size
         print(explain(create_train_state(cfg, mesh, vocab).state, mesh))
 
 

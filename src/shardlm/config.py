@@ -48,12 +48,17 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    # "shakespeare" = the built-in offline corpus; anything else is a path to a UTF-8 text file.
-    corpus: str = "shakespeare"
-    # "bpe" = a byte-level BPE trained on the corpus (offline); "bytes" = raw UTF-8 bytes.
-    tokenizer: str = "bpe"
+    # A directory from `shardlm data prepare`, or text to prepare once into the cache: a .txt / .jsonl / .parquet
+    # file, a folder of them, or "shakespeare" (the built-in offline corpus).
+    path: str = "shakespeare"
+    # "auto" = the prepared directory's tokenizer, or for text a byte-level BPE of `tokenizer_vocab` tokens trained
+    # on it; "gpt2" (tiktoken), "bytes", "bpe" (trained) or "bpe:PATH" (a tokenizer.json).
+    tokenizer: str = "auto"
     tokenizer_vocab: int = 2048
-    eval_fraction: float = 0.05
+    # Text only: the last fraction of the tokens is the validation split.
+    val_fraction: float = 0.05
+    text_field: str = "text"  # the JSONL field / Parquet column holding the text
+    invalid_utf8: str = "error"  # or "replace": bad bytes become U+FFFD, counted in meta.json
 
 
 @dataclasses.dataclass
@@ -259,10 +264,16 @@ def validate(cfg: Config) -> None:
     _in_range("train.beta2", t.beta2, 0.0, 1.0)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ShardlmError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    if not 0.0 < d.eval_fraction < 0.5:  # nan fails too
-        raise ShardlmError(f"data.eval_fraction must be in (0, 0.5), got {d.eval_fraction}")
-    if d.tokenizer not in ("bpe", "bytes"):
-        raise ShardlmError(f"data.tokenizer must be 'bpe' or 'bytes', got {d.tokenizer!r}")
+    if not 0.0 < d.val_fraction < 0.5:  # nan fails too
+        raise ShardlmError(f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
+    if d.tokenizer != "auto":
+        from shardlm.data.tokenizer import check_spec
+
+        check_spec(d.tokenizer, "data.tokenizer")
+    if d.invalid_utf8 not in ("error", "replace"):
+        raise ShardlmError(f"data.invalid_utf8 must be error or replace, got {d.invalid_utf8!r}")
+    if not d.path or not d.text_field:
+        raise ShardlmError("data.path and data.text_field must not be empty")
     if d.tokenizer_vocab < 257:
         raise ShardlmError(f"data.tokenizer_vocab must be at least 257 (bytes + end of text), got {d.tokenizer_vocab}")
     for axis in ("data", "fsdp", "tensor"):

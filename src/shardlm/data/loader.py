@@ -1,12 +1,19 @@
-"""Grain pipeline from a 1-D token array to sharded global batches.
+"""Grain pipeline from a (memory-mapped) token array to sharded global batches.
 
 Design choices:
-- The token stream is cut into non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets).
-- Grain's `MapDataset` gives random access to the shuffled, repeated stream of windows (reshuffled each epoch):
-  batch i is windows [i * batch_size, (i + 1) * batch_size), a pure function of (seed, i). That makes runs
-  reproducible and resumption exact without saving iterator state.
-- Each process materialises only its own rows of the global batch and `jax.make_array_from_process_local_data`
-  assembles the global array, so the same code runs on one host or many.
+- The token stream is cut into windows of seq_len + 1 tokens (inputs and shifted targets) that start every seq_len
+  tokens. Documents are packed back to back with `<|endoftext|>` between them (see `prepare`): no padding, no
+  token wasted.
+- Window order is a Grain `MapDataset`: a global shuffle from the seed (Grain's index shuffle: O(1) memory, random
+  access), reshuffled each epoch by `repeat()`. Window j of the run's stream is a pure function of (seed, j), so
+  the global batch sequence does not depend on the number of processes.
+- Sharding by JAX process (the idea of Grain's `ShardByJaxProcess`): the stream is grouped into blocks of
+  batch_size / process_count windows, and process p reads blocks p, p + P, p + 2P, ... So each process reads
+  only its rows of every global batch, and `jax.make_array_from_process_local_data` assembles the global
+  `jax.Array` with the batch sharding of the mesh.
+- The iterator is a Grain `DatasetIterator` with background prefetch threads; `get_state()` / `set_state()`
+  save and restore its position, so a resumed run sees exactly the batches the uninterrupted run would have.
+  `get(i)` reads batch i directly (eval uses the first few batches of the unshuffled validation split).
 """
 
 import grain
@@ -17,7 +24,7 @@ from shardlm.errors import ShardlmError
 
 
 class TokenWindows:
-    """Random-access source: window i is tokens[i*seq_len : i*seq_len + seq_len + 1]."""
+    """Random-access source: window i is tokens[i*seq_len : i*seq_len + seq_len + 1], as int32."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens = tokens
@@ -28,33 +35,62 @@ class TokenWindows:
 
     def __getitem__(self, i: int) -> np.ndarray:
         start = i * self.seq_len
-        return self.tokens[start : start + self.seq_len + 1]
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], np.int32)
+
+
+class BatchIterator:
+    """Yields global batches as sharded jax.Arrays; its state is Grain's (a JSON-able dict)."""
+
+    def __init__(self, loader: "BatchLoader", prefetch: int):
+        options = grain.ReadOptions(num_threads=2 if prefetch else 0, prefetch_buffer_size=prefetch)
+        self.loader = loader
+        self._it = loader.local.to_iter_dataset(options).__iter__()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> jax.Array:
+        return self.loader.to_global(next(self._it))
+
+    def get_state(self) -> dict:
+        return self._it.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._it.set_state(state)
 
 
 class BatchLoader:
-    """Global batches of shape [batch_size, seq_len + 1]; `get(i)` returns batch i as a sharded jax.Array."""
+    """Global batches of shape [batch_size, seq_len + 1], as jax.Arrays with `sharding`."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, sharding, *, seed: int, shuffle: bool,
-                 name: str = "training", hint: str = "use more text"):
-        source = TokenWindows(np.asarray(tokens, np.int32), seq_len)
+                 name: str = "training", hint: str = "use more text", process_index: int | None = None,
+                 process_count: int | None = None):
+        source = TokenWindows(tokens, seq_len)
         if len(source) < batch_size:
             raise ShardlmError(
                 f"the {name} split holds {len(source)} windows of {seq_len + 1} tokens, fewer than one batch of "
                 f"{batch_size}; {hint}, or use a smaller train.batch_size or model.seq_len"
             )
-        ds = grain.MapDataset.source(source)
+        n_proc = jax.process_count() if process_count is None else process_count
+        pid = jax.process_index() if process_index is None else process_index
+        if batch_size % n_proc:
+            raise ShardlmError(f"train.batch_size={batch_size} must be a multiple of the {n_proc} processes")
+        windows = grain.MapDataset.source(source)
         if shuffle:
-            ds = ds.shuffle(seed=seed)  # reshuffled each epoch by repeat()
+            windows = windows.shuffle(seed=seed)
         self.windows_per_epoch = len(source)
-        # Window j of the run's stream; batch i is windows [i * batch_size, (i + 1) * batch_size).
-        self.windows = ds.repeat()
+        self.windows = windows.repeat()  # window j of the run's stream
+        self.rows_per_process = batch_size // n_proc
+        # Batch i of this process = its rows of global batch i = stream windows [i*B + pid*b, i*B + (pid+1)*b).
+        self.local = self.windows.batch(self.rows_per_process)[pid::n_proc]
         self.sharding = sharding
         self.batch_size = batch_size
-        # The rows of the global batch this process reads (all of them on a single host).
-        n_proc, pid = jax.process_count(), jax.process_index()
-        per_proc = batch_size // n_proc
-        self.rows = range(pid * per_proc, (pid + 1) * per_proc)
+
+    def to_global(self, local: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.sharding, local, (self.batch_size, local.shape[1]))
 
     def get(self, index: int) -> jax.Array:
-        local = np.stack([self.windows[index * self.batch_size + r] for r in self.rows])
-        return jax.make_array_from_process_local_data(self.sharding, local, (self.batch_size, local.shape[1]))
+        return self.to_global(self.local[index])
+
+    def iterator(self, prefetch: int = 4) -> BatchIterator:
+        return BatchIterator(self, prefetch)

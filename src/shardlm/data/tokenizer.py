@@ -1,80 +1,239 @@
-"""Offline tokenizers: a byte-level BPE trained on the corpus with Hugging Face `tokenizers`, or raw bytes.
+"""Tokenizers, named by a spec string: `gpt2`, `bytes`, `bpe` (a trained BPE stored next to the data) or `bpe:PATH`.
 
-Both reserve `<|endoftext|>` (GPT-2's document separator). The trained BPE is saved as `tokenizer.json` in the run
-directory, so generation later decodes with exactly the vocabulary the model was trained on. Training a 2k-token
-BPE on the 5 MB built-in corpus takes a few seconds on a laptop CPU.
+- `gpt2`: OpenAI's GPT-2 BPE through tiktoken (50,257 tokens, `<|endoftext|>` = 50256). tiktoken downloads its two
+  files on first use and caches them in `$TIKTOKEN_CACHE_DIR`; offline and uncached, loading fails with a message
+  saying so instead of hanging (the download runs under a timeout).
+- `bytes`: token id = UTF-8 byte value (0-255), `<|endoftext|>` = 256. No files, no training.
+- `bpe:PATH`: a Hugging Face `tokenizers` JSON file, such as the byte-level BPE `shardlm tokenizer train` writes.
+
+Every tokenizer has `<|endoftext|>`, which separates documents in token files. `encode` treats that text as the
+special token; `encode_batch` (used to tokenize corpora, in parallel inside the Rust libraries) treats all text as
+text, because corpora are split on the separator before they are tokenized. `token_bytes()` gives each token's
+UTF-8 length (0 for special tokens): it turns a per-token loss into tokenizer-independent bits per byte.
 """
 
+import json
+import os
+import tempfile
+import threading
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from shardlm.errors import ShardlmError
 
 EOT = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+# Seconds to wait for tiktoken's first download of the GPT-2 files before giving up with a clear message.
+GPT2_DOWNLOAD_TIMEOUT_S = 60.0
 
 
 class Tokenizer:
-    """A thin wrapper over a `tokenizers.Tokenizer` with the few calls training and sampling need."""
+    """What training, evaluation and sampling need from a tokenizer."""
 
-    def __init__(self, hf: HFTokenizer):
-        self.hf = hf
-        self.eot_id = hf.token_to_id(EOT)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf.get_vocab_size()
+    spec: str  # "gpt2" | "bytes" | "bpe": how `load_tokenizer` finds it again
+    vocab_size: int
+    eot_id: int
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text).ids
+        raise NotImplementedError
 
-    def encode_corpus(self, text: str, chunk_chars: int = 1 << 16) -> np.ndarray:
-        """Encode a large text in parallel line-aligned chunks (the Rust side uses all cores)."""
-        chunks, start = [], 0
-        while start < len(text):
-            end = text.find("\n", start + chunk_chars)
-            end = len(text) if end == -1 else end + 1
-            chunks.append(text[start:end])
-            start = end
-        ids = [np.asarray(e.ids, np.int32) for e in self.hf.encode_batch(chunks)]
-        return np.concatenate(ids) if ids else np.zeros((0,), np.int32)
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Ordinary text (no special tokens), many documents at once."""
+        raise NotImplementedError
 
-    def decode(self, ids) -> str:
-        return self.hf.decode([int(i) for i in ids])
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
 
-    def save(self, path: str | Path) -> None:
-        self.hf.save(str(path))
+    def token_bytes(self) -> np.ndarray:
+        """[vocab_size] int32: each token's UTF-8 byte length, 0 for special tokens."""
+        raise NotImplementedError
 
-    @classmethod
-    def load(cls, path: str | Path) -> "Tokenizer":
-        return cls(HFTokenizer.from_file(str(path)))
+    def save(self, directory: Path) -> None:
+        """Write the files `load_tokenizer(self.spec, directory)` needs (none for built-in tokenizers)."""
 
 
-def train_bpe(text: str, vocab_size: int) -> Tokenizer:
-    hf = HFTokenizer(models.BPE())
+class ByteTokenizer(Tokenizer):
+    spec = "bytes"
+    vocab_size = 257
+    eot_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, part in enumerate(text.split(EOT)):
+            if i:
+                ids.append(self.eot_id)
+            ids.extend(part.encode("utf-8"))
+        return ids
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            if int(i) == self.eot_id:
+                out.append(run.decode("utf-8", errors="replace") + EOT)
+                run = bytearray()
+            elif 0 <= int(i) < 256:
+                run.append(int(i))
+        return "".join(out) + run.decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> np.ndarray:
+        return np.array([1] * 256 + [0], np.int32)
+
+
+class TiktokenTokenizer(Tokenizer):
+    def __init__(self, encoding, spec: str = "gpt2"):
+        self.enc = encoding
+        self.spec = spec
+        self.vocab_size = encoding.n_vocab
+        if EOT not in encoding.special_tokens_set:
+            raise ShardlmError(f"tiktoken encoding {encoding.name!r} has no {EOT} token; use gpt2")
+        self.eot_id = encoding.encode_single_token(EOT)
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special={EOT}, disallowed_special=())
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        ids = self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
+        return [np.asarray(x, np.int32) for x in ids]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.enc.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+
+    def token_bytes(self) -> np.ndarray:
+        special = self.enc.special_tokens_set
+        out = np.zeros(self.vocab_size, np.int32)
+        for i in range(self.vocab_size):
+            try:
+                piece = self.enc.decode_single_token_bytes(i)
+            except KeyError:  # a gap in the vocabulary
+                continue
+            out[i] = 0 if piece.decode("utf-8", errors="ignore") in special else len(piece)
+        return out
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` tokenizer; the file travels with the data and the run as `tokenizer.json`."""
+
+    spec = "bpe"
+
+    def __init__(self, hf, source: str = "trained"):
+        self.hf = hf
+        eot = hf.token_to_id(EOT)
+        if eot is None:
+            raise ShardlmError(f"tokenizer {source} has no {EOT} token; train one with `shardlm tokenizer train`")
+        self.eot_id = eot
+        self.vocab_size = hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, np.int32) for e in self.hf.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_bytes(self) -> np.ndarray:
+        cfg = json.loads(self.hf.to_str())
+        byte_level = "ByteLevel" in json.dumps([cfg.get("pre_tokenizer"), cfg.get("decoder")])
+        special = {t.content for t in self.hf.get_added_tokens_decoder().values() if t.special}
+        out = np.zeros(self.vocab_size, np.int32)
+        for token, i in self.hf.get_vocab(with_added_tokens=True).items():
+            if token in special or i >= self.vocab_size:
+                continue
+            # A byte-level token spells each byte as one character; otherwise decode it and count.
+            out[i] = len(token) if byte_level else len(self.hf.decode([i]).encode("utf-8"))
+        return out
+
+    def save(self, directory: Path) -> None:
+        self.hf.save(str(Path(directory) / TOKENIZER_FILE))
+
+
+def tiktoken_cache_dir() -> str:
+    """Where tiktoken looks for its files (mirrors `tiktoken.load.read_file_cached`)."""
+    return (os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+            or os.path.join(tempfile.gettempdir(), "data-gym-cache"))
+
+
+def gpt2_tokenizer(timeout_s: float | None = None) -> TiktokenTokenizer:
+    """tiktoken's GPT-2 encoding; a first download runs in a daemon thread so that a dead network cannot hang us."""
+    import tiktoken
+
+    result: dict = {}
+
+    def load():
+        try:
+            result["enc"] = tiktoken.get_encoding("gpt2")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(GPT2_DOWNLOAD_TIMEOUT_S if timeout_s is None else timeout_s)
+    if "enc" in result:
+        return TiktokenTokenizer(result["enc"])
+    why = (f"{type(result['error']).__name__}: {str(result['error']).splitlines()[0][:120]}" if "error" in result
+           else f"no answer in {GPT2_DOWNLOAD_TIMEOUT_S if timeout_s is None else timeout_s:.0f}s")
+    raise ShardlmError(
+        f"the gpt2 tokenizer needs tiktoken's GPT-2 files, which are not in the cache ({tiktoken_cache_dir()}) and "
+        f"could not be downloaded ({why}); run once with network access, or copy a cache directory here and set "
+        "TIKTOKEN_CACHE_DIR to it; offline, use --tokenizer bytes or a BPE from `shardlm tokenizer train` "
+        "(data.tokenizer=bytes or bpe)"
+    )
+
+
+def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
+    from tokenizers import Tokenizer as HF
+
+    path = Path(path)
+    if not path.is_file():
+        raise ShardlmError(f"tokenizer file {path} does not exist; train one with `shardlm tokenizer train`")
+    try:
+        hf = HF.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception
+        raise ShardlmError(f"{path} is not a Hugging Face tokenizer file ({str(e)[:100]})") from None
+    return HFTokenizer(hf, source=str(path))
+
+
+def check_spec(spec: str, where: str) -> None:
+    """Syntax only: `gpt2`, `bytes`, `bpe` or `bpe:PATH`."""
+    if spec in ("gpt2", "bytes", "bpe") or (spec.startswith("bpe:") and len(spec) > 4):
+        return
+    raise ShardlmError(f"{where}={spec!r} is not a tokenizer; use gpt2, bytes, bpe (trained on the data) or bpe:PATH")
+
+
+def load_tokenizer(spec: str, directory: str | Path | None = None) -> Tokenizer:
+    """`gpt2`, `bytes`, `bpe:PATH`, or `bpe` = the `tokenizer.json` in `directory` (a data or run directory)."""
+    if spec == "gpt2":
+        return gpt2_tokenizer()
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec.startswith("bpe:"):
+        return load_hf_tokenizer(spec[4:])
+    if spec == "bpe" and directory is not None:
+        return load_hf_tokenizer(Path(directory) / TOKENIZER_FILE)
+    raise ShardlmError(f"unknown tokenizer {spec!r}; use gpt2, bytes or bpe:PATH")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, *, show_progress: bool = False) -> HFTokenizer:
+    """A GPT-2-style byte-level BPE with `<|endoftext|>`, trained with Hugging Face `tokenizers`."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ShardlmError(f"a BPE vocabulary needs at least 257 tokens (256 bytes + {EOT}), got {vocab_size}")
+    hf = HF(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
-    chunks = [text[i : i + (1 << 16)] for i in range(0, len(text), 1 << 16)]
-    hf.train_from_iterator(chunks, trainer=trainer)
-    return Tokenizer(hf)
-
-
-def byte_tokenizer() -> Tokenizer:
-    """256 byte tokens plus `<|endoftext|>`: a BPE with no merges over the byte-level alphabet."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {EOT: 0} | {ch: i + 1 for i, ch in enumerate(alphabet)}
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([EOT])
-    return Tokenizer(hf)
-
-
-def build_tokenizer(kind: str, text: str, vocab_size: int) -> Tokenizer:
-    return train_bpe(text, vocab_size) if kind == "bpe" else byte_tokenizer()
+    hf.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(hf)

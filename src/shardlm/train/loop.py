@@ -11,7 +11,9 @@ Design choices:
   the same fixed held-out batches each time.
 """
 
+import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -21,9 +23,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from shardlm.config import Config
-from shardlm.data.corpus import load_corpus
 from shardlm.data.loader import BatchLoader
-from shardlm.data.tokenizer import Tokenizer, build_tokenizer
+from shardlm.data.prepare import PreparedData, training_data
+from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
 from shardlm.explain import explain_state, fmt_bytes, format_explanation
 from shardlm.generate import sample_text
@@ -31,7 +33,7 @@ from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.perf.flops import device_peak, flops_per_token
 from shardlm.sharding import batch_sharding
 from shardlm.train.metrics import MetricsLogger
-from shardlm.train.state import create_train_state, effective_warmup, make_schedule, vocab_sizes
+from shardlm.train.state import check_shardable, create_train_state, effective_warmup, make_schedule, vocab_sizes
 from shardlm.train.step import make_eval_step, make_train_step
 
 FINISHED_MARKER = "summary.json"
@@ -82,18 +84,16 @@ def check_batch(cfg: Config, mesh) -> None:
         raise ShardlmError(f"train.batch_size must be a multiple of the {jax.process_count()} processes")
 
 
-def load_data(cfg: Config) -> tuple[Tokenizer, np.ndarray, np.ndarray]:
-    """Tokenizer and (train, eval) token arrays; eval is the last `data.eval_fraction` of the corpus."""
-    text = load_corpus(cfg.data.corpus)
-    tokenizer = build_tokenizer(cfg.data.tokenizer, text, cfg.data.tokenizer_vocab)
-    tokens = tokenizer.encode_corpus(text)
-    if cfg.model.vocab_size and cfg.model.vocab_size < tokenizer.vocab_size:
+def load_data(cfg: Config, progress: bool = False) -> PreparedData:
+    """The prepared data (preparing text into the cache first if needed), checked against model.vocab_size."""
+    data = training_data(cfg.data, progress=progress, log=_log)
+    vocab = data.tokenizer.vocab_size
+    if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
         raise ShardlmError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}; "
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; "
             "set model.vocab_size=0 to use the tokenizer's"
         )
-    split = int(len(tokens) * (1 - cfg.data.eval_fraction))
-    return tokenizer, tokens[:split], tokens[split:]
+    return data
 
 
 def _log(msg: str) -> None:
@@ -106,21 +106,24 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     t_start = time.perf_counter()
     mesh = mesh_from_config(cfg.mesh, devices)
     check_batch(cfg, mesh)
+    check_shardable(cfg, mesh)  # before the data, which may take minutes to prepare
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     check_run_dir(run_dir, overwrite)
     _log(f"shardlm: run {run_dir} | mesh {describe_mesh(mesh)} on {mesh.devices.size} {jax.devices()[0].platform} "
          f"device(s)")
 
     # Everything that can reject the input runs before the run directory is written.
-    tokenizer, train_tokens, eval_tokens = load_data(cfg)
-    _log(f"data: {cfg.data.corpus} | {cfg.data.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size} | "
-         f"{len(train_tokens):,} train / {len(eval_tokens):,} eval tokens")
+    data = load_data(cfg, progress)
+    tokenizer, splits = data.tokenizer, data.meta["splits"]
+    _log(f"data: {data.path} | {data.meta['tokenizer']} tokenizer, vocabulary {tokenizer.vocab_size} | "
+         f"{splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} validation tokens, "
+         f"{data.meta['num_documents']:,} documents")
 
     bsh = batch_sharding(mesh)
     seq, bsz = cfg.model.seq_len, cfg.train.batch_size
-    train_data = BatchLoader(train_tokens, seq, bsz, bsh, seed=cfg.seed, shuffle=True)
-    eval_data = BatchLoader(eval_tokens, seq, bsz, bsh, seed=cfg.seed, shuffle=False, name="eval",
-                            hint="raise data.eval_fraction")
+    train_data = BatchLoader(data.tokens("train"), seq, bsz, bsh, seed=cfg.seed, shuffle=True)
+    eval_data = BatchLoader(data.tokens("val"), seq, bsz, bsh, seed=cfg.seed, shuffle=False, name="validation",
+                            hint="use more validation text (data.val_fraction, or --val when preparing)")
 
     ts = create_train_state(cfg, mesh, tokenizer.vocab_size)
     ex = explain_state(ts.state, mesh)
@@ -135,14 +138,17 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
              f"warming up over {warmup} steps instead")
     schedule = make_schedule(cfg)
     claim_run_dir(run_dir, overwrite)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    tokenizer.save(run_dir / "tokenizer.json")
+    # The resolved tokenizer, so that `load_tokenizer(data.tokenizer, run_dir)` rebuilds it from the run alone.
+    resolved = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=data.meta["tokenizer"]))
+    (run_dir / "config.yaml").write_text(resolved.to_yaml())
+    tokenizer.save(run_dir)
 
     t0 = time.perf_counter()
-    first = train_data.get(0)
+    batches = train_data.iterator()
+    first = next(batches)
     step_fn = make_train_step(ts, mesh, bsh, schedule, cfg.seed, cfg.model.dropout > 0)
     step_fn = step_fn.lower(ts.state, first).compile()
-    eval_fn = make_eval_step(ts, mesh, bsh).lower(ts.state, first).compile()
+    eval_fn = make_eval_step(ts, mesh, bsh, tokenizer.token_bytes()).lower(ts.state, first).compile()
     compile_s = time.perf_counter() - t0
 
     n_dev = mesh.devices.size
@@ -153,21 +159,24 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
 
     eval_batches = [eval_data.get(i) for i in range(min(cfg.train.eval_batches, eval_data.windows_per_epoch // bsz))]
 
-    def evaluate(state) -> float:
-        return float(np.mean([float(eval_fn(state, b)) for b in eval_batches]))
+    def evaluate(state) -> tuple[float, float]:
+        """(mean loss, bits per byte) over the fixed validation batches."""
+        out = jax.device_get([eval_fn(state, b) for b in eval_batches])
+        nats, nbytes = sum(float(o["nats"]) for o in out), sum(float(o["bytes"]) for o in out)
+        return float(np.mean([o["loss"] for o in out])), nats / (math.log(2) * max(nbytes, 1.0))
 
     logger = MetricsLogger(run_dir)
     state = ts.state
     steps = cfg.train.steps
-    first_eval = evaluate(state)
-    logger.log({"step": 0, "eval_loss": first_eval})
-    _log(f"step 0 | eval loss {first_eval:.4f}")
+    first_eval, first_bpb = evaluate(state)
+    logger.log({"step": 0, "eval_loss": first_eval, "eval_bpb": first_bpb})
+    _log(f"step 0 | eval loss {first_eval:.4f} | {first_bpb:.3f} bits/byte")
 
     bar = tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True)
-    last_eval, last_row = first_eval, {}
+    last_eval, last_bpb, last_row = first_eval, first_bpb, {}
     t_mark, steps_since = time.perf_counter(), 0
     for step in range(1, steps + 1):
-        batch = first if step == 1 else train_data.get(step - 1)
+        batch = first if step == 1 else next(batches)
         state, metrics = step_fn(state, batch)
         steps_since += 1
         bar.update(1)
@@ -185,29 +194,32 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
                 logger.close()
                 raise ShardlmError(f"loss became {row['loss']} at step {step}; lower train.lr or raise warmup_steps")
             if is_eval:  # after `elapsed` was read, and the timer restarts below: eval time is not step time
-                row["eval_loss"] = last_eval = evaluate(state)
+                last_eval, last_bpb = evaluate(state)
+                row["eval_loss"], row["eval_bpb"] = last_eval, last_bpb
             logger.log(row)
             last_row = row
             if not progress:
                 _log(f"step {step} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm {row['grad_norm']:.3f} | "
                      f"{tokens_per_s:,.0f} tok/s | MFU {row['mfu']:.1%}"
-                     + (f" | eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""))
+                     + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb" if "eval_loss" in row else ""))
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{row['mfu']:.1%}")
             t_mark, steps_since = time.perf_counter(), 0
     bar.close()
     logger.close()
     ts.state = state
     _log(f"step {steps} | loss {last_row['loss']:.4f} | eval loss {last_eval:.4f} (first {first_eval:.4f}, "
-         f"ratio {last_eval / first_eval:.3f})")
+         f"ratio {last_eval / first_eval:.3f}) | {last_bpb:.3f} bits/byte")
 
-    if cfg.train.sample_tokens:  # unconditional samples: the prompt is a bare newline
-        samples = sample_text(ts, mesh, tokenizer, "\n", n_samples=2, max_new=cfg.train.sample_tokens,
+    if cfg.train.sample_tokens:  # unconditional samples: the prompt is the document separator
+        samples = sample_text(ts, mesh, tokenizer, EOT, n_samples=2, max_new=cfg.train.sample_tokens,
                               seq_len=seq, seed=cfg.seed)
         (run_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples) + "\n")
         _log("sample:\n" + samples[0].strip())
 
     summary = {
         "steps": steps, "first_eval_loss": first_eval, "final_eval_loss": last_eval,
+        "first_eval_bpb": first_bpb, "final_eval_bpb": last_bpb, "data": str(data.path),
+        "tokenizer": data.meta["tokenizer"],
         "final_loss": last_row["loss"], "tokens_per_s": last_row["tokens_per_s"],
         "tflops_per_device": last_row["tflops_per_device"], "mfu": last_row["mfu"],
         "mfu_convention": "6*N_matmul + 12*L*T*d FLOPs per token (attention not halved for causality)",

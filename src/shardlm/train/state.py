@@ -80,8 +80,7 @@ def model_factory(cfg: Config, vocab_size: int, tensor_degree: int):
     return lambda rngs: GPT(cfg.model, real, padded, rngs)
 
 
-def compile_init(cfg: Config, mesh, vocab_size: int):
-    """(graphdef, compiled init, shardings): the init computes each device's shards of model + AdamW state."""
+def _builder(cfg: Config, mesh, vocab_size: int):
     build_model = model_factory(cfg, vocab_size, mesh.shape["tensor"])
     tx = make_optimizer(cfg)
 
@@ -89,6 +88,19 @@ def compile_init(cfg: Config, mesh, vocab_size: int):
         model = build_model(nnx.Rngs(params=cfg.seed))
         return {"model": model, "optimizer": nnx.Optimizer(model, tx, wrt=nnx.Param)}
 
+    return build
+
+
+def check_shardable(cfg: Config, mesh) -> None:
+    """Raise if a mesh degree does not divide a parameter dimension: shapes only, no data, no compile. The
+    vocabulary is padded to a multiple of the tensor degree, so any vocabulary size gives the same verdict."""
+    with nnx.use_eager_sharding(False):
+        state_shardings(nnx.state(nnx.eval_shape(_builder(cfg, mesh, 257))), mesh)
+
+
+def compile_init(cfg: Config, mesh, vocab_size: int):
+    """(graphdef, compiled init, shardings): the init computes each device's shards of model + AdamW state."""
+    build = _builder(cfg, mesh, vocab_size)
     with nnx.use_eager_sharding(False):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
         # Raises before any compile if a degree does not divide a dimension (model parameters come first).

@@ -46,12 +46,20 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, drop
     )
 
 
-def make_eval_step(train_state, mesh, batch_sharding):
+def make_eval_step(train_state, mesh, batch_sharding, token_bytes):
+    """Per batch: the mean loss, and for bits per byte the summed loss (nats) over tokens that spell text and the
+    UTF-8 bytes they spell (`token_bytes[id]`, 0 for `<|endoftext|>`): bpb = sum(nats) / (ln 2 * sum(bytes))."""
     graphdef = train_state.graphdef
+    token_bytes = jnp.asarray(token_bytes, jnp.int32)
 
     def step(state, batch):
         model = nnx.merge(graphdef, state)["model"]
+        targets = batch[:, 1:]
         with use_mesh_rules(mesh):
-            return cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+            logits = model(batch[:, :-1])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        nbytes = token_bytes[targets]
+        return {"loss": losses.mean(), "nats": jnp.sum(jnp.where(nbytes > 0, losses, 0.0)),
+                "bytes": jnp.sum(nbytes)}
 
     return jax.jit(step, in_shardings=(train_state.shardings, batch_sharding), out_shardings=replicated(mesh))

@@ -1,0 +1,386 @@
+"""Tokenize text once into token files that training memory-maps: `shardlm data prepare`, and `data.path=<text>`.
+
+A prepared directory holds:
+- `train.bin`, `val.bin`: the token ids of each split, little-endian uint16 when the vocabulary fits (GPT-2's
+  does), else uint32. Every document is preceded by `<|endoftext|>`, so windows cut anywhere in the stream see
+  where documents begin, and `num_tokens = tokens of the documents + num_documents`.
+- `meta.json`: format version, tokenizer and vocabulary size, dtype, per split `num_tokens`, `num_documents`,
+  `num_bytes` (UTF-8 bytes of text) and a SHA-256 of the file; the inputs with their sizes and modification times;
+  counts of skipped empty documents and replaced invalid UTF-8; a fingerprint of all of that.
+- `tokenizer.json` for a BPE, so the directory is self-contained.
+
+Design choices:
+- One pass over the inputs: documents are tokenized in batches of a few MB by the tokenizer's own parallel batch
+  encoder (Rust threads in tiktoken and `tokenizers`; numpy for bytes) and appended to the file.
+- The validation split is `val_inputs` when given, else the last `val_fraction` of the tokens. It starts at the
+  document boundary nearest the cut when that keeps its size within [F/2, 2F]; otherwise (a corpus of a few long
+  documents) it starts mid-document, and meta.json says so.
+- Atomic: all files are written into a hidden sibling `.DIR.partial-PID`, then renamed into place. An error or
+  Ctrl-C removes it; the leftover of a killed process is removed by the next prepare. A DIR holding other data is
+  replaced only with `force`, and a non-empty DIR without `meta.json` (not ours) never.
+- A re-run whose fingerprint matches an intact DIR is a no-op. The fingerprint covers each input's path, size and
+  mtime (like make), the tokenizer (and its file's hash) and every setting that changes the tokens.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from shardlm.data.sources import INVALID_UTF8_POLICIES, ReadStats, identity, input_bytes, read_documents, resolve_inputs
+from shardlm.data.tokenizer import TOKENIZER_FILE, Tokenizer, check_spec, load_tokenizer, train_bpe
+from shardlm.errors import ShardlmError
+
+FORMAT, VERSION = "shardlm-tokens", 1
+META_FILE = "meta.json"
+SPLITS = ("train", "val")
+BATCH_CHARS = 4 << 20  # text per tokenizer call: big enough to keep every core busy, small enough for memory
+BPE_TRAIN_MAX_BYTES = 256 << 20  # a BPE trained by `prepare` sees at most this much text (it plateaus long before)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+class PreparedData:
+    """An opened prepared directory: its meta, tokenizer and memory-mapped splits."""
+
+    def __init__(self, path: Path, meta: dict, tokenizer: Tokenizer | None):
+        self.path, self.meta, self.tokenizer = path, meta, tokenizer
+        self.dtype = np.dtype(meta["dtype"])
+
+    def tokens(self, split: str) -> np.ndarray:
+        n = self.meta["splits"][split]["num_tokens"]
+        if n == 0:
+            return np.zeros((0,), self.dtype)
+        return np.memmap(self.path / self.meta["splits"][split]["file"], dtype=self.dtype, mode="r", shape=(n,))
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ShardlmError(f"{path / META_FILE} is unreadable ({e}); prepare the data again with --force") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ShardlmError(f"{path / META_FILE} is not a shardlm data description; prepare the data again")
+    if meta.get("version") != VERSION:
+        raise ShardlmError(f"{path} was prepared by a shardlm with data format {meta.get('version')}, this one reads "
+                           f"{VERSION}; prepare it again with --force")
+    return meta
+
+
+def _damage(path: Path, meta: dict) -> str | None:
+    """Why the token files do not match meta.json (sizes only: cheap enough for every start), or None."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in SPLITS:
+        info = meta["splits"][split]
+        f = path / info["file"]
+        want = info["num_tokens"] * itemsize
+        have = f.stat().st_size if f.exists() else None
+        if have != want:
+            return f"{f} holds {have if have is not None else 'no'} bytes, meta.json says {want}"
+    return None
+
+
+def open_prepared(path: str | Path, *, with_tokenizer: bool = True) -> PreparedData:
+    path = Path(path)
+    meta = _read_meta(path)
+    if meta is None:
+        raise ShardlmError(f"{path} is not a prepared data directory (no {META_FILE}); make one with "
+                           "`shardlm data prepare`")
+    damage = _damage(path, meta)
+    if damage:
+        raise ShardlmError(f"{damage}: the data is incomplete or changed; prepare it again with --force")
+    tokenizer = load_tokenizer(meta["tokenizer"], path) if with_tokenizer else None
+    return PreparedData(path, meta, tokenizer)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _settings(inputs, val_inputs, tokenizer, vocab_size, val_fraction, text_field, invalid_utf8) -> dict:
+    """Everything that changes the tokens; its hash is the fingerprint."""
+    tok = {"spec": tokenizer}
+    if tokenizer == "bpe":
+        tok["train_vocab_size"] = vocab_size
+    elif tokenizer.startswith("bpe:"):
+        tok = {"spec": "bpe", "sha256": _sha256(Path(tokenizer[4:]))}
+    return {
+        "inputs": identity(inputs), "val_inputs": identity(val_inputs), "tokenizer": tok,
+        "val_fraction": None if val_inputs else val_fraction, "text_field": text_field,
+        "invalid_utf8": invalid_utf8, "version": VERSION,
+    }
+
+
+def _fingerprint(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_partials(out: Path) -> None:
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
+    batch, chars = [], 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _write_tokens(docs: Iterator[str], tokenizer: Tokenizer, dtype: np.dtype, path: Path, stats: ReadStats,
+                  bar) -> np.ndarray:
+    """Append `<|endoftext|>` + tokens of each document to `path`; returns where each document starts."""
+    starts, pos = [], 0
+    with open(path, "wb") as f:
+        for batch in _batches(docs):
+            ids = tokenizer.encode_batch(batch)
+            lengths = np.fromiter((len(a) + 1 for a in ids), np.int64, len(ids))
+            offsets = np.cumsum(lengths) - lengths
+            out = np.empty(int(lengths.sum()), dtype)
+            out[offsets] = tokenizer.eot_id
+            for a, o in zip(ids, offsets):
+                out[o + 1 : o + 1 + len(a)] = a
+            out.tofile(f)
+            starts.append(pos + offsets)
+            pos += len(out)
+            bar.update(stats.bytes_read - bar.n)
+    return np.concatenate(starts) if starts else np.zeros((0,), np.int64)
+
+
+def _tail_cut(n: int, starts: np.ndarray, fraction: float) -> tuple[int, bool]:
+    """Where the validation tail begins, and whether that is inside a document."""
+    if fraction == 0 or n < 2:
+        return n, False
+    target = min(max(int(round(n * (1 - fraction))), 1), n - 1)
+    i = int(np.searchsorted(starts, target))
+    near = [int(s) for s in starts[max(i - 1, 0) : i + 1] if 0 < s < n]
+    if near:
+        best = min(near, key=lambda s: abs(s - target))
+        if fraction * n / 2 <= n - best <= 2 * fraction * n:
+            return best, False
+    return target, True
+
+
+def _split_bytes(tokens: np.ndarray, token_bytes: np.ndarray) -> int:
+    total = 0
+    for i in range(0, len(tokens), 1 << 24):
+        total += int(token_bytes[np.asarray(tokens[i : i + (1 << 24)])].sum())
+    return total
+
+
+def train_tokenizer(inputs: list[str], vocab_size: int, *, max_bytes: float | None = None, text_field: str = "text",
+                    invalid_utf8: str = "error", log: Callable[[str], None] = print,
+                    show_progress: bool = False) -> Tokenizer:
+    """A byte-level BPE trained on the documents of `inputs` (the first `max_bytes` of text, if given)."""
+    files = resolve_inputs(list(inputs))
+    stats = ReadStats()
+
+    def capped() -> Iterator[str]:
+        for doc in read_documents(files, stats, text_field=text_field, invalid_utf8=invalid_utf8):
+            yield doc
+            if max_bytes is not None and stats.text_bytes >= max_bytes:
+                return
+
+    t0 = time.perf_counter()
+    tok = train_bpe(capped(), vocab_size, show_progress=show_progress)
+    if stats.documents == 0:
+        raise ShardlmError("the inputs hold no documents; pass text")
+    log(f"trained a {tok.vocab_size}-token byte-level BPE on {stats.documents:,} documents "
+        f"({stats.text_bytes / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
+    return tok
+
+
+def save_tokenizer_file(tok: Tokenizer, out: str | Path) -> None:
+    """Write `tok` to the file `out` atomically (a temporary file renamed into place)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        tmp.mkdir(exist_ok=True)
+        tok.save(tmp)
+        os.replace(tmp / TOKENIZER_FILE, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare(inputs: list[str], out: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 2048,
+            val_inputs: Iterable[str] = (), val_fraction: float = 0.05, text_field: str = "text",
+            invalid_utf8: str = "error", force: bool = False, progress: bool = True,
+            log: Callable[[str], None] = print, what: str = "input") -> PreparedData:
+    """Tokenize `inputs` into `out` (see the module docstring); returns the opened directory."""
+    check_spec(tokenizer, "--tokenizer")
+    if not 0.0 <= val_fraction < 0.5:
+        raise ShardlmError(f"the validation fraction must be in [0, 0.5), got {val_fraction}")
+    if invalid_utf8 not in INVALID_UTF8_POLICIES:
+        raise ShardlmError(f"invalid UTF-8 policy {invalid_utf8!r}; use error or replace")
+    if tokenizer.startswith("bpe:") and not Path(tokenizer[4:]).is_file():
+        raise ShardlmError(f"tokenizer file {tokenizer[4:]} does not exist; train one with `shardlm tokenizer train`")
+    files = resolve_inputs(list(inputs), what)
+    val_files = resolve_inputs(list(val_inputs), "validation input") if val_inputs else []
+    out = Path(out)
+    settings = _settings(files, val_files, tokenizer, vocab_size, val_fraction, text_field, invalid_utf8)
+    fp = _fingerprint(settings)
+
+    if out.exists() and not out.is_dir():
+        raise ShardlmError(f"--out {out} is a file; pass a directory path")
+    if out.is_dir():
+        meta = _read_meta(out) if (out / META_FILE).exists() else None
+        if meta is None and any(out.iterdir()):
+            raise ShardlmError(f"--out {out} is a non-empty directory that shardlm did not prepare; choose a new or "
+                               "empty directory")
+        if meta is not None and meta.get("fingerprint") == fp and _damage(out, meta) is None:
+            log(f"{out} is up to date ({meta['splits']['train']['num_tokens']:,} train tokens); nothing to do")
+            return open_prepared(out)
+        if meta is not None and not force:
+            raise ShardlmError(f"--out {out} holds data prepared from other inputs or settings; pass --force to "
+                               "replace it, or choose another --out")
+
+    tok = (train_tokenizer(files, vocab_size, max_bytes=BPE_TRAIN_MAX_BYTES, text_field=text_field,
+                           invalid_utf8=invalid_utf8, log=log) if tokenizer == "bpe" else load_tokenizer(tokenizer))
+    dtype = token_dtype(tok.vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(out)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        meta = _write(tmp, files, val_files, tok, dtype, val_fraction, text_field, invalid_utf8, progress, log)
+        meta |= {"settings": settings, "fingerprint": fp}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return open_prepared(out)
+
+
+def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_fraction, text_field, invalid_utf8, progress,
+           log) -> dict:
+    t0 = time.perf_counter()
+    total_in = input_bytes(files) + (input_bytes(val_files) if val_files else 0)
+    bar = tqdm(total=total_in, unit="B", unit_scale=True, desc="tokenizing", disable=not progress, dynamic_ncols=True)
+    stats = ReadStats()
+    docs = read_documents(files, stats, text_field=text_field, invalid_utf8=invalid_utf8)
+    starts = _write_tokens(docs, tok, dtype, tmp / "train.bin", stats, bar)
+    n = (tmp / "train.bin").stat().st_size // dtype.itemsize
+    if stats.documents == 0:
+        bar.close()
+        raise ShardlmError(f"the inputs hold no documents ({stats.empty_skipped} empty); pass text")
+    split_docs = {"train": stats.documents}
+    mid_document = False
+    if val_files:
+        val_stats = ReadStats(bytes_read=stats.bytes_read)
+        val_docs = read_documents(val_files, val_stats, text_field=text_field, invalid_utf8=invalid_utf8)
+        _write_tokens(val_docs, tok, dtype, tmp / "val.bin", val_stats, bar)
+        if val_stats.documents == 0:
+            bar.close()
+            raise ShardlmError("the validation inputs hold no documents; pass text")
+        split_docs["val"] = val_stats.documents
+        for k in ("documents", "text_bytes", "empty_skipped", "invalid_utf8_replaced"):
+            setattr(stats, k, getattr(stats, k) + getattr(val_stats, k))
+    else:
+        cut, mid_document = _tail_cut(n, starts, val_fraction)
+        train_tokens = np.memmap(tmp / "train.bin", dtype=dtype, mode="r", shape=(n,))
+        train_tokens[cut:].tofile(tmp / "val.bin")
+        del train_tokens
+        os.truncate(tmp / "train.bin", cut * dtype.itemsize)
+        split_docs = {"train": int(np.sum(starts < cut)), "val": int(np.sum(starts >= cut)) + mid_document}
+    bar.close()
+
+    token_bytes = tok.token_bytes()
+    splits = {}
+    for split in SPLITS:
+        f = tmp / f"{split}.bin"
+        tokens = np.memmap(f, dtype=dtype, mode="r") if f.stat().st_size else np.zeros((0,), dtype)
+        splits[split] = {"file": f.name, "num_tokens": len(tokens), "num_documents": split_docs[split],
+                         "num_bytes": _split_bytes(tokens, token_bytes), "sha256": _sha256(f)}
+        del tokens
+    tok.save(tmp)
+    seconds = time.perf_counter() - t0
+    log(f"tokenized {stats.documents:,} documents ({stats.text_bytes / 1e6:,.1f} MB of text) into "
+        f"{splits['train']['num_tokens']:,} train + {splits['val']['num_tokens']:,} val tokens in {seconds:.1f}s "
+        f"({total_in / 1e6 / max(seconds, 1e-9):,.1f} MB/s)"
+        + (f"; skipped {stats.empty_skipped} empty documents" if stats.empty_skipped else "")
+        + (f"; replaced {stats.invalid_utf8_replaced} invalid UTF-8 sequences" if stats.invalid_utf8_replaced else ""))
+    return {
+        "format": FORMAT, "version": VERSION, "tokenizer": tok.spec, "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id, "dtype": dtype.name, "num_documents": stats.documents,
+        "num_tokens": sum(s["num_tokens"] for s in splits.values()), "num_text_bytes": stats.text_bytes,
+        "empty_documents_skipped": stats.empty_skipped, "invalid_utf8_replaced": stats.invalid_utf8_replaced,
+        "val_split": ({"inputs": [str(f) for f in val_files]} if val_files
+                      else {"fraction": val_fraction, "starts_mid_document": mid_document}),
+        "splits": splits, "prepare_seconds": round(seconds, 3),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def cache_root() -> Path:
+    """`$SHARDLM_CACHE_DIR`, else `$XDG_CACHE_HOME/shardlm`, else `~/.cache/shardlm`."""
+    if os.environ.get("SHARDLM_CACHE_DIR"):
+        return Path(os.environ["SHARDLM_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "shardlm"
+
+
+def training_data(d, *, progress: bool = True, log: Callable[[str], None] = print) -> PreparedData:
+    """The data a run trains on: a prepared directory as is, or text (or the built-in corpus) prepared once into
+    the cache. `d` is the config's DataConfig."""
+    path = Path(d.path)
+    if path.is_dir() and (path / META_FILE).exists():
+        data = open_prepared(path)
+        wanted = d.tokenizer
+        if wanted.startswith("bpe:") and data.meta["tokenizer"] == "bpe":
+            if not Path(wanted[4:]).is_file() or _sha256(Path(wanted[4:])) != _sha256(path / TOKENIZER_FILE):
+                raise ShardlmError(f"data.path={path} was prepared with another BPE than {wanted[4:]}; set "
+                                   "data.tokenizer=auto, or prepare the data again with that tokenizer")
+        elif wanted not in ("auto", data.meta["tokenizer"]):
+            raise ShardlmError(f"data.path={path} was prepared with the {data.meta['tokenizer']} tokenizer, not "
+                               f"{wanted}; set data.tokenizer=auto, or prepare the data again with {wanted}")
+        return data
+    spec = "bpe" if d.tokenizer == "auto" else d.tokenizer
+    key_settings = [str(path.resolve()) if path.exists() else d.path, spec, d.tokenizer_vocab, d.val_fraction,
+                    d.text_field, d.invalid_utf8]
+    key = hashlib.sha256(json.dumps(key_settings).encode()).hexdigest()[:12]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.name or "data")[:40]
+    tag = "bpe" + str(d.tokenizer_vocab) if spec == "bpe" else re.sub(r"[^A-Za-z0-9]+", "", spec.split(":")[0])
+    out = cache_root() / "data" / f"{slug}-{tag}-{key}"
+    if not (out / META_FILE).exists():
+        log(f"data: preparing {d.path} into {out} (once; later runs reuse it)")
+    return prepare([d.path], out, tokenizer=spec, vocab_size=d.tokenizer_vocab, val_fraction=d.val_fraction,
+                   text_field=d.text_field, invalid_utf8=d.invalid_utf8, force=True, progress=progress, log=log,
+                   what="data.path")

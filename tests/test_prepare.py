@@ -1,0 +1,213 @@
+"""`shardlm data prepare`: exact counts, token files, no-op re-runs, atomic writes, and the training data path."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import make_stories, write_stories
+from shardlm.config import load_config
+from shardlm.data import prepare as prep
+from shardlm.data.prepare import open_prepared, prepare, token_dtype, training_data
+from shardlm.data.tokenizer import EOT, ByteTokenizer
+from shardlm.errors import ShardlmError
+
+QUIET = {"progress": False, "log": lambda msg: None}
+
+
+@pytest.fixture
+def stories_file(tmp_path):
+    stories = make_stories(300)
+    path = tmp_path / "TinyStories-valid.txt"
+    write_stories(path, stories)
+    return path, stories
+
+
+def test_tinystories_counts_are_exact_with_the_bytes_tokenizer(stories_file, tmp_path):
+    path, stories = stories_file
+    data = prepare([str(path)], tmp_path / "out", tokenizer="bytes", val_fraction=0, **QUIET)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    n_bytes = sum(len(s.encode()) for s in stories)
+    assert meta["num_documents"] == len(stories) == 300
+    assert meta["splits"]["train"]["num_tokens"] == n_bytes + len(stories)  # one separator per story
+    assert meta["num_text_bytes"] == meta["splits"]["train"]["num_bytes"] == n_bytes
+    assert meta["tokenizer"] == "bytes" and meta["vocab_size"] == 257 and meta["dtype"] == "uint16"
+    # The file is each story preceded by the separator, byte for byte.
+    tokens = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
+    assert ByteTokenizer().decode(tokens) == "".join(EOT + s for s in stories)
+    np.testing.assert_array_equal(data.tokens("train"), tokens)
+    import hashlib
+    assert meta["splits"]["train"]["sha256"] == hashlib.sha256(tokens.tobytes()).hexdigest()
+
+
+def test_validation_tail_starts_at_a_story_boundary(stories_file, tmp_path):
+    path, stories = stories_file
+    data = prepare([str(path)], tmp_path / "out", tokenizer="bytes", val_fraction=0.1, **QUIET)
+    train, val = (data.meta["splits"][s] for s in ("train", "val"))
+    assert train["num_documents"] + val["num_documents"] == 300
+    assert train["num_tokens"] + val["num_tokens"] == sum(len(s.encode()) + 1 for s in stories)
+    assert 0.05 <= val["num_tokens"] / (train["num_tokens"] + val["num_tokens"]) <= 0.2
+    assert data.tokens("val")[0] == 256 and not data.meta["val_split"]["starts_mid_document"]
+    k = val["num_documents"]
+    assert ByteTokenizer().decode(data.tokens("val")) == "".join(EOT + s for s in stories[-k:])
+
+
+def test_tail_cut_rules():
+    starts = np.array([0, 100, 200, 300, 400, 500, 600, 700, 800, 900])
+    assert prep._tail_cut(1000, starts, 0.1) == (900, False)
+    assert prep._tail_cut(1000, starts, 0.0) == (1000, False)
+    # Three long documents: no boundary within [F/2, 2F] of the tail, so the tail starts mid-document.
+    assert prep._tail_cut(3000, np.array([0, 1000, 2000]), 0.05) == (2850, True)
+    assert prep._tail_cut(500, np.array([0]), 0.1) == (450, True)
+
+
+def test_explicit_validation_inputs(stories_file, tmp_path):
+    path, stories = stories_file
+    write_stories(tmp_path / "valid.txt", ["A valid story.", "Another one."])
+    data = prepare([str(path)], tmp_path / "out", tokenizer="bytes", val_inputs=[str(tmp_path / "valid.txt")],
+                   **QUIET)
+    assert data.meta["splits"]["train"]["num_documents"] == 300
+    assert data.meta["splits"]["val"]["num_documents"] == 2 and data.meta["num_documents"] == 302
+    assert ByteTokenizer().decode(data.tokens("val")) == f"{EOT}A valid story.{EOT}Another one."
+
+
+def test_rerun_is_a_noop_and_other_data_needs_force(stories_file, tmp_path):
+    path, _ = stories_file
+    out = tmp_path / "out"
+    prepare([str(path)], out, tokenizer="bytes", **QUIET)
+    stamp = {f.name: f.stat().st_mtime_ns for f in out.iterdir()}
+    logs = []
+    prepare([str(path)], out, tokenizer="bytes", progress=False, log=logs.append)
+    assert "nothing to do" in logs[-1]
+    assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == stamp
+    with pytest.raises(ShardlmError, match="other inputs or settings; pass --force"):
+        prepare([str(path)], out, tokenizer="bytes", val_fraction=0.2, **QUIET)
+    with path.open("a") as f:  # a changed input is other data too
+        f.write("A new story.\n<|endoftext|>\n")
+    with pytest.raises(ShardlmError, match="pass --force"):
+        prepare([str(path)], out, tokenizer="bytes", **QUIET)
+    assert open_prepared(out).meta["num_documents"] == 300  # untouched
+    assert prepare([str(path)], out, tokenizer="bytes", force=True, **QUIET).meta["num_documents"] == 301
+    # A directory shardlm did not write is never replaced.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ShardlmError, match="non-empty directory that shardlm did not prepare"):
+        prepare([str(path)], tmp_path / "mine", tokenizer="bytes", force=True, **QUIET)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_failures_and_interrupts_leave_nothing_half_written(stories_file, tmp_path, monkeypatch):
+    path, _ = stories_file
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine story\n<|endoftext|>\nbroken \xff story\n")
+    out = tmp_path / "out"
+    with pytest.raises(ShardlmError, match="not valid UTF-8 at byte offset 32"):
+        prepare([str(path), str(bad)], out, tokenizer="bytes", **QUIET)
+    assert sorted(os.listdir(tmp_path)) == ["TinyStories-valid.txt", "bad.txt"]
+
+    # Replacing, the bad byte is counted.
+    data = prepare([str(path), str(bad)], out, tokenizer="bytes", invalid_utf8="replace", **QUIET)
+    assert data.meta["invalid_utf8_replaced"] == 1 and data.meta["num_documents"] == 302
+    before = (out / "meta.json").read_text()
+
+    # Ctrl-C in the middle of a forced re-prepare: the old data stays, no partial directory is left.
+    monkeypatch.setattr(prep, "BATCH_CHARS", 1000)
+    calls = {"n": 0}
+    real = ByteTokenizer.encode_batch
+
+    def interrupted(self, texts):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, texts)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(path)], out, tokenizer="bytes", force=True, **QUIET)
+    assert calls["n"] == 3
+    assert (out / "meta.json").read_text() == before
+    assert sorted(os.listdir(tmp_path)) == ["TinyStories-valid.txt", "bad.txt", "out"]
+
+
+def test_leftover_of_a_killed_prepare_is_removed(stories_file, tmp_path):
+    path, _ = stories_file
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.partial-{int(dead.stdout)}"
+    stale.mkdir()
+    (stale / "train.bin").write_bytes(b"\0" * 100)
+    prepare([str(path)], tmp_path / "out", tokenizer="bytes", **QUIET)
+    assert not stale.exists()
+
+
+def test_token_dtype_follows_the_vocabulary():
+    assert token_dtype(257) == np.uint16 and token_dtype(50257) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32 and token_dtype(128256) == np.uint32
+
+
+def test_no_documents_and_bad_tokenizer_are_errors(tmp_path):
+    (tmp_path / "seps.txt").write_text(f"{EOT}\n\n{EOT}\n")
+    with pytest.raises(ShardlmError, match="hold no documents"):
+        prepare([str(tmp_path / "seps.txt")], tmp_path / "out", tokenizer="bytes", **QUIET)
+    with pytest.raises(ShardlmError, match="is not a tokenizer"):
+        prepare([str(tmp_path / "seps.txt")], tmp_path / "out", tokenizer="gpt-2", **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+def test_trained_bpe_travels_with_the_data(stories_file, tmp_path):
+    path, stories = stories_file
+    data = prepare([str(path)], tmp_path / "out", tokenizer="bpe", vocab_size=400, **QUIET)
+    assert data.meta["tokenizer"] == "bpe" and (tmp_path / "out" / "tokenizer.json").exists()
+    again = open_prepared(tmp_path / "out")
+    ids = again.tokens("train")
+    text = again.tokenizer.decode(ids[: data.meta["splits"]["train"]["num_tokens"]])
+    assert text.startswith(EOT + stories[0] + EOT + stories[1])
+    assert data.meta["splits"]["train"]["num_bytes"] + data.meta["splits"]["val"]["num_bytes"] == sum(
+        len(s.encode()) for s in stories)
+
+
+def test_training_data_prepares_text_once_and_checks_the_tokenizer(stories_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLM_CACHE_DIR", str(tmp_path / "cache"))
+    path, _ = stories_file
+    cfg = load_config(None, [f"data.path={path}", "data.tokenizer=bytes"])
+    logs = []
+    data = training_data(cfg.data, progress=False, log=logs.append)
+    assert data.path.parent == tmp_path / "cache" / "data" and data.meta["num_documents"] == 300
+    assert "preparing" in logs[0]
+    logs.clear()
+    assert training_data(cfg.data, progress=False, log=logs.append).path == data.path
+    assert "nothing to do" in logs[-1]
+    # A prepared directory is used as is; asking for another tokenizer is an error.
+    assert training_data(load_config(None, [f"data.path={data.path}"]).data, **QUIET).path == data.path
+    with pytest.raises(ShardlmError, match="prepared with the bytes tokenizer, not gpt2"):
+        training_data(load_config(None, [f"data.path={data.path}", "data.tokenizer=gpt2"]).data, **QUIET)
+    (data.path / "train.bin").write_bytes(b"\0\0")
+    with pytest.raises(ShardlmError, match="incomplete or changed; prepare it again"):
+        open_prepared(data.path)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "shardlm", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_prepare_and_tokenizer_train(stories_file, tmp_path):
+    path, stories = stories_file
+    proc = cli("tokenizer", "train", str(path), "--vocab-size", "300", "--out", str(tmp_path / "tok.json"))
+    assert proc.returncode == 0, proc.stderr
+    proc = cli("data", "prepare", str(path), "--tokenizer", f"bpe:{tmp_path / 'tok.json'}", "--out",
+               str(tmp_path / "data"), "--val-fraction", "0.1", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "300 documents" in proc.stdout and f"shardlm train data.path={tmp_path / 'data'}" in proc.stdout
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert meta["tokenizer"] == "bpe" and meta["vocab_size"] <= 300
+    assert (tmp_path / "data" / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()
+    again = cli("tokenizer", "train", str(path), "--vocab-size", "300", "--out", str(tmp_path / "tok.json"))
+    assert again.returncode == 2 and again.stderr.startswith("shardlm: error: --out") and "--force" in again.stderr
+    missing = cli("data", "prepare", str(tmp_path / "nope.txt"), "--tokenizer", "bytes", "--out",
+                  str(tmp_path / "x"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().splitlines() == [f"shardlm: error: input {tmp_path / 'nope.txt'} does not "
+                                                   "exist; pass an existing text, .jsonl or .parquet file, a folder "
+                                                   "of them, or a built-in corpus (shakespeare)"]
