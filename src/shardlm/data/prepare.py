@@ -373,6 +373,7 @@ def training_data(d, *, progress: bool = True, log: Callable[[str], None] = prin
                                f"{wanted}; set data.tokenizer=auto, or prepare the data again with {wanted}")
         return data
     spec = "bpe" if d.tokenizer == "auto" else d.tokenizer
+    resolve_inputs([d.path], "data.path")  # a missing or empty input fails before anything is announced
     key_settings = [str(path.resolve()) if path.exists() else d.path, spec, d.tokenizer_vocab, d.val_fraction,
                     d.text_field, d.invalid_utf8]
     key = hashlib.sha256(json.dumps(key_settings).encode()).hexdigest()[:12]
