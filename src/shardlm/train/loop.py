@@ -2,13 +2,14 @@
 
 Design choices:
 - Everything is built and checked before the first compile: a mesh that does not fit the devices, a degree that
-  does not divide a parameter or the batch, or a run directory that already holds a run fails in under a second.
+  does not divide a parameter or the batch, or a run directory that already holds a run fails in under a second,
+  before the data (which may need minutes of tokenizing on first use) is prepared.
 - The train step is compiled ahead of time (`lower().compile()`), so the compile time is reported on its own and
   step 1's tokens/s is a real step's.
 - The host syncs with the devices only when it logs: step 1, every `train.log_interval` and every
   `train.eval_interval` steps, and the last.
-- Eval loss is measured at step 0 (the untrained baseline), every `train.eval_interval` steps and at the end, on
-  the same fixed held-out batches each time.
+- Eval loss and bits per byte are measured at step 0 (the untrained baseline), every `train.eval_interval` steps
+  and at the end, on the same fixed batches of the validation split each time.
 """
 
 import dataclasses
