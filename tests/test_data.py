@@ -10,7 +10,7 @@ import pytest
 
 from conftest import make_stories, write_stories
 from shardlm.data.corpus import shakespeare_plays
-from shardlm.data.loader import BatchLoader, TokenWindows
+from shardlm.data.loader import BatchLoader, TokenWindows, process_rows
 from shardlm.data.sources import ReadStats, read_documents, resolve_inputs
 from shardlm.data.tokenizer import (EOT, ByteTokenizer, TiktokenTokenizer, gpt2_tokenizer, load_tokenizer,
                                     train_bpe)
@@ -219,11 +219,12 @@ def test_restored_iterator_yields_exactly_the_next_batches():
 
 
 def test_two_processes_read_disjoint_shards_that_cover_the_epoch():
+    """Two processes, each holding half of the batch rows (as `process_rows` gives them on a 2-host mesh)."""
     seq, batch, windows = 8, 8, 64
     tokens = np.arange(windows * seq + 1, dtype=np.uint32)
-    procs = [BatchLoader(tokens, seq, batch, None, seed=3, shuffle=True, process_index=p, process_count=2)
+    procs = [BatchLoader(tokens, seq, batch, None, seed=3, shuffle=True, rows=range(p * 4, p * 4 + 4))
              for p in range(2)]
-    whole = BatchLoader(tokens, seq, batch, None, seed=3, shuffle=True, process_index=0, process_count=1)
+    whole = BatchLoader(tokens, seq, batch, None, seed=3, shuffle=True, rows=range(batch))
     seen = [set(), set()]
     for i in range(windows // batch):
         parts = [loader.local[i] for loader in procs]
@@ -236,7 +237,31 @@ def test_two_processes_read_disjoint_shards_that_cover_the_epoch():
     assert seen[0] | seen[1] == set(range(windows))
 
 
+def test_process_rows_come_from_the_sharding():
+    mesh = make_mesh(2, 2, 2)
+    assert process_rows(batch_sharding(mesh), 16, 33) == range(16)  # one process holds every row
+    shard = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    one_device = {d: i for d, i in shard.addressable_devices_indices_map((16, 33)).items() if d.id == 3}
+
+    class OneDevice:  # what process_rows sees on a host that owns only device 3
+        def addressable_devices_indices_map(self, shape):
+            return one_device
+
+    rows = process_rows(OneDevice(), 16, 33)
+    assert len(rows) == 4 and rows.start % 4 == 0
+
+
 def test_too_little_data_is_a_clear_error():
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     with pytest.raises(ShardlmError, match="fewer than one batch"):
         BatchLoader(np.arange(50, dtype=np.int32), 8, 16, batch_sharding(mesh), seed=0, shuffle=False)
+
+
+def test_bom_and_unpaired_surrogates(tmp_path):
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfFirst story.\n<|endoftext|>\nSecond.\n")
+    assert docs_of([tmp_path / "bom.txt"])[0] == ["First story.", "Second."]
+    (tmp_path / "s.jsonl").write_text('{"text": "ok"}\n{"text": "a\\ud800b"}\n')
+    with pytest.raises(ShardlmError, match="s.jsonl:2 holds an unpaired surrogate \\(\\\\ud800\\)"):
+        docs_of([tmp_path / "s.jsonl"])
+    docs, stats = docs_of([tmp_path / "s.jsonl"], invalid_utf8="replace")
+    assert docs == ["ok", "a\ufffdb"] and stats.invalid_utf8_replaced == 1

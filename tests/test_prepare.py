@@ -1,5 +1,6 @@
 """`shardlm data prepare`: exact counts, token files, no-op re-runs, atomic writes, and the training data path."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -28,19 +29,20 @@ def stories_file(tmp_path):
 
 def test_tinystories_counts_are_exact_with_the_bytes_tokenizer(stories_file, tmp_path):
     path, stories = stories_file
-    data = prepare([str(path)], tmp_path / "out", tokenizer="bytes", val_fraction=0, **QUIET)
+    data = prepare([str(path)], tmp_path / "out", tokenizer="bytes", **QUIET)
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
     n_bytes = sum(len(s.encode()) for s in stories)
     assert meta["num_documents"] == len(stories) == 300
-    assert meta["splits"]["train"]["num_tokens"] == n_bytes + len(stories)  # one separator per story
-    assert meta["num_text_bytes"] == meta["splits"]["train"]["num_bytes"] == n_bytes
+    assert train["num_documents"] + val["num_documents"] == 300  # the split falls between two stories
+    assert train["num_tokens"] + val["num_tokens"] == n_bytes + len(stories)  # one separator per story
+    assert meta["num_text_bytes"] == train["num_bytes"] + val["num_bytes"] == n_bytes
     assert meta["tokenizer"] == "bytes" and meta["vocab_size"] == 257 and meta["dtype"] == "uint16"
-    # The file is each story preceded by the separator, byte for byte.
-    tokens = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
+    # The files are each story preceded by the separator, byte for byte.
+    tokens = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", np.uint16) for s in ("train", "val")])
     assert ByteTokenizer().decode(tokens) == "".join(EOT + s for s in stories)
-    np.testing.assert_array_equal(data.tokens("train"), tokens)
-    import hashlib
-    assert meta["splits"]["train"]["sha256"] == hashlib.sha256(tokens.tobytes()).hexdigest()
+    np.testing.assert_array_equal(data.tokens("train"), tokens[: train["num_tokens"]])
+    assert train["sha256"] == hashlib.sha256(tokens[: train["num_tokens"]].tobytes()).hexdigest()
 
 
 def test_validation_tail_starts_at_a_story_boundary(stories_file, tmp_path):
@@ -106,7 +108,8 @@ def test_failures_and_interrupts_leave_nothing_half_written(stories_file, tmp_pa
     out = tmp_path / "out"
     with pytest.raises(ShardlmError, match="not valid UTF-8 at byte offset 32"):
         prepare([str(path), str(bad)], out, tokenizer="bytes", **QUIET)
-    assert sorted(os.listdir(tmp_path)) == ["TinyStories-valid.txt", "bad.txt"]
+    # Only the (empty, hidden) lock file is left beside the inputs.
+    assert sorted(os.listdir(tmp_path)) == [".out.lock", "TinyStories-valid.txt", "bad.txt"]
 
     # Replacing, the bad byte is counted.
     data = prepare([str(path), str(bad)], out, tokenizer="bytes", invalid_utf8="replace", **QUIET)
@@ -129,7 +132,7 @@ def test_failures_and_interrupts_leave_nothing_half_written(stories_file, tmp_pa
         prepare([str(path)], out, tokenizer="bytes", force=True, **QUIET)
     assert calls["n"] == 3
     assert (out / "meta.json").read_text() == before
-    assert sorted(os.listdir(tmp_path)) == ["TinyStories-valid.txt", "bad.txt", "out"]
+    assert sorted(os.listdir(tmp_path)) == [".out.lock", "TinyStories-valid.txt", "bad.txt", "out"]
 
 
 def test_leftover_of_a_killed_prepare_is_removed(stories_file, tmp_path):
@@ -211,3 +214,105 @@ def test_cli_prepare_and_tokenizer_train(stories_file, tmp_path):
     assert missing.stderr.strip().splitlines() == [f"shardlm: error: input {tmp_path / 'nope.txt'} does not "
                                                    "exist; pass an existing text, .jsonl or .parquet file, a folder "
                                                    "of them, or a built-in corpus (shakespeare)"]
+
+
+def test_force_replaces_unreadable_data_but_never_foreign_files(stories_file, tmp_path):
+    path, _ = stories_file
+    out = tmp_path / "out"
+    prepare([str(path)], out, tokenizer="bytes", **QUIET)
+    (out / "meta.json").write_text("{not json")
+    with pytest.raises(ShardlmError, match="meta.json is unreadable .*--force"):
+        prepare([str(path)], out, tokenizer="bytes", **QUIET)
+    assert prepare([str(path)], out, tokenizer="bytes", force=True, **QUIET).meta["num_documents"] == 300
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ShardlmError, match="also holds notes.txt, which shardlm did not write"):
+        prepare([str(path)], out, tokenizer="bytes", val_fraction=0.2, force=True, **QUIET)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_swap_killed_between_its_renames_is_undone(stories_file, tmp_path):
+    path, _ = stories_file
+    out = tmp_path / "out"
+    prepare([str(path)], out, tokenizer="bytes", **QUIET)
+    os.rename(out, tmp_path / ".out.old-4242")  # killed after moving the old data aside
+    logs = []
+    prepare([str(path)], out, tokenizer="bytes", progress=False, log=logs.append)
+    assert "nothing to do" in logs[-1] and not (tmp_path / ".out.old-4242").exists()
+
+
+def test_concurrent_prepares_take_turns(stories_file, tmp_path):
+    import fcntl
+    import threading
+
+    path, _ = stories_file
+    out = tmp_path / "out"
+    logs, done = [], threading.Event()
+    with open(tmp_path / ".out.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another preparer is at work
+        worker = threading.Thread(target=lambda: (prepare([str(path)], out, tokenizer="bytes", progress=False,
+                                                          log=logs.append), done.set()))
+        worker.start()
+        assert not done.wait(1.0) and not out.exists()
+        fcntl.flock(held, fcntl.LOCK_UN)
+    worker.join(60)
+    assert done.is_set() and logs[0].startswith("waiting for another shardlm")
+    assert open_prepared(out).meta["num_documents"] == 300
+
+
+def test_long_documents_are_tokenized_in_pieces_with_the_same_tokens(tmp_path, monkeypatch):
+    from shardlm.data.tokenizer import train_bpe
+
+    monkeypatch.setattr(prep, "PIECE_CHARS", 400)
+    lines = [f"Line {i}: the fox jumped over {i % 7} dogs." + ("\n\n  indented" if i % 5 == 0 else "")
+             for i in range(300)]
+    book = "\n".join(lines)
+    (tmp_path / "book.txt").write_text(book)
+    tok = train_bpe([book], 400)
+    tok.save(tmp_path)
+    data = prepare([str(tmp_path / "book.txt")], tmp_path / "out", tokenizer=f"bpe:{tmp_path / 'tokenizer.json'}",
+                   **QUIET)
+    assert data.meta["num_documents"] == 1
+    tokens = np.concatenate([data.tokens("train"), data.tokens("val")])
+    np.testing.assert_array_equal(tokens, [tok.eot_id] + tok.encode(book))
+    # One huge line has no newline to cut after: bytes are still exact.
+    (tmp_path / "line.txt").write_text("x" * 1000 + "é" * 500)
+    data = prepare([str(tmp_path / "line.txt")], tmp_path / "out2", tokenizer="bytes", **QUIET)
+    tokens = np.concatenate([data.tokens("train"), data.tokens("val")])
+    assert ByteTokenizer().decode(tokens) == EOT + "x" * 1000 + "é" * 500
+
+
+def test_uint32_files_for_large_vocabularies_and_ids_are_checked(stories_file, tmp_path, monkeypatch):
+    path, stories = stories_file
+
+    class Wide(ByteTokenizer):  # a 70,000-token vocabulary: ids past uint16
+        vocab_size, eot_id = 70_000, 69_999
+
+        def encode_batch(self, texts):
+            return [a.astype(np.int64) + 65_536 for a in super().encode_batch(texts)]
+
+        def token_bytes(self):
+            return np.array([0] * 65_536 + [1] * 256 + [0] * (70_000 - 65_792), np.int32)
+
+    monkeypatch.setattr(prep, "load_tokenizer", lambda spec, directory=None: Wide())
+    data = prepare([str(path)], tmp_path / "out", tokenizer="bytes", **QUIET)
+    assert data.meta["dtype"] == "uint32" and data.tokens("train").dtype == np.uint32
+    train = np.asarray(data.tokens("train"))
+    assert train[0] == 69_999 and bytes((train[1:40] - 65_536).tolist()).decode().startswith(stories[0][:20])
+
+    class Broken(Wide):
+        vocab_size = 65_600  # claims fewer ids than it produces
+
+    monkeypatch.setattr(prep, "load_tokenizer", lambda spec, directory=None: Broken())
+    with pytest.raises(ShardlmError, match="produced id .* outside its vocabulary of 65600"):
+        prepare([str(path)], tmp_path / "out2", tokenizer="bytes", **QUIET)
+
+
+def test_validation_choices_are_checked(stories_file, tmp_path):
+    path, _ = stories_file
+    with pytest.raises(ShardlmError, match="both a training and a validation input"):
+        prepare([str(path)], tmp_path / "out", tokenizer="bytes", val_inputs=[str(path)], **QUIET)
+    with pytest.raises(ShardlmError, match="validation fraction must be in \\(0, 0.5\\)"):
+        prepare([str(path)], tmp_path / "out", tokenizer="bytes", val_fraction=0, **QUIET)
+    proc = cli("data", "prepare", str(path), "--tokenizer", "bytes", "--out", str(tmp_path / "o"), "--val",
+               str(path), "--val-fraction", "0.1")
+    assert proc.returncode == 2 and "pass one of them" in proc.stderr

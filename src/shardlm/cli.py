@@ -52,7 +52,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     prep.add_argument("--out", required=True, metavar="DIR")
     prep.add_argument("--val", nargs="+", default=[], metavar="INPUT",
                       help="validation inputs (default: the last --val-fraction of the tokens)")
-    prep.add_argument("--val-fraction", type=float, default=0.05, metavar="F")
+    prep.add_argument("--val-fraction", type=float, default=None, metavar="F",
+                      help="without --val: the last F of the tokens is the validation split (default 0.05)")
     prep.add_argument("--vocab-size", type=int, default=2048, metavar="N", help="for --tokenizer bpe")
     _reading_options(prep)
     prep.add_argument("--force", action="store_true", help="replace DIR if it holds other prepared data")
@@ -91,8 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _data_prepare(args: argparse.Namespace) -> None:
     from shardlm.data.prepare import prepare
 
+    if args.val and args.val_fraction is not None:
+        raise ShardlmError("--val and --val-fraction both choose the validation split; pass one of them")
     data = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, val_inputs=args.val,
-                   val_fraction=args.val_fraction, text_field=args.text_field, invalid_utf8=args.invalid_utf8,
+                   val_fraction=0.05 if args.val_fraction is None else args.val_fraction, text_field=args.text_field, invalid_utf8=args.invalid_utf8,
                    force=args.force, progress=not args.no_progress)
     meta = data.meta
     print(f"{data.path}: {meta['num_documents']:,} documents, "

@@ -7,10 +7,11 @@ Design choices:
 - Window order is a Grain `MapDataset`: a global shuffle from the seed (Grain's index shuffle: O(1) memory, random
   access), reshuffled each epoch by `repeat()`. Window j of the run's stream is a pure function of (seed, j), so
   the global batch sequence does not depend on the number of processes.
-- Sharding by JAX process (the idea of Grain's `ShardByJaxProcess`): the stream is grouped into blocks of
-  batch_size / process_count windows, and process p reads blocks p, p + P, p + 2P, ... So each process reads
-  only its rows of every global batch, and `jax.make_array_from_process_local_data` assembles the global
-  `jax.Array` with the batch sharding of the mesh.
+- Sharding by JAX process (the idea of Grain's `ShardByJaxProcess`): a process reads only the rows of each
+  global batch that its devices hold under the batch sharding (`process_rows`; rows [p*B/P, (p+1)*B/P) for
+  process p on a process-major mesh). In Grain terms the stream is grouped into blocks of that many windows and
+  the process takes every (B/rows)-th block from its own; `jax.make_array_from_process_local_data` then
+  assembles the global `jax.Array`.
 - The iterator is a Grain `DatasetIterator` with background prefetch threads; `get_state()` / `set_state()`
   save and restore its position, so a resumed run sees exactly the batches the uninterrupted run would have.
   `get(i)` reads batch i directly (eval uses the first few batches of the unshuffled validation split).
@@ -59,30 +60,39 @@ class BatchIterator:
         self._it.set_state(state)
 
 
+def process_rows(sharding, batch_size: int, row_len: int) -> range:
+    """The rows of a [batch_size, row_len] global batch that this process's devices hold (a contiguous range)."""
+    held = set()
+    for index in sharding.addressable_devices_indices_map((batch_size, row_len)).values():
+        held.update(range(*index[0].indices(batch_size)))
+    rows = range(min(held), max(held) + 1)
+    if len(held) != len(rows) or batch_size % len(rows) or rows.start % len(rows):
+        raise ShardlmError(f"this process holds rows {sorted(held)[:4]}... of the global batch, not one aligned "
+                           "block; order the mesh devices by process (jax.make_mesh does)")
+    return rows
+
+
 class BatchLoader:
-    """Global batches of shape [batch_size, seq_len + 1], as jax.Arrays with `sharding`."""
+    """Global batches of shape [batch_size, seq_len + 1], as jax.Arrays with `sharding`. `rows` (default: from the
+    sharding) are the rows of each global batch this process reads."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, sharding, *, seed: int, shuffle: bool,
-                 name: str = "training", hint: str = "use more text", process_index: int | None = None,
-                 process_count: int | None = None):
+                 name: str = "training", hint: str = "use more text", rows: range | None = None):
         source = TokenWindows(tokens, seq_len)
         if len(source) < batch_size:
             raise ShardlmError(
                 f"the {name} split holds {len(source)} windows of {seq_len + 1} tokens, fewer than one batch of "
                 f"{batch_size}; {hint}, or use a smaller train.batch_size or model.seq_len"
             )
-        n_proc = jax.process_count() if process_count is None else process_count
-        pid = jax.process_index() if process_index is None else process_index
-        if batch_size % n_proc:
-            raise ShardlmError(f"train.batch_size={batch_size} must be a multiple of the {n_proc} processes")
+        rows = process_rows(sharding, batch_size, seq_len + 1) if rows is None else rows
         windows = grain.MapDataset.source(source)
         if shuffle:
             windows = windows.shuffle(seed=seed)
         self.windows_per_epoch = len(source)
         self.windows = windows.repeat()  # window j of the run's stream
-        self.rows_per_process = batch_size // n_proc
-        # Batch i of this process = its rows of global batch i = stream windows [i*B + pid*b, i*B + (pid+1)*b).
-        self.local = self.windows.batch(self.rows_per_process)[pid::n_proc]
+        # Batch i of this process = its rows of global batch i = stream windows [i*B + rows.start, i*B + rows.stop).
+        n_blocks = batch_size // len(rows)
+        self.local = self.windows.batch(len(rows))[rows.start // len(rows) :: n_blocks]
         self.sharding = sharding
         self.batch_size = batch_size
 

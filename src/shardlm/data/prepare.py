@@ -14,15 +14,19 @@ Design choices:
   encoder (Rust threads in tiktoken and `tokenizers`; numpy for bytes) and appended to the file.
 - The validation split is `val_inputs` when given, else the last `val_fraction` of the tokens. It starts at the
   document boundary nearest the cut when that keeps its size within [F/2, 2F]; otherwise (a corpus of a few long
-  documents) it starts mid-document, and meta.json says so.
+  documents) it starts mid-document, meta.json says so, and that document counts in both splits' `num_documents`
+  (the top-level `num_documents` counts it once).
 - Atomic: all files are written into a hidden sibling `.DIR.partial-PID`, then renamed into place. An error or
-  Ctrl-C removes it; the leftover of a killed process is removed by the next prepare. A DIR holding other data is
-  replaced only with `force`, and a non-empty DIR without `meta.json` (not ours) never.
+  Ctrl-C removes it; the leftover of a killed process is removed by the next prepare. One preparer per DIR runs
+  at a time (a `flock` on `.DIR.lock`, so concurrent runs and hosts sharing a filesystem wait, then find the data
+  ready). A DIR holding other data is replaced only with `force`, and only if it holds nothing but our files; a
+  non-empty DIR without `meta.json` (not ours) never.
 - A re-run whose fingerprint matches an intact DIR is a no-op. The fingerprint covers each input's path, size and
   mtime (like make), the tokenizer (and its file's hash) and every setting that changes the tokens.
 """
 
-import dataclasses
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -42,7 +46,9 @@ from shardlm.errors import ShardlmError
 FORMAT, VERSION = "shardlm-tokens", 1
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
+OUR_FILES = {META_FILE, TOKENIZER_FILE} | {f"{split}.bin" for split in SPLITS}  # all that --force may replace
 BATCH_CHARS = 4 << 20  # text per tokenizer call: big enough to keep every core busy, small enough for memory
+PIECE_CHARS = 1 << 20  # longer documents are tokenized in pieces (see `_pieces`)
 BPE_TRAIN_MAX_BYTES = 256 << 20  # a BPE trained by `prepare` sees at most this much text (it plateaus long before)
 
 
@@ -64,15 +70,18 @@ class PreparedData:
         return np.memmap(self.path / self.meta["splits"][split]["file"], dtype=self.dtype, mode="r", shape=(n,))
 
 
-def _read_meta(path: Path) -> dict | None:
+def _read_meta(path: Path) -> dict:
+    """The checked meta.json of a prepared directory; a ShardlmError says what is wrong with it."""
     try:
         meta = json.loads((path / META_FILE).read_text())
     except FileNotFoundError:
-        return None
+        raise ShardlmError(f"{path} is not a prepared data directory (no {META_FILE}); make one with "
+                           "`shardlm data prepare`") from None
     except (OSError, ValueError) as e:
         raise ShardlmError(f"{path / META_FILE} is unreadable ({e}); prepare the data again with --force") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ShardlmError(f"{path / META_FILE} is not a shardlm data description; prepare the data again")
+        raise ShardlmError(f"{path / META_FILE} is not a shardlm data description; prepare the data again with "
+                           "--force")
     if meta.get("version") != VERSION:
         raise ShardlmError(f"{path} was prepared by a shardlm with data format {meta.get('version')}, this one reads "
                            f"{VERSION}; prepare it again with --force")
@@ -95,9 +104,6 @@ def _damage(path: Path, meta: dict) -> str | None:
 def open_prepared(path: str | Path, *, with_tokenizer: bool = True) -> PreparedData:
     path = Path(path)
     meta = _read_meta(path)
-    if meta is None:
-        raise ShardlmError(f"{path} is not a prepared data directory (no {META_FILE}); make one with "
-                           "`shardlm data prepare`")
     damage = _damage(path, meta)
     if damage:
         raise ShardlmError(f"{damage}: the data is incomplete or changed; prepare it again with --force")
@@ -128,28 +134,54 @@ def _fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+@contextlib.contextmanager
+def _exclusive(out: Path, log: Callable[[str], None]):
+    """One preparer per DIR at a time, across processes and hosts sharing the filesystem (`flock`). Whoever holds
+    the lock knows that any partial directory left beside DIR belongs to a dead preparer."""
+    with open(out.parent / f".{out.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another shardlm that is preparing {out}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _remove_stale_partials(out: Path) -> None:
-    for p in out.parent.glob(f".{out.name}.partial-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+def _clear_leftovers(out: Path) -> None:
+    """Under the lock: remove partial directories of killed preparers; undo a swap killed between its renames."""
+    for p in out.parent.glob(f".{out.name}.old-*"):
+        if out.exists():
             shutil.rmtree(p, ignore_errors=True)
+        else:
+            os.rename(p, out)
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
-def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
-    batch, chars = [], 0
+def _pieces(docs: Iterator[str]) -> Iterator[tuple[bool, str]]:
+    """(starts a document, text): documents longer than PIECE_CHARS (a book in one .txt) are cut after a newline
+    that is followed by text, where GPT-2-style pre-tokenizers split anyway, so the tokens do not change; that
+    keeps each tokenizer call bounded and parallel."""
     for doc in docs:
-        batch.append(doc)
-        chars += len(doc)
+        start, first = 0, True
+        while len(doc) - start > PIECE_CHARS:
+            cut = doc.rfind("\n", start + PIECE_CHARS // 2, start + PIECE_CHARS)
+            while cut != -1 and doc[cut + 1].isspace():
+                cut = doc.rfind("\n", start + PIECE_CHARS // 2, cut)
+            end = cut + 1 if cut != -1 else start + PIECE_CHARS  # one huge line: a plain cut
+            yield first, doc[start:end]
+            start, first = end, False
+        yield first, doc[start:]
+
+
+def _batches(pieces: Iterator[tuple[bool, str]]) -> Iterator[list[tuple[bool, str]]]:
+    batch, chars = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece[1])
         if chars >= BATCH_CHARS:
             yield batch
             batch, chars = [], 0
@@ -161,17 +193,18 @@ def _write_tokens(docs: Iterator[str], tokenizer: Tokenizer, dtype: np.dtype, pa
                   bar) -> np.ndarray:
     """Append `<|endoftext|>` + tokens of each document to `path`; returns where each document starts."""
     starts, pos = [], 0
+    eot = np.array([tokenizer.eot_id], np.int64)
     with open(path, "wb") as f:
-        for batch in _batches(docs):
-            ids = tokenizer.encode_batch(batch)
-            lengths = np.fromiter((len(a) + 1 for a in ids), np.int64, len(ids))
-            offsets = np.cumsum(lengths) - lengths
-            out = np.empty(int(lengths.sum()), dtype)
-            out[offsets] = tokenizer.eot_id
-            for a, o in zip(ids, offsets):
-                out[o + 1 : o + 1 + len(a)] = a
-            out.tofile(f)
-            starts.append(pos + offsets)
+        for batch in _batches(_pieces(docs)):
+            ids = tokenizer.encode_batch([text for _, text in batch])
+            firsts = np.fromiter((first for first, _ in batch), bool, len(batch))
+            out = np.concatenate([part for (first, _), a in zip(batch, ids) for part in ((eot, a) if first else (a,))])
+            if out.min() < 0 or out.max() >= tokenizer.vocab_size:  # would wrap around in the file's dtype
+                raise ShardlmError(f"the tokenizer produced id {int(out.max())}, outside its vocabulary of "
+                                   f"{tokenizer.vocab_size}; use another tokenizer file")
+            out.astype(dtype, copy=False).tofile(f)
+            lengths = np.fromiter((len(a) for a in ids), np.int64, len(ids)) + firsts
+            starts.append(pos + (np.cumsum(lengths) - lengths)[firsts])
             pos += len(out)
             bar.update(stats.bytes_read - bar.n)
     return np.concatenate(starts) if starts else np.zeros((0,), np.int64)
@@ -237,57 +270,74 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str = "bpe", vocab
             val_inputs: Iterable[str] = (), val_fraction: float = 0.05, text_field: str = "text",
             invalid_utf8: str = "error", force: bool = False, progress: bool = True,
             log: Callable[[str], None] = print, what: str = "input") -> PreparedData:
-    """Tokenize `inputs` into `out` (see the module docstring); returns the opened directory."""
+    """Tokenize `inputs` into `out` (see the module docstring); returns the opened directory.
+    `val_fraction` applies only without `val_inputs`."""
     check_spec(tokenizer, "--tokenizer")
-    if not 0.0 <= val_fraction < 0.5:
-        raise ShardlmError(f"the validation fraction must be in [0, 0.5), got {val_fraction}")
+    if not val_inputs and not 0.0 < val_fraction < 0.5:  # nan fails too
+        raise ShardlmError(f"the validation fraction must be in (0, 0.5), got {val_fraction}: training evaluates on "
+                           "the validation split (or pass validation inputs with --val)")
     if invalid_utf8 not in INVALID_UTF8_POLICIES:
         raise ShardlmError(f"invalid UTF-8 policy {invalid_utf8!r}; use error or replace")
     if tokenizer.startswith("bpe:") and not Path(tokenizer[4:]).is_file():
         raise ShardlmError(f"tokenizer file {tokenizer[4:]} does not exist; train one with `shardlm tokenizer train`")
     files = resolve_inputs(list(inputs), what)
     val_files = resolve_inputs(list(val_inputs), "validation input") if val_inputs else []
+    if both := sorted(set(files) & set(val_files)):
+        raise ShardlmError(f"{both[0]} is both a training and a validation input; pass it to only one of them")
     out = Path(out)
-    settings = _settings(files, val_files, tokenizer, vocab_size, val_fraction, text_field, invalid_utf8)
-    fp = _fingerprint(settings)
-
     if out.exists() and not out.is_dir():
         raise ShardlmError(f"--out {out} is a file; pass a directory path")
-    if out.is_dir():
-        meta = _read_meta(out) if (out / META_FILE).exists() else None
-        if meta is None and any(out.iterdir()):
-            raise ShardlmError(f"--out {out} is a non-empty directory that shardlm did not prepare; choose a new or "
-                               "empty directory")
-        if meta is not None and meta.get("fingerprint") == fp and _damage(out, meta) is None:
-            log(f"{out} is up to date ({meta['splits']['train']['num_tokens']:,} train tokens); nothing to do")
-            return open_prepared(out)
-        if meta is not None and not force:
-            raise ShardlmError(f"--out {out} holds data prepared from other inputs or settings; pass --force to "
-                               "replace it, or choose another --out")
-
-    tok = (train_tokenizer(files, vocab_size, max_bytes=BPE_TRAIN_MAX_BYTES, text_field=text_field,
-                           invalid_utf8=invalid_utf8, log=log) if tokenizer == "bpe" else load_tokenizer(tokenizer))
-    dtype = token_dtype(tok.vocab_size)
+    settings = _settings(files, val_files, tokenizer, vocab_size, val_fraction, text_field, invalid_utf8)
+    fp = _fingerprint(settings)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        meta = _write(tmp, files, val_files, tok, dtype, val_fraction, text_field, invalid_utf8, progress, log)
-        meta |= {"settings": settings, "fingerprint": fp}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _exclusive(out, log):
+        _clear_leftovers(out)
+        if _up_to_date(out, fp, force):
+            log(f"{out} is up to date; nothing to do")
+            return open_prepared(out)
+        tok = (train_tokenizer(files, vocab_size, max_bytes=BPE_TRAIN_MAX_BYTES, text_field=text_field,
+                               invalid_utf8=invalid_utf8, log=log) if tokenizer == "bpe" else load_tokenizer(tokenizer))
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            meta = _write(tmp, files, val_files, tok, token_dtype(tok.vocab_size), val_fraction, text_field,
+                          invalid_utf8, progress, log)
+            meta |= {"settings": settings, "fingerprint": fp}
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            if out.exists():  # swap; a kill between the renames is undone by the next `_clear_leftovers`
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                os.rename(out, old)
+                os.rename(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return open_prepared(out)
+
+
+def _up_to_date(out: Path, fingerprint: str, force: bool) -> bool:
+    """True if `out` already holds exactly this data; raises if it holds something that must not be replaced."""
+    names = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    if not names:
+        return False
+    if META_FILE not in names:
+        raise ShardlmError(f"--out {out} is a non-empty directory that shardlm did not prepare; choose a new or "
+                           "empty directory")
+    try:
+        meta, problem = _read_meta(out), None
+    except ShardlmError as e:  # unreadable or another format version: replaceable, with --force
+        meta, problem = None, e
+    if meta is not None and meta.get("fingerprint") == fingerprint and _damage(out, meta) is None:
+        return True
+    if not force:
+        raise problem or ShardlmError(f"--out {out} holds data prepared from other inputs or settings; pass --force "
+                                      "to replace it, or choose another --out")
+    if foreign := sorted(names - OUR_FILES):
+        raise ShardlmError(f"--out {out} also holds {', '.join(foreign)}, which shardlm did not write; move "
+                           "them away or choose another --out")
+    return False
 
 
 def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_fraction, text_field, invalid_utf8, progress,

@@ -6,16 +6,18 @@ Rules (the same for every format):
 - JSONL: one JSON object per line, the document in its `text` field (`--text-field` / `data.text_field`).
   Parquet (e.g. the Hugging Face TinyStories shards): the `text` column.
 - A folder is read recursively: its `.txt`, `.jsonl` and `.parquet` files in sorted path order.
-- Surrounding whitespace is stripped from each document; documents left empty are skipped and counted.
+- Surrounding whitespace is stripped from each document; empty documents (between two separators, or an empty
+  record) are skipped and counted. A UTF-8 byte-order mark at the start of a file is dropped.
 - Invalid UTF-8 is an error naming the file and the byte offset, unless `invalid_utf8="replace"`: then each bad
-  byte sequence becomes U+FFFD and is counted (`meta.json` reports the count).
+  byte sequence becomes U+FFFD and is counted (`meta.json` reports the count). An unpaired surrogate spelled by
+  a JSON escape is treated the same way, naming the line.
 - A missing input, an empty file, or inputs holding no documents at all are one-line errors.
 """
 
-import codecs
 import dataclasses
 import json
 import mmap
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -26,6 +28,7 @@ from shardlm.errors import ShardlmError
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 INVALID_UTF8_POLICIES = ("error", "replace")
 _SEP = EOT.encode()
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark (Windows editors) opens a file, not a document
 
 
 @dataclasses.dataclass
@@ -51,7 +54,7 @@ def resolve_inputs(inputs: list[str], what: str = "input") -> list[str]:
             continue
         path = Path(name)
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
             if not files:
                 raise ShardlmError(f"folder {path} holds no {', '.join(TEXT_SUFFIXES)} files; pass a folder of text")
         elif path.is_file():
@@ -79,16 +82,9 @@ def identity(inputs: list[str]) -> list[dict]:
     return ids
 
 
-_replaced = 0  # bad byte sequences replaced so far, by the codec error handler below
-
-
-def _count_and_replace(err: UnicodeDecodeError) -> tuple[str, int]:
-    global _replaced
-    _replaced += 1
-    return "\ufffd", err.end
-
-
-codecs.register_error("shardlm-count-replace", _count_and_replace)
+_FIX = "replace bad bytes with U+FFFD and count them with --invalid-utf8 replace (data.invalid_utf8=replace)"
+_REPLACEMENT = "\ufffd"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _decoder(policy: str, stats: ReadStats):
@@ -97,17 +93,26 @@ def _decoder(policy: str, stats: ReadStats):
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
             if policy == "error":
-                raise ShardlmError(
-                    f"{path} is not valid UTF-8 at byte offset {offset + e.start} ({e.reason}); fix the file, or "
-                    "replace bad bytes with U+FFFD and count them with --invalid-utf8 replace "
-                    "(data.invalid_utf8=replace)"
-                ) from None
-            before = _replaced
-            text = raw.decode("utf-8", errors="shardlm-count-replace")
-            stats.invalid_utf8_replaced += _replaced - before
+                raise ShardlmError(f"{path} is not valid UTF-8 at byte offset {offset + e.start} ({e.reason}); fix "
+                                   f"the file, or {_FIX}") from None
+            text = raw.decode("utf-8", errors="replace")
+            # Each bad sequence became one U+FFFD; the U+FFFDs spelled correctly in the input are not repairs.
+            stats.invalid_utf8_replaced += text.count(_REPLACEMENT) - raw.count(_REPLACEMENT.encode())
             return text
 
     return decode
+
+
+def _unicode(value: str, policy: str, stats: ReadStats, where: str) -> str:
+    """JSON escapes can spell unpaired surrogates (\\ud800), which no UTF-8 encodes: the same policy applies."""
+    bad = _SURROGATE.findall(value)
+    if not bad:
+        return value
+    if policy == "error":
+        raise ShardlmError(f"{where} holds an unpaired surrogate (\\u{ord(bad[0]):04x}), which is not valid Unicode; "
+                           f"fix the file, or {_FIX}")
+    stats.invalid_utf8_replaced += len(bad)
+    return _SURROGATE.sub(_REPLACEMENT, value)
 
 
 def _keep(doc: str, stats: ReadStats, count_empty: bool = True) -> str | None:
@@ -120,10 +125,17 @@ def _keep(doc: str, stats: ReadStats, count_empty: bool = True) -> str | None:
     return doc
 
 
+def _record_documents(value: str, stats: ReadStats) -> Iterator[str]:
+    """A JSONL or Parquet record: usually one document; a separator inside it splits it like a .txt file."""
+    parts = [d for d in (_keep(p, stats, count_empty=False) for p in value.split(EOT)) if d is not None]
+    stats.empty_skipped += not parts
+    yield from parts
+
+
 def _text_documents(path: str, decode, stats: ReadStats) -> Iterator[str]:
     base = stats.bytes_read
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        start, size = 0, len(mm)
+        start, size = len(_BOM) if mm[: len(_BOM)] == _BOM else 0, len(mm)
         while start <= size:
             end = mm.find(_SEP, start)
             end = size if end == -1 else end
@@ -131,7 +143,7 @@ def _text_documents(path: str, decode, stats: ReadStats) -> Iterator[str]:
             stripped = raw.lstrip()
             offset = start + len(raw) - len(stripped)
             # Whitespace before the first or after the last separator is layout, not an empty document.
-            interior = start > 0 and end < size
+            interior = start > len(_BOM) and end < size
             doc = _keep(decode(stripped.rstrip(), path, offset), stats, count_empty=interior)
             stats.bytes_read = base + end
             if doc is not None:
@@ -139,10 +151,13 @@ def _text_documents(path: str, decode, stats: ReadStats) -> Iterator[str]:
             start = end + len(_SEP)
 
 
-def _jsonl_documents(path: str, field: str, decode, stats: ReadStats) -> Iterator[str]:
+def _jsonl_documents(path: str, field: str, decode, policy: str, stats: ReadStats) -> Iterator[str]:
     offset = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
+            if lineno == 1 and line.startswith(_BOM):
+                line, offset = line[len(_BOM) :], len(_BOM)
+                stats.bytes_read += len(_BOM)
             text = decode(line, path, offset)
             offset += len(line)
             stats.bytes_read += len(line)
@@ -161,10 +176,7 @@ def _jsonl_documents(path: str, field: str, decode, stats: ReadStats) -> Iterato
                 continue
             if not isinstance(value, str):
                 raise ShardlmError(f"{path}:{lineno}: field {field!r} is {type(value).__name__}, not text")
-            for part in value.split(EOT):
-                doc = _keep(part, stats)
-                if doc is not None:
-                    yield doc
+            yield from _record_documents(_unicode(value, policy, stats, f"{path}:{lineno}"), stats)
 
 
 def _parquet_documents(path: str, field: str, stats: ReadStats) -> Iterator[str]:
@@ -185,14 +197,11 @@ def _parquet_documents(path: str, field: str, stats: ReadStats) -> Iterator[str]
         column = batch.column(0)
         if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
             raise ShardlmError(f"{path}: column {field!r} is {column.type}, not text")
-        for value in column.to_pylist():
+        for value in column.to_pylist():  # Arrow strings are valid UTF-8 by construction
             if value is None:
                 stats.empty_skipped += 1
                 continue
-            for part in value.split(EOT):
-                doc = _keep(part, stats)
-                if doc is not None:
-                    yield doc
+            yield from _record_documents(value, stats)
         done += len(column)
         stats.bytes_read = base + size * done // rows
 
@@ -200,10 +209,7 @@ def _parquet_documents(path: str, field: str, stats: ReadStats) -> Iterator[str]
 def _builtin_documents(name: str, stats: ReadStats) -> Iterator[str]:
     for text in builtin_documents(name):
         stats.bytes_read += len(text.encode("utf-8"))
-        for part in text.split(EOT):
-            doc = _keep(part, stats)
-            if doc is not None:
-                yield doc
+        yield from _record_documents(text, stats)
 
 
 def read_documents(inputs: list[str], stats: ReadStats, *, text_field: str = "text",
@@ -215,9 +221,9 @@ def read_documents(inputs: list[str], stats: ReadStats, *, text_field: str = "te
     for name in inputs:
         if name in BUILTIN_CORPORA:
             yield from _builtin_documents(name, stats)
-        elif name.endswith(".jsonl"):
-            yield from _jsonl_documents(name, text_field, decode, stats)
-        elif name.endswith(".parquet"):
+        elif name.lower().endswith(".jsonl"):
+            yield from _jsonl_documents(name, text_field, decode, invalid_utf8, stats)
+        elif name.lower().endswith(".parquet"):
             yield from _parquet_documents(name, text_field, stats)
         else:
             yield from _text_documents(name, decode, stats)

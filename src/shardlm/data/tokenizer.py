@@ -6,10 +6,12 @@
 - `bytes`: token id = UTF-8 byte value (0-255), `<|endoftext|>` = 256. No files, no training.
 - `bpe:PATH`: a Hugging Face `tokenizers` JSON file, such as the byte-level BPE `shardlm tokenizer train` writes.
 
-Every tokenizer has `<|endoftext|>`, which separates documents in token files. `encode` treats that text as the
-special token; `encode_batch` (used to tokenize corpora, in parallel inside the Rust libraries) treats all text as
-text, because corpora are split on the separator before they are tokenized. `token_bytes()` gives each token's
-UTF-8 length (0 for special tokens): it turns a per-token loss into tokenizer-independent bits per byte.
+Every tokenizer has `<|endoftext|>`, which separates documents in token files. `encode` turns that text into the
+special token. `encode_batch` tokenizes corpus documents, in parallel inside the Rust libraries; documents never
+contain the separator (sources split on it), and tiktoken reads any other special-token text as plain text.
+`token_bytes()` gives each token's UTF-8 length (0 for special tokens): it turns a per-token loss into
+tokenizer-independent bits per byte. It is exact for byte-level tokenizers (all three kinds here); for a
+`tokenizer.json` of another kind (normalizers, `<unk>`) it is the length of each token decoded alone, an estimate.
 """
 
 import json

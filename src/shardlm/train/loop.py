@@ -139,9 +139,11 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
              f"warming up over {warmup} steps instead")
     schedule = make_schedule(cfg)
     claim_run_dir(run_dir, overwrite)
-    # The resolved tokenizer, so that `load_tokenizer(data.tokenizer, run_dir)` rebuilds it from the run alone.
-    resolved = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=data.meta["tokenizer"]))
-    (run_dir / "config.yaml").write_text(resolved.to_yaml())
+    # `auto` resolved (gpt2, bytes or bpe = the run's tokenizer.json), so the run names its tokenizer; an explicit
+    # choice (bpe:PATH) stays as given, so that replaying config.yaml prepares the same data.
+    if cfg.data.tokenizer == "auto":
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=data.meta["tokenizer"]))
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
     tokenizer.save(run_dir)
 
     t0 = time.perf_counter()
