@@ -68,10 +68,9 @@ def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None):
     return losses, ts, mesh
 
 
-def write_stories(path, stories, trailing=True) -> None:
+def write_stories(path, stories) -> None:
     """A file in the published TinyStories layout: each story, then a line holding only <|endoftext|>."""
-    text = "".join(f"{s}\n<|endoftext|>\n" for s in stories)
-    path.write_text(text if trailing else text[: -len("\n<|endoftext|>\n")], encoding="utf-8")
+    path.write_text("".join(f"{s}\n<|endoftext|>\n" for s in stories), encoding="utf-8")
 
 
 def make_stories(n: int, seed: int = 0) -> list[str]:

@@ -59,7 +59,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class PreparedData:
     """An opened prepared directory: its meta, tokenizer and memory-mapped splits."""
 
-    def __init__(self, path: Path, meta: dict, tokenizer: Tokenizer | None):
+    def __init__(self, path: Path, meta: dict, tokenizer: Tokenizer):
         self.path, self.meta, self.tokenizer = path, meta, tokenizer
         self.dtype = np.dtype(meta["dtype"])
 
@@ -101,14 +101,13 @@ def _damage(path: Path, meta: dict) -> str | None:
     return None
 
 
-def open_prepared(path: str | Path, *, with_tokenizer: bool = True) -> PreparedData:
+def open_prepared(path: str | Path) -> PreparedData:
     path = Path(path)
     meta = _read_meta(path)
     damage = _damage(path, meta)
     if damage:
         raise ShardlmError(f"{damage}: the data is incomplete or changed; prepare it again with --force")
-    tokenizer = load_tokenizer(meta["tokenizer"], path) if with_tokenizer else None
-    return PreparedData(path, meta, tokenizer)
+    return PreparedData(path, meta, load_tokenizer(meta["tokenizer"], path))
 
 
 def _sha256(path: Path) -> str:
@@ -344,34 +343,31 @@ def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_fraction, tex
            log) -> dict:
     t0 = time.perf_counter()
     total_in = input_bytes(files) + (input_bytes(val_files) if val_files else 0)
-    bar = tqdm(total=total_in, unit="B", unit_scale=True, desc="tokenizing", disable=not progress, dynamic_ncols=True)
     stats = ReadStats()
-    docs = read_documents(files, stats, text_field=text_field, invalid_utf8=invalid_utf8)
-    starts = _write_tokens(docs, tok, dtype, tmp / "train.bin", stats, bar)
-    n = (tmp / "train.bin").stat().st_size // dtype.itemsize
-    if stats.documents == 0:
-        bar.close()
-        raise ShardlmError(f"the inputs hold no documents ({stats.empty_skipped} empty); pass text")
-    split_docs = {"train": stats.documents}
-    mid_document = False
-    if val_files:
-        val_stats = ReadStats(bytes_read=stats.bytes_read)
-        val_docs = read_documents(val_files, val_stats, text_field=text_field, invalid_utf8=invalid_utf8)
-        _write_tokens(val_docs, tok, dtype, tmp / "val.bin", val_stats, bar)
-        if val_stats.documents == 0:
-            bar.close()
-            raise ShardlmError("the validation inputs hold no documents; pass text")
-        split_docs["val"] = val_stats.documents
-        for k in ("documents", "text_bytes", "empty_skipped", "invalid_utf8_replaced"):
-            setattr(stats, k, getattr(stats, k) + getattr(val_stats, k))
-    else:
-        cut, mid_document = _tail_cut(n, starts, val_fraction)
-        train_tokens = np.memmap(tmp / "train.bin", dtype=dtype, mode="r", shape=(n,))
-        train_tokens[cut:].tofile(tmp / "val.bin")
-        del train_tokens
-        os.truncate(tmp / "train.bin", cut * dtype.itemsize)
-        split_docs = {"train": int(np.sum(starts < cut)), "val": int(np.sum(starts >= cut)) + mid_document}
-    bar.close()
+    split_docs, mid_document = {}, False
+    with tqdm(total=total_in, unit="B", unit_scale=True, desc="tokenizing", disable=not progress,
+              dynamic_ncols=True) as bar:
+        docs = read_documents(files, stats, text_field=text_field, invalid_utf8=invalid_utf8)
+        starts = _write_tokens(docs, tok, dtype, tmp / "train.bin", stats, bar)
+        n = (tmp / "train.bin").stat().st_size // dtype.itemsize
+        if stats.documents == 0:
+            raise ShardlmError(f"the inputs hold no documents ({stats.empty_skipped} empty); pass text")
+        if val_files:
+            val_stats = ReadStats(bytes_read=stats.bytes_read)
+            val_docs = read_documents(val_files, val_stats, text_field=text_field, invalid_utf8=invalid_utf8)
+            _write_tokens(val_docs, tok, dtype, tmp / "val.bin", val_stats, bar)
+            if val_stats.documents == 0:
+                raise ShardlmError("the validation inputs hold no documents; pass text")
+            split_docs = {"train": stats.documents, "val": val_stats.documents}
+            for k in ("documents", "text_bytes", "empty_skipped", "invalid_utf8_replaced"):
+                setattr(stats, k, getattr(stats, k) + getattr(val_stats, k))
+        else:
+            cut, mid_document = _tail_cut(n, starts, val_fraction)
+            train_tokens = np.memmap(tmp / "train.bin", dtype=dtype, mode="r", shape=(n,))
+            train_tokens[cut:].tofile(tmp / "val.bin")
+            del train_tokens
+            os.truncate(tmp / "train.bin", cut * dtype.itemsize)
+            split_docs = {"train": int(np.sum(starts < cut)), "val": int(np.sum(starts >= cut)) + mid_document}
 
     token_bytes = tok.token_bytes()
     splits = {}
