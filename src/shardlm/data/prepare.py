@@ -188,10 +188,11 @@ def _batches(pieces: Iterator[tuple[bool, str]]) -> Iterator[list[tuple[bool, st
         yield batch
 
 
-def _write_tokens(docs: Iterator[str], tokenizer: Tokenizer, dtype: np.dtype, path: Path, stats: ReadStats,
-                  bar) -> np.ndarray:
-    """Append `<|endoftext|>` + tokens of each document to `path`; returns where each document starts."""
-    starts, pos = [], 0
+def _write_tokens(docs: Iterator[str], tokenizer: Tokenizer, token_bytes: np.ndarray, dtype: np.dtype, path: Path,
+                  stats: ReadStats, bar) -> tuple[np.ndarray, int]:
+    """Append `<|endoftext|>` + tokens of each document to `path`; returns where each document starts and the
+    UTF-8 bytes the tokens spell (counted here, while each batch is in memory)."""
+    starts, pos, nbytes = [], 0, 0
     eot = np.array([tokenizer.eot_id], np.int64)
     with open(path, "wb") as f:
         for batch in _batches(_pieces(docs)):
@@ -202,11 +203,12 @@ def _write_tokens(docs: Iterator[str], tokenizer: Tokenizer, dtype: np.dtype, pa
                 raise ShardlmError(f"the tokenizer produced id {int(out.max())}, outside its vocabulary of "
                                    f"{tokenizer.vocab_size}; use another tokenizer file")
             out.astype(dtype, copy=False).tofile(f)
+            nbytes += int(token_bytes[out].sum())
             lengths = np.fromiter((len(a) for a in ids), np.int64, len(ids)) + firsts
             starts.append(pos + (np.cumsum(lengths) - lengths)[firsts])
             pos += len(out)
             bar.update(stats.bytes_read - bar.n)
-    return np.concatenate(starts) if starts else np.zeros((0,), np.int64)
+    return (np.concatenate(starts) if starts else np.zeros((0,), np.int64)), nbytes
 
 
 def _tail_cut(n: int, starts: np.ndarray, fraction: float) -> tuple[int, bool]:
@@ -344,18 +346,19 @@ def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_fraction, tex
     t0 = time.perf_counter()
     total_in = input_bytes(files) + (input_bytes(val_files) if val_files else 0)
     stats = ReadStats()
+    token_bytes = tok.token_bytes()
     split_docs, mid_document = {}, False
     with tqdm(total=total_in, unit="B", unit_scale=True, desc="tokenizing", disable=not progress,
               dynamic_ncols=True) as bar:
         docs = read_documents(files, stats, text_field=text_field, invalid_utf8=invalid_utf8)
-        starts = _write_tokens(docs, tok, dtype, tmp / "train.bin", stats, bar)
+        starts, train_bytes = _write_tokens(docs, tok, token_bytes, dtype, tmp / "train.bin", stats, bar)
         n = (tmp / "train.bin").stat().st_size // dtype.itemsize
         if stats.documents == 0:
             raise ShardlmError(f"the inputs hold no documents ({stats.empty_skipped} empty); pass text")
         if val_files:
             val_stats = ReadStats(bytes_read=stats.bytes_read)
             val_docs = read_documents(val_files, val_stats, text_field=text_field, invalid_utf8=invalid_utf8)
-            _write_tokens(val_docs, tok, dtype, tmp / "val.bin", val_stats, bar)
+            val_bytes = _write_tokens(val_docs, tok, token_bytes, dtype, tmp / "val.bin", val_stats, bar)[1]
             if val_stats.documents == 0:
                 raise ShardlmError("the validation inputs hold no documents; pass text")
             split_docs = {"train": stats.documents, "val": val_stats.documents}
@@ -365,18 +368,18 @@ def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_fraction, tex
             cut, mid_document = _tail_cut(n, starts, val_fraction)
             train_tokens = np.memmap(tmp / "train.bin", dtype=dtype, mode="r", shape=(n,))
             train_tokens[cut:].tofile(tmp / "val.bin")
+            val_bytes = _split_bytes(train_tokens[cut:], token_bytes)  # the short tail only
+            train_bytes -= val_bytes
             del train_tokens
             os.truncate(tmp / "train.bin", cut * dtype.itemsize)
             split_docs = {"train": int(np.sum(starts < cut)), "val": int(np.sum(starts >= cut)) + mid_document}
 
-    token_bytes = tok.token_bytes()
+    split_bytes = {"train": train_bytes, "val": val_bytes}
     splits = {}
     for split in SPLITS:
         f = tmp / f"{split}.bin"
-        tokens = np.memmap(f, dtype=dtype, mode="r") if f.stat().st_size else np.zeros((0,), dtype)
-        splits[split] = {"file": f.name, "num_tokens": len(tokens), "num_documents": split_docs[split],
-                         "num_bytes": _split_bytes(tokens, token_bytes), "sha256": _sha256(f)}
-        del tokens
+        splits[split] = {"file": f.name, "num_tokens": f.stat().st_size // dtype.itemsize,
+                         "num_documents": split_docs[split], "num_bytes": split_bytes[split], "sha256": _sha256(f)}
     tok.save(tmp)
     seconds = time.perf_counter() - t0
     log(f"tokenized {stats.documents:,} documents ({stats.text_bytes / 1e6:,.1f} MB of text) into "
