@@ -98,7 +98,7 @@ def test_hybrid_mesh_command_as_spelled_in_the_issue(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "mesh data=2 x fsdp=2 x tensor=2" in out
-    assert "blocks.0.mlp.w_in" in out and str(P("fsdp", "tensor")) in out
+    assert "blocks/0/mlp/w_in" in out and str(P("fsdp", "tensor")) in out
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 20 and REQUIRED <= set(rows[-1])
 
@@ -106,7 +106,7 @@ def test_hybrid_mesh_command_as_spelled_in_the_issue(tmp_path):
 def test_explain_command():
     proc = shardlm("explain", "--cpu-devices", "8", "mesh.fsdp=4", "mesh.tensor=2", "data.tokenizer=bytes")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "blocks.3.attn.wq" in proc.stdout and "(128, 4, 32)" in proc.stdout
+    assert "blocks/3/attn/wq" in proc.stdout and "(128, 4, 32)" in proc.stdout
     assert str(P("fsdp", "tensor", None)) in proc.stdout
     assert "per device: parameters" in proc.stdout
 

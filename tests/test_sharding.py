@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import MICRO
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
-from shardlm.explain import explain_state, format_explanation
+from shardlm.sharding.explain import explain_state, format_explanation
 from shardlm.mesh import make_mesh
 from shardlm.sharding import logical_to_spec
 from shardlm.sharding.rules import path_str
@@ -18,29 +18,29 @@ from shardlm.train.state import create_train_state
 EXPECTED_LOGICAL = {
     "wte": ("vocab", "embed"),
     "wpe": ("pos", "embed"),
-    "ln_f.scale": ("embed",),
-    "ln_f.bias": ("embed",),
-    "attn.wq": ("embed", "heads", "head_dim"),
-    "attn.wk": ("embed", "heads", "head_dim"),
-    "attn.wv": ("embed", "heads", "head_dim"),
-    "attn.wo": ("heads", "head_dim", "embed"),
-    "attn.q_bias": ("heads", "head_dim"),
-    "attn.k_bias": ("heads", "head_dim"),
-    "attn.v_bias": ("heads", "head_dim"),
-    "attn.out_bias": ("embed",),
-    "mlp.w_in": ("embed", "mlp"),
-    "mlp.w_out": ("mlp", "embed"),
-    "mlp.in_bias": ("mlp",),
-    "mlp.out_bias": ("embed",),
-    "ln1.scale": ("embed",),
-    "ln1.bias": ("embed",),
-    "ln2.scale": ("embed",),
-    "ln2.bias": ("embed",),
+    "ln_f/scale": ("embed",),
+    "ln_f/bias": ("embed",),
+    "attn/wq": ("embed", "heads", "head_dim"),
+    "attn/wk": ("embed", "heads", "head_dim"),
+    "attn/wv": ("embed", "heads", "head_dim"),
+    "attn/wo": ("heads", "head_dim", "embed"),
+    "attn/q_bias": ("heads", "head_dim"),
+    "attn/k_bias": ("heads", "head_dim"),
+    "attn/v_bias": ("heads", "head_dim"),
+    "attn/out_bias": ("embed",),
+    "mlp/w_in": ("embed", "mlp"),
+    "mlp/w_out": ("mlp", "embed"),
+    "mlp/in_bias": ("mlp",),
+    "mlp/out_bias": ("embed",),
+    "ln1/scale": ("embed",),
+    "ln1/bias": ("embed",),
+    "ln2/scale": ("embed",),
+    "ln2/bias": ("embed",),
 }
 
 
 def expected_spec(path: str) -> P:
-    key = next(k for k in EXPECTED_LOGICAL if path == k or path.endswith("." + k))
+    key = next(k for k in EXPECTED_LOGICAL if path == k or path.endswith("/" + k))
     return logical_to_spec(EXPECTED_LOGICAL[key])
 
 
@@ -69,9 +69,9 @@ def test_every_leaf_is_placed_by_the_rule_table(degrees):
     # AdamW: every moment leaf has exactly its parameter's sharding; the step counters are replicated.
     moments = 0
     for path, arr in jax.tree_util.tree_flatten_with_path(state["optimizer"])[0]:
-        keys = path_str(path).split(".")
+        keys = path_str(path).split("/")
         if "mu" in keys or "nu" in keys:
-            param_path = ".".join(keys[keys.index("mu" if "mu" in keys else "nu") + 1:])
+            param_path = "/".join(keys[keys.index("mu" if "mu" in keys else "nu") + 1:])
             assert _same_spec(arr.sharding.spec, expected_spec(param_path)), (keys, arr.sharding.spec)
             moments += 1
         else:
@@ -133,7 +133,7 @@ def test_indivisible_degree_fails_before_compile_naming_the_parameter():
     with pytest.raises(ShardlmError) as e:
         create_train_state(cfg, make_mesh(1, 1, 8), 500)
     msg = str(e.value)
-    assert msg.startswith("parameter model.blocks.0.attn.")
+    assert msg.startswith("parameter model/blocks/0/attn/")
     assert "its 'heads' dimension (size 4) is split 8 ways over mesh.tensor" in msg
     assert "choose mesh.tensor dividing 4" in msg
     assert "\n" not in msg
@@ -145,10 +145,10 @@ def test_explain_lists_every_parameter_with_bytes():
     ex = explain_state(create_train_state(cfg, mesh, 500).state, mesh)
     text = format_explanation(ex)
     assert len(ex.params) == 36
-    row = next(r for r in ex.params if r.path == "blocks.0.mlp.w_in")
+    row = next(r for r in ex.params if r.path == "blocks/0/mlp/w_in")
     assert row.shape == (64, 128) and row.spec == str(P("fsdp", "tensor"))
     assert row.bytes_per_device == 64 * 128 * 4 // 8
-    assert "blocks.0.mlp.w_in" in text and "per device:" in text
+    assert "blocks/0/mlp/w_in" in text and "per device:" in text
     assert ex.param_count == sum(int(np.prod(r.shape)) for r in ex.params)
 
 

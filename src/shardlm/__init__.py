@@ -11,15 +11,20 @@ _LAZY = {
     "load_config": "shardlm.config",
     "ShardlmError": "shardlm.errors",
     "make_mesh": "shardlm.mesh",
+    "make_named_mesh": "shardlm.mesh",
     "simulate_cpu_devices": "shardlm.mesh",
     "GPT": "shardlm.models.gpt",
     "LOGICAL_AXIS_RULES": "shardlm.sharding.rules",
+    "Plan": "shardlm.sharding.plan",
+    "shard": "shardlm.sharding.foreign",
+    "Sharded": "shardlm.sharding.foreign",
+    "Trainer": "shardlm.train.runner",
+    "explain": "shardlm.sharding.explain",
     "create_train_state": "shardlm.train.state",
-    "explain_state": "shardlm.explain",
-    "format_explanation": "shardlm.explain",
+    "explain_state": "shardlm.sharding.explain",
+    "format_explanation": "shardlm.sharding.explain",
 }
-# `shardlm.train` and `shardlm.explain` are subpackages/modules; their entry points are
-# `shardlm.train.loop.train` and `shardlm.explain.explain_state`.
+# `shardlm.train` is a subpackage; the training loop's entry point is `shardlm.train.loop.train`.
 
 __all__ = sorted(_LAZY)
 

@@ -136,7 +136,7 @@ def _run(args: argparse.Namespace) -> None:
 
         train(cfg, args.run_dir, overwrite=args.overwrite, progress=not args.no_progress, explain=args.explain)
     elif args.command == "explain":
-        from shardlm.explain import explain
+        from shardlm.sharding.explain import explain
         from shardlm.mesh import mesh_from_config
         from shardlm.train.loop import load_data
         from shardlm.train.state import create_train_state

@@ -6,6 +6,7 @@ The axes are always the same three, in this order, so a strategy is nothing but 
 dimension sharding that row-parallel (Megatron) weights need.
 """
 
+import math
 import os
 import re
 
@@ -39,33 +40,40 @@ def simulate_cpu_devices(n: int) -> None:
 
 
 def resolve_degrees(data: int | None, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
-    """Turn configured degrees (None / -1 allowed) into concrete ones whose product is `n_devices`."""
-    degrees = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    """Turn configured degrees (None / -1 allowed) into concrete ones whose product is `n_devices`.
+    `data=None` means "the rest" unless another axis already is."""
+    if data is None:
+        data = 1 if -1 in (fsdp, tensor) else -1
+    degrees = resolve_axis_degrees({"data": data, "fsdp": fsdp, "tensor": tensor}, n_devices,
+                                   knobs="mesh.data, mesh.fsdp and mesh.tensor")
+    return degrees["data"], degrees["fsdp"], degrees["tensor"]
+
+
+def resolve_axis_degrees(degrees: dict[str, int], n_devices: int, knobs: str = "the mesh degrees") -> dict[str, int]:
+    """{axis: degree} with at most one -1 ("the rest") -> concrete degrees whose product is `n_devices`."""
+    for name, d in degrees.items():
+        if not isinstance(d, int) or isinstance(d, bool) or (d < 1 and d != -1):
+            raise ShardlmError(f"mesh axis {name} has degree {d!r}; a degree is a positive integer or -1 (\"the rest\")")
     rest = [k for k, v in degrees.items() if v == -1]
     if len(rest) > 1:
         raise ShardlmError(
             f"mesh axes {' and '.join(rest)} are both -1; at most one degree may be -1 (\"the rest\")"
         )
-    if degrees["data"] is None:
-        degrees["data"] = 1 if rest else -1
-        rest = rest or ["data"]
-    fixed = 1
-    for k, v in degrees.items():
-        if v != -1:
-            fixed *= v
+    fixed = math.prod(v for v in degrees.values() if v != -1)
+    out = dict(degrees)
     if rest:
         if n_devices % fixed:
             raise ShardlmError(
                 f"mesh degrees {_describe(degrees)} multiply to {fixed}, which does not divide the {n_devices} "
                 f"devices; choose degrees whose product divides {n_devices}"
             )
-        degrees[rest[0]] = n_devices // fixed
+        out[rest[0]] = n_devices // fixed
     elif fixed != n_devices:
         raise ShardlmError(
             f"mesh {_describe(degrees)} uses {fixed} devices but {n_devices} are available; make the product of "
-            f"mesh.data, mesh.fsdp and mesh.tensor equal {n_devices}, or set one of them to -1 (\"the rest\")"
+            f"{knobs} equal {n_devices}, or set one of them to -1 (\"the rest\")"
         )
-    return degrees["data"], degrees["fsdp"], degrees["tensor"]
+    return out
 
 
 def _describe(degrees: dict) -> str:
@@ -75,11 +83,38 @@ def _describe(degrees: dict) -> str:
 def make_mesh(data: int | None = None, fsdp: int = 1, tensor: int = 1, devices=None):
     """A `jax.sharding.Mesh` over `devices` (default: all) with axes (data, fsdp, tensor), all `AxisType.Auto`."""
     import jax
+
+    devices = list(jax.devices() if devices is None else devices)
+    data, fsdp, tensor = resolve_degrees(data, fsdp, tensor, len(devices))
+    return make_named_mesh({"data": data, "fsdp": fsdp, "tensor": tensor}, devices)
+
+
+def make_named_mesh(degrees: dict[str, int], devices=None):
+    """A mesh with any axis names (a plan's, or seed 003's ("data", "model")), -1 = "the rest", all Auto axes."""
+    import jax
     from jax.sharding import AxisType
 
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_degrees(data, fsdp, tensor, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    if not degrees:
+        raise ShardlmError("a mesh needs at least one axis, e.g. {data: -1}")
+    shape = resolve_axis_degrees(dict(degrees), len(devices))
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape),
+                         devices=devices)
+
+
+def balanced_degrees(n_devices: int, n_axes: int) -> tuple[int, ...]:
+    """Split `n_devices` over `n_axes` as evenly as possible, earlier axes taking the larger share:
+    8 over 2 -> (4, 2), 8 over 3 -> (2, 2, 2), 4 over 2 -> (2, 2), 1 -> (1, 1)."""
+    primes, n, f = [], n_devices, 2
+    while n > 1:
+        while n % f == 0:
+            primes.append(f)
+            n //= f
+        f += 1
+    out = [1] * n_axes
+    for p in sorted(primes, reverse=True):
+        out[out.index(min(out))] *= p
+    return tuple(sorted(out, reverse=True))
 
 
 def mesh_from_config(mesh_cfg, devices=None):

@@ -56,12 +56,14 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *, shape=None, mesh=None) -> P:
+def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *, shape=None, mesh=None,
+                    taken: frozenset[str] = frozenset()) -> P:
     """('embed', 'mlp') -> P('fsdp', 'tensor'). Every name must have a rule (map it to None to replicate).
 
     Given the array's `shape` and the `mesh`, a rule that is not a name's last one is also skipped when its degree
     does not divide that dimension (a bias with head_dim 64 under fsdp=128 falls back to replicated); the last
-    rule for a name is binding, and `check_divisible` reports it if it does not fit.
+    rule for a name is binding, and `check_divisible` reports it if it does not fit. Mesh axes in `taken` are
+    already used by other dimensions (a plan that mixes mesh axes and logical names).
     """
     rules = LOGICAL_AXIS_RULES if rules is None else rules
     last_rule = {name: i for i, (name, _) in enumerate(rules)}
@@ -73,7 +75,7 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *
             )
     out: list[MeshAxes] = [None] * len(names)
     decided = [name is None for name in names]
-    used: set[str] = set()
+    used: set[str] = set(taken)
     for r, (rule_name, axes) in enumerate(rules):
         for i, name in enumerate(names):
             if decided[i] or name != rule_name:
@@ -84,6 +86,16 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *
                 used.update(_as_tuple(axes))
             break
     return P(*out)
+
+
+def rules_for_mesh(mesh, rules: Rules | None = None) -> Rules:
+    """The table restricted to `mesh`'s axes: an axis the mesh does not have shards nothing (degree 1)."""
+    present = set(mesh.axis_names)
+    out = []
+    for name, axes in LOGICAL_AXIS_RULES if rules is None else rules:
+        kept = tuple(a for a in _as_tuple(axes) if a in present)
+        out.append((name, kept[0] if len(kept) == 1 else kept or None))
+    return tuple(out)
 
 
 def axis_degree(mesh, axes: MeshAxes) -> int:
@@ -131,13 +143,14 @@ def _logical_names(variable: Any) -> tuple[str | None, ...] | None:
 
 
 def path_str(path) -> str:
+    """A pytree key path as 'blocks/0/mha/value/kernel'. The `.value` attribute of an NNX Variable is dropped;
+    a module or dict entry named 'value' (attention's value projection) is kept."""
     parts = []
     for k in path:
-        key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-        if key == "value":
+        if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
             continue
-        parts.append(str(key))
-    return ".".join(parts)
+        parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+    return "/".join(parts)
 
 
 def state_partition_specs(abstract_state, mesh, rules: Rules | None = None):

@@ -28,7 +28,7 @@ from shardlm.data.loader import BatchLoader
 from shardlm.data.prepare import PreparedData, training_data
 from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
-from shardlm.explain import explain_state, fmt_bytes, format_explanation
+from shardlm.sharding.explain import explain_state, fmt_bytes, format_explanation
 from shardlm.generate import sample_text
 from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.perf.flops import device_peak, flops_per_token

@@ -1,0 +1,146 @@
+"""`explain`: where every parameter lives, read back from the real (sharded) arrays, not from the plan.
+
+    print(shardlm.explain(sharded))            # a table: path, shape, dtype, spec, bytes per device, placed by
+    shardlm.explain(trainer).to_json()         # the same as JSON, with per-device totals incl. optimizer state
+
+Works for a model placed by a plan (`shardlm.shard`, or its `Trainer`) and for shardlm's own train state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+
+import jax
+
+from shardlm.mesh import describe_mesh
+from shardlm.sharding.rules import path_str
+
+
+@dataclasses.dataclass
+class Row:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: str
+    bytes_per_device: int  # the largest shard held by any device
+    total_bytes: int
+    placed_by: str = ""
+
+
+@dataclasses.dataclass
+class Explanation:
+    mesh: str
+    params: list[Row]
+    param_bytes_per_device: dict[int, int]  # device id -> bytes of parameters
+    opt_bytes_per_device: dict[int, int]  # device id -> bytes of optimizer state ({} when there is none yet)
+    mesh_shape: dict[str, int] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def max_param_bytes(self) -> int:
+        return max(self.param_bytes_per_device.values())
+
+    @property
+    def max_opt_bytes(self) -> int:
+        return max(self.opt_bytes_per_device.values(), default=0)
+
+    @property
+    def param_count(self) -> int:
+        return sum(r.total_bytes // jax.numpy.dtype(r.dtype).itemsize for r in self.params)
+
+    def to_dict(self) -> dict:
+        devices = sorted(self.param_bytes_per_device)
+        per_device = [{"device": d, "params": self.param_bytes_per_device[d],
+                       "optimizer": self.opt_bytes_per_device.get(d, 0),
+                       "total": self.param_bytes_per_device[d] + self.opt_bytes_per_device.get(d, 0)}
+                      for d in devices]
+        return {
+            "mesh": self.mesh_shape,
+            "parameters": [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.params],
+            "param_count": self.param_count,
+            "param_bytes": sum(r.total_bytes for r in self.params),
+            "per_device": per_device,
+            "max_bytes_per_device": {"params": self.max_param_bytes, "optimizer": self.max_opt_bytes,
+                                     "total": max(d["total"] for d in per_device)},
+            "notes": self.notes,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        return format_explanation(self)
+
+
+def _rows_and_usage(tree, placed_by: dict[str, str] | None = None) -> tuple[list[Row], dict[int, int]]:
+    rows, usage = [], defaultdict(int)
+    for path, arr in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shard_bytes = [s.data.nbytes for s in arr.addressable_shards]
+        for shard in arr.addressable_shards:
+            usage[shard.device.id] += shard.data.nbytes
+        name = path_str(path)
+        rows.append(Row(name, tuple(arr.shape), str(arr.dtype), str(arr.sharding.spec), max(shard_bytes), arr.nbytes,
+                        (placed_by or {}).get(name, "")))
+    return rows, dict(usage)
+
+
+def explain_state(state, mesh) -> Explanation:
+    """`state` is the nnx.State {"model", "optimizer"} built by `create_train_state`."""
+    rows, p_usage = _rows_and_usage(state["model"])  # the GPT's only variables are its parameters
+    _, o_usage = _rows_and_usage(state["optimizer"])
+    return Explanation(describe_mesh(mesh), rows, p_usage, o_usage, dict(mesh.shape))
+
+
+def explain_sharded(sharded, opt_state=None) -> Explanation:
+    """A model placed by a plan (`shardlm.shard`), and its optimizer state if a trainer made one."""
+    tree = {"params": sharded.params} if sharded.kind == "linen" else sharded.params  # paths as the plan saw them
+    placed_by = {p.path: p.placed_by for p in sharded.layout.placements}
+    rows, p_usage = _rows_and_usage(tree, placed_by)
+    o_usage = _rows_and_usage(opt_state)[1] if opt_state is not None else {}
+    return Explanation(describe_mesh(sharded.mesh), rows, p_usage, o_usage, dict(sharded.mesh.shape),
+                       sharded.layout.notes())
+
+
+def explain(obj, mesh=None) -> Explanation:
+    """`explain(sharded)`, `explain(trainer)` (adds optimizer state), or `explain(train_state, mesh)`.
+    `str()` of the result is the table; `.to_json()` the same data as JSON."""
+    from shardlm.sharding.foreign import Sharded
+    from shardlm.train.runner import Trainer
+
+    if isinstance(obj, Trainer):
+        return explain_sharded(obj.sharded, obj.opt_state)
+    if isinstance(obj, Sharded):
+        return explain_sharded(obj)
+    if mesh is None:
+        raise TypeError("explain(state, mesh) needs the mesh for a train state")
+    return explain_state(obj, mesh)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_explanation(ex: Explanation) -> str:
+    w = max(len(r.path) for r in ex.params)
+    sw = max(28, max(len(r.spec) for r in ex.params))
+    by = any(r.placed_by for r in ex.params)
+    lines = [f"mesh {ex.mesh}: {len(ex.params)} parameters, {ex.param_count:,} values", ""]
+    lines.append(f"{'parameter':<{w}}  {'shape':<18} {'dtype':<9} {'partition spec':<{sw}} {'bytes/device':>13}"
+                 + ("  placed by" if by else ""))
+    for r in ex.params:
+        lines.append(f"{r.path:<{w}}  {str(r.shape):<18} {r.dtype:<9} {r.spec:<{sw}} "
+                     f"{fmt_bytes(r.bytes_per_device):>13}" + (f"  {r.placed_by}" if by else ""))
+    total_p = sum(r.total_bytes for r in ex.params)
+    totals = f"per device: parameters {fmt_bytes(ex.max_param_bytes)} (of {fmt_bytes(total_p)} in all)"
+    if ex.opt_bytes_per_device:
+        totals += (f", optimizer state {fmt_bytes(ex.max_opt_bytes)}, total "
+                   f"{fmt_bytes(max(ex.param_bytes_per_device[d] + ex.opt_bytes_per_device.get(d, 0) for d in ex.param_bytes_per_device))}")
+    lines += ["", totals]
+    lines += [f"note: {n}" for n in ex.notes]
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""Resolve a plan against a model's parameter shapes and a mesh: one PartitionSpec per parameter, checked.
+
+Everything here works on shapes alone, before anything is placed or compiled, and every problem is an error that
+names what to fix: a rule naming an axis that is neither a mesh axis nor a logical name, a rule that matches no
+parameter (a typo) or only parameters earlier rules already took, parameters no rule matches (unless the plan says
+`unmatched: replicate`), a spec longer than the parameter's rank, an axis used twice, and a dimension a mesh
+degree does not divide (JAX would silently replicate it, jax#26946). Large parameters left whole on every device
+are not errors, but are listed with their bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from shardlm.errors import ShardlmError
+from shardlm.sharding.plan import Largest, Plan, Rule, matches
+from shardlm.sharding.rules import LOGICAL_AXIS_RULES, logical_to_spec, rules_for_mesh
+
+LOGICAL_NAMES = tuple(dict.fromkeys(name for name, _ in LOGICAL_AXIS_RULES))
+UNMATCHED_NOTE = "no rule (replicated)"
+NOT_A_PARAMETER = "not a parameter (replicated)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    is_param: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: P
+    placed_by: str  # the rule, or why no rule placed it
+    is_param: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass
+class Layout:
+    mesh: object
+    plan: Plan
+    placements: list[Placement]
+    input_spec: P
+    output_spec: P
+
+    @property
+    def specs(self) -> dict[str, P]:
+        return {p.path: p.spec for p in self.placements}
+
+    def replicated_large(self) -> list[Placement]:
+        """Parameters at least `plan.report_replicated_bytes` big that every device holds whole."""
+        if self.mesh.size == 1:
+            return []
+        return [p for p in self.placements if p.is_param and _degree(self.mesh, p.spec) == 1
+                and p.nbytes >= self.plan.report_replicated_bytes]
+
+    def notes(self) -> list[str]:
+        from shardlm.sharding.explain import fmt_bytes
+
+        big = self.replicated_large()
+        if not big:
+            return []
+        listed = ", ".join(f"{p.path} {p.shape} {fmt_bytes(p.nbytes)}" for p in big[:5])
+        more = f" and {len(big) - 5} more" if len(big) > 5 else ""
+        return [f"{len(big)} parameter(s) of {fmt_bytes(self.plan.report_replicated_bytes)} or more are whole on "
+                f"every one of the {self.mesh.size} devices, {fmt_bytes(sum(p.nbytes for p in big))} in all: "
+                f"{listed}{more}"]
+
+
+def _degree(mesh, spec: P) -> int:
+    return math.prod(mesh.shape[a] for entry in spec if entry is not None
+                     for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
+    _check_rule_names(plan, mesh)
+    params = [leaf for leaf in leaves if leaf.is_param]
+    winners: dict[str, Rule | None] = {}
+    matched: dict[int, list[str]] = {i: [] for i in range(len(plan.rules))}
+    won: dict[int, int] = {i: 0 for i in range(len(plan.rules))}
+    for leaf in params:
+        winner = None
+        for i, rule in enumerate(plan.rules):
+            if rule.spec_for_rank(len(leaf.shape)) is not None and matches(rule, leaf.path):
+                matched[i].append(leaf.path)
+                if winner is None:
+                    winner = i
+                    won[i] += 1
+        winners[leaf.path] = None if winner is None else plan.rules[winner]
+    example = params[0].path if params else "(the model has no parameters)"
+    for i, rule in enumerate(plan.rules):
+        if rule.optional:
+            continue
+        if not matched[i]:
+            raise ShardlmError(
+                f"{plan.name}: rule {i + 1} {rule.describe()} matches no parameter; fix the pattern (paths look like "
+                f"'{example}'; `shardlm.explain` lists them all) or delete the rule"
+            )
+        if not won[i]:
+            first = matched[i][0]
+            by = next(j for j, r in enumerate(plan.rules) if matches(r, first)
+                      and r.spec_for_rank(len(next(p.shape for p in params if p.path == first))) is not None)
+            raise ShardlmError(
+                f"{plan.name}: rule {i + 1} {rule.describe()} never applies: every parameter it matches (e.g. {first}) "
+                f"is placed by the earlier rule {by + 1} {plan.rules[by].describe()}; move it up or delete it"
+            )
+    orphans = [leaf for leaf in params if winners[leaf.path] is None]
+    if orphans and plan.unmatched == "error":
+        listed = ", ".join(f"{leaf.path} {leaf.shape}" for leaf in orphans[:6])
+        more = f" and {len(orphans) - 6} more" if len(orphans) > 6 else ""
+        raise ShardlmError(
+            f"{plan.name}: {len(orphans)} parameter(s) match no rule: {listed}{more}; add rules for them, or set "
+            "`unmatched: replicate` to keep them whole on every device"
+        )
+    placements = []
+    for leaf in leaves:
+        rule = winners.get(leaf.path)
+        if not leaf.is_param:
+            placements.append(Placement(leaf.path, leaf.shape, leaf.dtype, P(), NOT_A_PARAMETER, False))
+        elif rule is None:
+            placements.append(Placement(leaf.path, leaf.shape, leaf.dtype, P(), UNMATCHED_NOTE))
+        else:
+            spec = _spec_for(rule, leaf, mesh, plan.name)
+            placements.append(Placement(leaf.path, leaf.shape, leaf.dtype, spec, f"rule {rule.describe()}"))
+    io = lambda entries, what: _resolve_entries(entries, None, mesh, f"{plan.name}: {what}")  # noqa: E731
+    return Layout(mesh, plan, placements, io(plan.inputs, "inputs"), io(plan.outputs, "outputs"))
+
+
+def _check_rule_names(plan: Plan, mesh) -> None:
+    """Every name in every rule is a mesh axis or a logical name (checked even for rules that match nothing)."""
+    axes = set(mesh.axis_names)
+    for i, rule in enumerate(plan.rules):
+        specs = rule.spec.specs.values() if hasattr(rule.spec, "specs") else [rule.spec]
+        for spec in specs:
+            if isinstance(spec, Largest):
+                missing = [a for a in spec.axes if a not in axes]
+                if missing and not rule.optional:
+                    raise ShardlmError(
+                        f"{plan.name}: rule {i + 1} {rule.describe()} splits over '{missing[0]}', which is not an "
+                        f"axis of the mesh ({', '.join(mesh.axis_names)}); name one of those"
+                    )
+                continue
+            for entry in spec:
+                for name in entry or ():
+                    if name not in axes and name not in LOGICAL_NAMES:
+                        raise ShardlmError(
+                            f"{plan.name}: rule {i + 1} {rule.describe()} names '{name}', which is neither a mesh "
+                            f"axis ({', '.join(mesh.axis_names)}) nor a logical axis name ({', '.join(LOGICAL_NAMES)})"
+                        )
+
+
+def _spec_for(rule: Rule, leaf: Leaf, mesh, plan_name: str) -> P:
+    spec = rule.spec_for_rank(len(leaf.shape))
+    where = f"{plan_name}: rule {rule.describe()} on parameter {leaf.path} of shape {leaf.shape}"
+    if isinstance(spec, Largest):
+        return _largest(spec, leaf.shape, mesh)
+    if len(spec) > len(leaf.shape):
+        raise ShardlmError(f"{where}: the spec has {len(spec)} entries for {len(leaf.shape)} dimensions; "
+                           "give one entry per dimension")
+    out = _resolve_entries(spec, leaf.shape, mesh, where)
+    _check_divisible(out, leaf, mesh, rule)
+    return out
+
+
+def _largest(spec: Largest, shape: tuple[int, ...], mesh) -> P:
+    axes = tuple(a for a in spec.axes if a in mesh.axis_names)
+    degree = math.prod(mesh.shape[a] for a in axes)
+    if degree == 1:
+        return P()
+    for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+        if shape[dim] % degree == 0:
+            entries = [None] * len(shape)
+            entries[dim] = axes[0] if len(axes) == 1 else axes
+            return P(*entries)
+    return P()  # no dimension divides: whole on every device (listed by Layout.replicated_large if large)
+
+
+def _resolve_entries(entries, shape, mesh, where: str) -> P:
+    """Per-dimension entries of mesh axes and logical names -> a mesh PartitionSpec."""
+    axes = set(mesh.axis_names)
+    explicit: list[tuple[str, ...] | None] = []
+    logical: list[str | None] = []
+    for entry in entries:
+        if entry is None:
+            explicit.append(None)
+            logical.append(None)
+        elif all(a in axes for a in entry):
+            explicit.append(entry)
+            logical.append(None)
+        elif len(entry) == 1 and entry[0] in LOGICAL_NAMES:
+            explicit.append(None)
+            logical.append(entry[0])
+        else:
+            bad = next((a for a in entry if a not in axes), entry[0])
+            raise ShardlmError(
+                f"{where}: '{bad}' is neither a mesh axis ({', '.join(mesh.axis_names)}) nor a logical axis name "
+                f"({', '.join(LOGICAL_NAMES)}); a list entry must name mesh axes only"
+            )
+    taken = [a for e in explicit if e for a in e]
+    if len(taken) != len(set(taken)):
+        dup = next(a for a in taken if taken.count(a) > 1)
+        raise ShardlmError(f"{where}: mesh axis '{dup}' splits two dimensions; a mesh axis can split only one")
+    resolved = list(explicit)
+    if any(logical):
+        from_table = logical_to_spec(tuple(logical), rules_for_mesh(mesh), shape=shape, mesh=mesh,
+                                     taken=frozenset(taken))
+        for i, name in enumerate(logical):
+            if name is not None:
+                resolved[i] = from_table[i]
+    return P(*[None if e is None else e if isinstance(e, str) else e[0] if len(e) == 1 else tuple(e)
+               for e in resolved])
+
+
+def _check_divisible(spec: P, leaf: Leaf, mesh, rule: Rule) -> None:
+    for dim, (size, entry) in enumerate(zip(leaf.shape, spec)):
+        if entry is None:
+            continue
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        degree = math.prod(mesh.shape[a] for a in names)
+        if size % degree:
+            axis = " x ".join(f"'{a}' ({mesh.shape[a]})" for a in names)
+            raise ShardlmError(
+                f"parameter {leaf.path} of shape {leaf.shape}: dimension {dim} (size {size}) is split {degree} ways "
+                f"over mesh axis {axis} by rule {rule.describe()}, and {degree} does not divide {size}; change that "
+                "axis's degree, the rule, or the layer's size"
+            )
