@@ -42,7 +42,9 @@ class DecoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, mask):
-        y = nn.SelfAttention(num_heads=self.num_heads, use_bias=True, deterministic=True)(nn.LayerNorm()(x), mask=mask)
+        h = nn.LayerNorm()(x)
+        y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, deterministic=True, name="attn")(
+            h, mask=mask)
         x = x + y
         return x + MLP(hidden_dim=4 * self.embed_dim, out_dim=self.embed_dim)(nn.LayerNorm()(x))
 

@@ -69,8 +69,8 @@ def shard_linen_model(model, params, sharding_config, mesh=None):
         placement = placements["/".join(map(str, key))]
         if not placement.is_param:
             print(f"Replicated variable {key} (not a parameter)")
-        elif placement.placed_by.startswith("rule"):
-            print(f"Sharded param {key} with {_seed_repr(value.sharding.spec)}")
+        elif placement.rule is not None:
+            print(f"Sharded param {key} with {_seed_repr(placement.rule.spec)}")
         else:
             print(f"[WARN] No sharding spec for param {key}, replicating it on every device")
 
@@ -81,6 +81,8 @@ def shard_linen_model(model, params, sharding_config, mesh=None):
 
 
 def _seed_repr(spec) -> str:
-    """The seed's log format: JAX printed PartitionSpec('data', 'model') before it switched to P('data', 'model')."""
-    entries = [repr(tuple(e)) if isinstance(e, (tuple, list)) else repr(e) for e in spec]
+    """A config spec in the seed's log format: JAX printed PartitionSpec('data', 'model') before it switched to
+    P('data', 'model'). Entries are None, an axis name, or a tuple of axis names."""
+    entries = [repr(e) if e is None or isinstance(e, str) else repr(e[0]) if len(e) == 1 else repr(tuple(e))
+               for e in spec]
     return "PartitionSpec(" + ", ".join(entries) + ("," if len(entries) == 1 else "") + ")"

@@ -13,6 +13,7 @@ import json
 from collections import defaultdict
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from shardlm.mesh import describe_mesh
 from shardlm.sharding.rules import path_str
@@ -81,7 +82,8 @@ def _rows_and_usage(tree, placed_by: dict[str, str] | None = None) -> tuple[list
         for shard in arr.addressable_shards:
             usage[shard.device.id] += shard.data.nbytes
         name = path_str(path)
-        rows.append(Row(name, tuple(arr.shape), str(arr.dtype), str(arr.sharding.spec), max(shard_bytes), arr.nbytes,
+        spec = tuple(arr.sharding.spec) + (None,) * (arr.ndim - len(arr.sharding.spec))  # one entry per dimension
+        rows.append(Row(name, tuple(arr.shape), str(arr.dtype), str(P(*spec)), max(shard_bytes), arr.nbytes,
                         (placed_by or {}).get(name, "")))
     return rows, dict(usage)
 

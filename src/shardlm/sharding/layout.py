@@ -41,6 +41,7 @@ class Placement:
     spec: P
     placed_by: str  # the rule, or why no rule placed it
     is_param: bool = True
+    rule: Rule | None = None
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +78,16 @@ class Layout:
         return [f"{len(big)} parameter(s) of {fmt_bytes(self.plan.report_replicated_bytes)} or more are whole on "
                 f"every one of the {self.mesh.size} devices, {fmt_bytes(sum(p.nbytes for p in big))} in all: "
                 f"{listed}{more}"]
+
+
+def canonical(spec: P) -> P:
+    """Trailing unsplit dimensions dropped: P('model', None) -> P('model'). JAX returns jit outputs in this form
+    and compares specs literally, so an array placed as P('model', None) would come back from a user's own jitted
+    step as P('model') and force a recompile."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def _degree(mesh, spec: P) -> int:
@@ -132,9 +143,10 @@ def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
         elif rule is None:
             placements.append(Placement(leaf.path, leaf.shape, leaf.dtype, P(), UNMATCHED_NOTE))
         else:
-            spec = _spec_for(rule, leaf, mesh, plan.name)
-            placements.append(Placement(leaf.path, leaf.shape, leaf.dtype, spec, f"rule {rule.describe()}"))
-    io = lambda entries, what: _resolve_entries(entries, None, mesh, f"{plan.name}: {what}")  # noqa: E731
+            spec = canonical(_spec_for(rule, leaf, mesh, plan.name))
+            placements.append(Placement(leaf.path, leaf.shape, leaf.dtype, spec, f"rule {rule.describe()}",
+                                        rule=rule))
+    io = lambda entries, what: canonical(_resolve_entries(entries, None, mesh, f"{plan.name}: {what}"))  # noqa: E731
     return Layout(mesh, plan, placements, io(plan.inputs, "inputs"), io(plan.outputs, "outputs"))
 
 
