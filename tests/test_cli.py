@@ -109,6 +109,12 @@ def test_explain_command():
     assert "blocks/3/attn/wq" in proc.stdout and "(128, 4, 32)" in proc.stdout
     assert str(P("fsdp", "tensor", None)) in proc.stdout
     assert "per device: parameters" in proc.stdout
+    proc = shardlm("explain", "--cpu-devices", "8", "--json", "mesh.fsdp=4", "mesh.tensor=2", "data.tokenizer=bytes")
+    data = json.loads(proc.stdout)
+    assert data["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2} and len(data["per_device"]) == 8
+    row = next(r for r in data["parameters"] if r["path"] == "blocks/3/attn/wq")
+    assert row["shape"] == [128, 4, 32] and row["bytes_per_device"] == 128 * 4 * 32 * 4 // 8
+    assert data["max_bytes_per_device"]["params"] == max(d["params"] for d in data["per_device"])
 
 
 def test_train_on_a_prepared_tinystories_file(tmp_path):

@@ -218,7 +218,7 @@ def test_explain_table_and_json_are_read_back_from_the_arrays():
     rows = {r["path"]: r for r in data["parameters"]}
     row = rows["params/Dense_0/kernel"]
     assert row["shape"] == [32, 64] and row["dtype"] == "float32" and row["spec"] == str(P(None, "fsdp"))
-    assert row["bytes_per_device"] == 32 * 64 * 4 // 8 and row["placed_by"] == "rule '**' (preset fsdp)"
+    assert row["bytes_per_device"] == 32 * 64 * 4 // 8 and row["placed_by"] == "rule largest dim over fsdp (preset fsdp)"
     total = sum(r["total_bytes"] for r in data["parameters"])
     assert [d["params"] for d in data["per_device"]] == [total // 8] * 8
     assert [d["optimizer"] for d in data["per_device"]] == [2 * total // 8 + 4] * 8  # mu, nu, and the int32 count

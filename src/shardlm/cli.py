@@ -2,7 +2,7 @@
 
     shardlm train [--config FILE] [--run-dir DIR] [--cpu-devices N] [--overwrite] [--explain] [--no-progress]
                   [key=value ...]
-    shardlm explain [--config FILE] [--cpu-devices N] [key=value ...]
+    shardlm explain [--config FILE] [--cpu-devices N] [--json] [key=value ...]
     shardlm data prepare INPUT... --tokenizer T --out DIR [--val INPUT...] [--val-fraction F] [--force]
     shardlm tokenizer train INPUT... --vocab-size N --out PATH [--force]
 
@@ -38,6 +38,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     explain = sub.add_parser("explain", help="print every parameter's shape, partition spec and bytes per device")
     _common(explain)
+    explain.add_argument("--json", action="store_true", help="the same as JSON, with per-device totals")
 
     data = sub.add_parser("data", help="prepare token files for training")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -142,8 +143,10 @@ def _run(args: argparse.Namespace) -> None:
         from shardlm.train.state import create_train_state
 
         mesh = mesh_from_config(cfg.mesh)
-        vocab = cfg.model.vocab_size or load_data(cfg).tokenizer.vocab_size
-        print(explain(create_train_state(cfg, mesh, vocab).state, mesh))
+        # Data messages go to stderr: stdout is the table (or JSON).
+        vocab = cfg.model.vocab_size or load_data(cfg, log=lambda m: print(m, file=sys.stderr)).tokenizer.vocab_size
+        ex = explain(create_train_state(cfg, mesh, vocab).state, mesh)
+        print(ex.to_json() if args.json else ex)
 
 
 def main(argv: list[str] | None = None) -> int:

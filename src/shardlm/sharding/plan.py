@@ -67,6 +67,7 @@ class Rule:
     spec: Spec
     optional: bool = False  # preset rules: matching nothing is fine
     origin: str = "plan"  # "plan", or "preset NAME"
+    label: str = ""  # a short name for a preset rule, shown instead of its long pattern
 
     @property
     def regex(self) -> re.Pattern:
@@ -78,6 +79,8 @@ class Rule:
         return self.spec
 
     def describe(self) -> str:
+        if self.label:
+            return f"{self.label} ({self.origin})"
         return f"'{self.pattern}'" + (f" ({self.origin})" if self.origin != "plan" else "")
 
 
@@ -296,31 +299,31 @@ _MLP_IN = "{linear1,fc1,c_fc,wi,wi_0,wi_1,up_proj,gate_proj,w1,w3,fc_in,dense_h_
 _MLP_OUT = "{linear2,fc2,c_proj,down_proj,wo,w2,fc_out,dense_4h_to_h}"
 
 
-def _megatron_rules() -> list[tuple[str, Spec]]:
+def _megatron_rules() -> list[tuple[str, str, Spec]]:
     e = lambda *names: tuple((n,) if n else None for n in names)  # noqa: E731
     column = ByRank({2: e("embed", "mlp")})
     row = ByRank({2: e("mlp", "embed")})
     return [
         # Column-parallel: each device computes some heads / some hidden units...
-        (f"{_QKV}/kernel", ByRank({3: e("embed", "heads", "head_dim"), 2: e("embed", "heads")})),
-        (f"{_QKV}/bias", ByRank({2: e("heads", "head_dim"), 1: e("heads")})),
-        (f"{_MLP_IN}/kernel", column),
-        (f"{_MLP_IN}/bias", ByRank({1: e("mlp")})),
-        (f"{_MLP_PARENT}/Dense_0/kernel", column),
-        (f"{_MLP_PARENT}/Dense_0/bias", ByRank({1: e("mlp")})),
+        ("q/k/v column", f"{_QKV}/kernel", ByRank({3: e("embed", "heads", "head_dim"), 2: e("embed", "heads")})),
+        ("q/k/v bias", f"{_QKV}/bias", ByRank({2: e("heads", "head_dim"), 1: e("heads")})),
+        ("mlp-in column", f"{_MLP_IN}/kernel", column),
+        ("mlp-in bias", f"{_MLP_IN}/bias", ByRank({1: e("mlp")})),
+        ("mlp-in column", f"{_MLP_PARENT}/Dense_0/kernel", column),
+        ("mlp-in bias", f"{_MLP_PARENT}/Dense_0/bias", ByRank({1: e("mlp")})),
         # ...then row-parallel: partial sums, one all-reduce per attention or MLP half of a block.
-        ("{out,attn_out}/kernel", ByRank({3: e("heads", "head_dim", "embed")})),
-        ("o_proj/kernel", ByRank({2: e("heads", "embed")})),
-        (f"{_MLP_OUT}/kernel", row),
-        (f"{_MLP_PARENT}/Dense_1/kernel", row),
+        ("attn-out row", "{out,attn_out}/kernel", ByRank({3: e("heads", "head_dim", "embed")})),
+        ("attn-out row", "o_proj/kernel", ByRank({2: e("heads", "embed")})),
+        ("mlp-out row", f"{_MLP_OUT}/kernel", row),
+        ("mlp-out row", f"{_MLP_PARENT}/Dense_1/kernel", row),
         # Everything else (embeddings, norms, the head, output biases): FSDP if the mesh has it, else whole.
-        ("**", Largest()),
+        ("rest: largest dim over fsdp", "**", Largest()),
     ]
 
 
 _PRESETS: dict[str, dict] = {
-    "dp": {"mesh": {"data": -1}, "rules": [("**", ())]},
-    "fsdp": {"mesh": {"fsdp": -1}, "rules": [("**", Largest())]},
+    "dp": {"mesh": {"data": -1}, "rules": [("everything whole", "**", ())]},
+    "fsdp": {"mesh": {"fsdp": -1}, "rules": [("largest dim over fsdp", "**", Largest())]},
     "megatron": {"mesh": {"tensor": -1}, "rules": None},
 }
 PRESETS = tuple(_PRESETS)
@@ -334,5 +337,5 @@ def preset(name: str) -> Plan:
         raise ShardlmError(f"unknown preset '{name}'; presets are {', '.join(PRESETS)}")
     spec = _PRESETS[name]
     raw_rules = spec["rules"] if spec["rules"] is not None else _megatron_rules()
-    rules = [Rule(p, s, optional=True, origin=f"preset {name}") for p, s in raw_rules]
+    rules = [Rule(p, s, optional=True, origin=f"preset {name}", label=label) for label, p, s in raw_rules]
     return Plan(rules=rules, mesh=dict(spec["mesh"]), unmatched="replicate", name=name)

@@ -85,9 +85,9 @@ def check_batch(cfg: Config, mesh) -> None:
         raise ShardlmError(f"train.batch_size must be a multiple of the {jax.process_count()} processes")
 
 
-def load_data(cfg: Config, progress: bool = False) -> PreparedData:
+def load_data(cfg: Config, progress: bool = False, log=None) -> PreparedData:
     """The prepared data (preparing text into the cache first if needed), checked against model.vocab_size."""
-    data = training_data(cfg.data, progress=progress, log=_log)
+    data = training_data(cfg.data, progress=progress, log=log or _log)
     vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
         raise ShardlmError(
