@@ -13,7 +13,6 @@ model over real text must not do) and there is a final LayerNorm before the outp
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -84,36 +83,14 @@ def main(argv=None) -> int:
     import shardlm
 
     shardlm.simulate_cpu_devices(args.cpu_devices)
-    import optax
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from nnx_minigpt import text_batches  # byte windows of the built-in Shakespeare corpus
+    from common import compare_strategies, text_batches
 
     batches = list(text_batches(args.steps, args.batch_size, SIZES["seq_len"]))
     model = DecoderOnlyTransformer(**SIZES)
     init = lambda: model.init(jax.random.key(0), jnp.ones((2, SIZES["seq_len"]), jnp.int32))  # noqa: E731
-    strategies = {
-        "unsharded (1 device)": ("dp", shardlm.make_mesh(devices=jax.devices()[:1])),
-        "dp": ("dp", None),
-        "fsdp": ("fsdp", None),
-        "megatron": ("megatron", None),
-        "megatron, data=2 x tensor=4": ("megatron", shardlm.make_mesh(data=2, tensor=4)),
-        f"hand-written plan ({PLAN.name})": (PLAN, None),
-    }
-    reference = None
-    for label, (plan, mesh) in strategies.items():
-        sharded = shardlm.shard(model, plan, mesh, variables=init)  # init runs sharded, inside jit
-        trainer = sharded.trainer(optax.adamw(3e-3))
-        start = time.perf_counter()
-        losses = [float(trainer.step(b)["loss"]) for b in batches]
-        elapsed = time.perf_counter() - start
-        reference = reference or losses
-        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-        mesh_text = " x ".join(f"{k}={v}" for k, v in sharded.mesh.shape.items())
-        print(f"{label:<42} mesh {mesh_text:<24} loss {losses[0]:.4f} -> {losses[-1]:.4f}  "
-              f"max rel. diff vs unsharded {worst:.1e}  ({elapsed:.1f} s, {trainer.compiles} compile)")
-        if args.explain and plan == PLAN:
-            print(shardlm.explain(trainer))
+    # variables=init: the init itself runs sharded, inside jit.
+    compare_strategies(lambda plan, mesh: shardlm.shard(model, plan, mesh, variables=init), PLAN, batches,
+                       args.explain)
     return 0
 
 

@@ -13,10 +13,8 @@ refuses module lists stored as plain attributes), and no `NamedSharding` in the 
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -80,19 +78,6 @@ HYBRID_PLAN = ROOT / "plans" / "minigpt_hybrid.yaml"
 SIZES = dict(maxlen=64, vocab_size=512, embed_dim=128, num_heads=8, feed_forward_dim=512, num_transformer_blocks=2)
 
 
-def text_batches(n: int, batch_size: int, seq_len: int):
-    """Byte-level windows of the built-in Shakespeare corpus (offline), [batch, seq + 1] each."""
-    import numpy as np
-
-    from shardlm.data.corpus import builtin_documents
-
-    data = np.frombuffer("\n".join(builtin_documents("shakespeare")).encode("utf-8"), np.uint8).astype(np.int32)
-    rng = np.random.default_rng(0)
-    for _ in range(n):
-        starts = rng.integers(0, len(data) - seq_len - 1, batch_size)
-        yield np.stack([data[s:s + seq_len + 1] for s in starts])
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-devices", type=int, default=8)
@@ -104,32 +89,12 @@ def main(argv=None) -> int:
     import shardlm
 
     shardlm.simulate_cpu_devices(args.cpu_devices)
-    import optax
+    from common import compare_strategies, text_batches
 
     batches = list(text_batches(args.steps, args.batch_size, SIZES["maxlen"]))
     build = lambda: MiniGPT(**SIZES, rngs=nnx.Rngs(0))  # noqa: E731
-    strategies = {
-        "unsharded (1 device)": ("dp", shardlm.make_mesh(devices=jax.devices()[:1])),
-        "dp": ("dp", None),
-        "fsdp": ("fsdp", None),
-        "megatron": ("megatron", None),
-        "megatron, data=2 x tensor=4": ("megatron", shardlm.make_mesh(data=2, tensor=4)),
-        f"hand-written plan ({HYBRID_PLAN.name})": (HYBRID_PLAN, None),
-    }
-    reference = None
-    for label, (plan, mesh) in strategies.items():
-        sharded = shardlm.shard(build, plan, mesh)  # built sharded: no device ever holds the whole model
-        trainer = sharded.trainer(optax.adamw(3e-3))
-        start = time.perf_counter()
-        losses = [float(trainer.step(b)["loss"]) for b in batches]
-        elapsed = time.perf_counter() - start
-        reference = reference or losses
-        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-        mesh_text = " x ".join(f"{k}={v}" for k, v in sharded.mesh.shape.items())
-        print(f"{label:<42} mesh {mesh_text:<24} loss {losses[0]:.4f} -> "
-              f"{losses[-1]:.4f}  max rel. diff vs unsharded {worst:.1e}  ({elapsed:.1f} s, {trainer.compiles} compile)")
-        if args.explain and plan == HYBRID_PLAN:
-            print(shardlm.explain(trainer))
+    # Built sharded from the constructor: no device ever holds the whole model.
+    compare_strategies(lambda plan, mesh: shardlm.shard(build, plan, mesh), HYBRID_PLAN, batches, args.explain)
     return 0
 
 
