@@ -188,14 +188,121 @@ def test_nnx_module_is_sharded_in_place_and_stays_usable_after_donated_steps():
     assert model(jnp.asarray(batches()[0][:, :-1])).shape == (BATCH, SEQ, VOCAB)
 
 
-def test_linen_caller_variables_survive_donation_even_on_one_device():
+@pytest.mark.parametrize("devices, plan", [(1, "dp"), (8, "dp"), (8, "fsdp")])
+def test_linen_caller_variables_survive_donation(devices, plan):
+    """Replicating a one-device array onto a mesh can keep its buffer as a shard; the donated step must not free
+    the caller's arrays through it."""
     variables = init_linen()
-    first = variables["params"]["Dense_0"]["kernel"]
-    copy = np.asarray(first)
-    sharded = shardlm.shard(LINEN, "dp", make_mesh(devices=jax.devices()[:1]), variables=variables)
+    leaves = jax.tree.leaves(variables)
+    copies = [np.asarray(x) for x in leaves]
+    mesh = make_mesh(devices=jax.devices()[:devices]) if devices == 1 else None
+    sharded = shardlm.shard(LINEN, plan, mesh, variables=variables)
     sharded.trainer(optax.sgd(0.1)).step(batches()[0])
-    assert np.array_equal(np.asarray(first), copy)  # not deleted, not changed
-    assert not np.array_equal(np.asarray(sharded.variables["params"]["Dense_0"]["kernel"]), copy)
+    assert all(np.array_equal(np.asarray(x), c) for x, c in zip(leaves, copies))  # not deleted, not changed
+    head = np.asarray(variables["params"]["Dense_0"]["kernel"])
+    assert not np.array_equal(np.asarray(sharded.variables["params"]["Dense_0"]["kernel"]), head)  # it trained
+
+
+class StatefulNNX(nnx.Module):
+    """Non-parameter state that training must move on: dropout RNG counters and BatchNorm statistics."""
+
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(self.bn(self.l1(x))))
+
+
+def test_nnx_dropout_and_batch_stats_move_on_like_the_eager_model():
+    x = np.random.default_rng(0).normal(size=(16, 16)).astype(np.float32)
+    loss_fn = lambda model, b: jnp.mean(model(b) ** 2)  # noqa: E731
+    ref = StatefulNNX(nnx.Rngs(0, dropout=1))
+    opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, opt, b):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, b)
+        opt.update(model, grads)
+        return loss
+
+    expected = [float(ref_step(ref, opt, x)) for _ in range(3)]
+    model = StatefulNNX(nnx.Rngs(0, dropout=1))
+    trainer = shardlm.shard(model, "fsdp").trainer(optax.sgd(0.1), loss_fn)
+    losses = [float(trainer.step(x)["loss"]) for _ in range(3)]
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)  # same dropout masks, same statistics
+    assert int(model.drop.rngs.count[...]) == int(ref.drop.rngs.count[...]) == 3
+    np.testing.assert_allclose(np.asarray(model.bn.mean[...]), np.asarray(ref.bn.mean[...]), rtol=1e-5, atol=1e-7)
+    assert trainer.compiles == 1
+    model.eval()  # the module's mode is read at each call: apply is now deterministic and uses running stats
+    sharded = trainer.sharded
+    np.testing.assert_allclose(np.asarray(sharded.apply(x)), np.asarray(model(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_linen_dropout_key_per_step_and_batch_stats_kept():
+    from flax import linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.BatchNorm(use_running_average=not train)(nn.Dense(32)(x))
+            return nn.Dense(8)(nn.Dropout(0.5, deterministic=not train)(x))
+
+    x = np.random.default_rng(0).normal(size=(16, 16)).astype(np.float32)
+    net = Net()
+    sharded = shardlm.shard(net, "fsdp", variables=net.init(jax.random.key(0), x))
+    trainer = sharded.trainer(optax.sgd(0.0), lambda model, b: jnp.mean(model(b, train=True) ** 2), seed=3)
+    losses = [float(trainer.step(x)["loss"]) for _ in range(2)]
+    assert losses[0] != losses[1]  # lr 0: only a new dropout mask changes the loss
+    mean = np.asarray(sharded.variables["batch_stats"]["BatchNorm_0"]["mean"])
+    assert np.abs(mean).sum() > 0 and trainer.compiles == 1
+
+
+@pytest.mark.parametrize("name, tx", [
+    ("multi_transform", lambda: optax.multi_transform(
+        {"adam": optax.adam(1e-3), "sgd": optax.sgd(1e-3)},
+        lambda p: jax.tree.map(lambda x: "adam" if x.ndim > 1 else "sgd", p))),
+    ("adafactor", lambda: optax.adafactor(1e-3)),
+    ("clip + masked adamw", lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))),
+])
+def test_optimizer_state_follows_parameters_for_nested_optimizers(name, tx):
+    sharded = shard_model("nnx", "fsdp")
+    params = leaves_by_path(sharded.params)
+    trainer = sharded.trainer(tx())
+    mirrored = 0
+    for path, arr in jax.tree_util.tree_flatten_with_path(trainer.opt_state)[0]:
+        parts = path_str(path).split("/")
+        match = next(("/".join(parts[i:]) for i in range(len(parts)) if "/".join(parts[i:]) in params), None)
+        if match and params[match].shape == arr.shape:
+            assert arr.sharding == params[match].sharding, path_str(path)
+            mirrored += 1
+        else:
+            assert arr.sharding.is_fully_replicated, path_str(path)  # counters, Adafactor's factored rows/columns
+    assert mirrored > 0
+    for b in batches():
+        trainer.step(b)
+    assert trainer.compiles == 1
+
+
+def test_inputs_and_outputs_of_any_structure():
+    sharded = shard_model("linen", "dp")
+    with pytest.raises(ShardlmError, match=r"inputs of shape \(12, 16\): dimension 0 \(size 12\) is split 8 ways "
+                                           r"over data x fsdp"):
+        sharded.apply(jnp.zeros((12, SEQ), jnp.int32))
+    trainer = sharded.trainer(optax.sgd(0.1), lambda model, b: ce(model(b["tokens"][:, :-1]), b["tokens"]) * b["w"])
+    trainer.step({"tokens": batches()[0], "w": np.float32(1.0)})  # a scalar leaf stays whole
+    assert trainer.compiles == 1
+
+
+def test_explicit_axis_mesh_is_refused():
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    with pytest.raises(ShardlmError, match="mesh axes data, tensor are not AxisType.Auto"):
+        shardlm.shard(build_nnx, "megatron", mesh)
 
 
 def test_a_bad_plan_fails_before_anything_is_placed():
@@ -217,7 +324,7 @@ def test_explain_table_and_json_are_read_back_from_the_arrays():
     assert data["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     rows = {r["path"]: r for r in data["parameters"]}
     row = rows["params/Dense_0/kernel"]
-    assert row["shape"] == [32, 64] and row["dtype"] == "float32" and row["spec"] == str(P(None, "fsdp"))
+    assert row["shape"] == [32, 64] and row["dtype"] == "float32" and row["spec"] == [None, "fsdp"]
     assert row["bytes_per_device"] == 32 * 64 * 4 // 8 and row["placed_by"] == "rule largest dim over fsdp (preset fsdp)"
     total = sum(r["total_bytes"] for r in data["parameters"])
     assert [d["params"] for d in data["per_device"]] == [total // 8] * 8

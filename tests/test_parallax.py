@@ -136,3 +136,13 @@ def test_shard_linen_model_importable_both_ways():
     import shardlm.parallax as parallax
 
     assert parallax.shard_linen_model is parallax.manual_sharding_linen.shard_linen_model
+
+
+def test_mesh_axes_forms(notebook):
+    nb = notebook
+    model, init_vars = small_model(nb)
+    (_, params, mesh), log = shard(nb, model, init_vars, {"mesh_axes": "data", "parameters": {},
+                                                          "unmatched": "replicate"})
+    assert dict(mesh.shape) == {"data": 8} and all(line.startswith("[WARN]") for line in log)
+    with pytest.raises(ShardlmError, match="names an axis twice"):
+        shard(nb, model, init_vars, {"mesh_axes": ("data", "data"), "parameters": {}})

@@ -204,3 +204,45 @@ def test_custom_axis_names():
     assert s["blocks/0/linear1/kernel"] == P(None, "model")
     # Presets name shardlm's axes; on a mesh without them those axes shard nothing.
     assert all(e is None for spec in specs("megatron", mesh).values() for e in spec)
+
+
+def test_negated_character_class_and_bad_classes():
+    assert matches(Rule("Dense_[!0]/kernel", ()), "MLP_0/Dense_1/kernel")
+    assert not matches(Rule("Dense_[!0]/kernel", ()), "MLP_0/Dense_0/kernel")
+    for bad, fragment in [("[a/b]x", "containing '/'"), ("Dense_[z-a]", "is malformed"), ("a[", "unclosed")]:
+        with pytest.raises(ShardlmError, match=fragment):
+            Plan.load({"rules": [[bad, "replicate"]]})
+
+
+def test_rank_mapping_that_misses_and_rules_for_non_parameters_say_why():
+    msg = _error({"rules": [["linear1/kernel", {3: [None, "tensor", None]}]], "unmatched": "replicate"})
+    assert "matches blocks/0/linear1/kernel of rank 2, but its spec covers only rank(s) 3" in msg
+    msg = _error({"rules": [["rngs/**", "replicate"]], "unmatched": "replicate"})
+    assert "matches only variables that are not parameters (e.g. rngs/dropout/count)" in msg
+
+
+def test_logical_names_never_silently_dropped():
+    # The batch's axes (data, fsdp) cannot go to dimension 0 when dimension 1 already takes data.
+    assert "logical axis 'batch' cannot be placed: its mesh axes (data, fsdp) already split another dimension" in (
+        _error({"rules": [["**", "replicate"]], "inputs": ["batch", "data"]}))
+    # 'heads' maps to tensor, which a ("data", "model") mesh does not have.
+    msg = _error({"rules": [["mha/query/kernel", [None, "heads", None]]], "unmatched": "replicate"},
+                 make_named_mesh({"data": 4, "model": 2}))
+    assert "names logical axis 'heads', which the rule table maps to tensor, and this mesh (data, model) has none" in msg
+
+
+def test_loose_specs_are_refused():
+    for plan, fragment in [
+        ({"rules": [["**", "largest:fsdp+fsdp"]]}, "distinct mesh axes"),
+        ({"rules": [["**", "largest:+"]]}, "distinct mesh axes"),
+        ({"rules": [{"match": "kernel"}]}, "must be \\[pattern, spec\\]"),
+        ({"rules": [], "report_replicated_bytes": "1MiB"}, "must be a number of bytes"),
+    ]:
+        with pytest.raises(ShardlmError, match=fragment):
+            Plan.load(plan)
+
+
+def test_numpy_integer_degrees():
+    import numpy as np
+
+    assert dict(make_named_mesh({"data": np.int64(4), "tensor": 2}).shape) == {"data": 4, "tensor": 2}

@@ -7,6 +7,7 @@ dimension sharding that row-parallel (Megatron) weights need.
 """
 
 import math
+import numbers
 import os
 import re
 
@@ -52,8 +53,9 @@ def resolve_degrees(data: int | None, fsdp: int, tensor: int, n_devices: int) ->
 def resolve_axis_degrees(degrees: dict[str, int], n_devices: int, knobs: str = "the mesh degrees") -> dict[str, int]:
     """{axis: degree} with at most one -1 ("the rest") -> concrete degrees whose product is `n_devices`."""
     for name, d in degrees.items():
-        if not isinstance(d, int) or isinstance(d, bool) or (d < 1 and d != -1):
+        if not isinstance(d, numbers.Integral) or isinstance(d, bool) or (d < 1 and d != -1):
             raise ShardlmError(f"mesh axis {name} has degree {d!r}; a degree is a positive integer or -1 (\"the rest\")")
+    degrees = {name: int(d) for name, d in degrees.items()}
     rest = [k for k, v in degrees.items() if v == -1]
     if len(rest) > 1:
         raise ShardlmError(

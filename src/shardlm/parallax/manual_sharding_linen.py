@@ -41,7 +41,10 @@ def shard_linen_model(model, params, sharding_config, mesh=None):
     if unknown:
         raise ShardlmError(f"sharding_config has unknown key(s) {', '.join(sorted(unknown))}; "
                            f"it takes {', '.join(sorted(CONFIG_KEYS))}")
-    axes = tuple(sharding_config.get("mesh_axes") or ())
+    axes = sharding_config.get("mesh_axes") or ()
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    if len(set(axes)) != len(axes):
+        raise ShardlmError(f"mesh_axes {axes} names an axis twice; give each mesh axis once")
     if mesh is None:
         if not axes:
             raise ShardlmError('sharding_config needs "mesh_axes", e.g. ("data", "model")')
@@ -75,8 +78,9 @@ def shard_linen_model(model, params, sharding_config, mesh=None):
             print(f"[WARN] No sharding spec for param {key}, replicating it on every device")
 
     shardings = jax.tree.map(lambda a: a.sharding, sharded_params)
-    runner = jax.jit(lambda p, x: model.apply(p, x), in_shardings=(shardings, sharded.input_sharding),
-                     out_shardings=sharded.output_sharding)
+    spec = lambda s: NamedSharding(mesh, s)  # noqa: E731
+    runner = jax.jit(lambda p, x: model.apply(p, x), in_shardings=(shardings, spec(sharded.layout.input_spec)),
+                     out_shardings=spec(sharded.layout.output_spec))
     return runner, sharded_params, mesh
 
 

@@ -28,6 +28,7 @@ class Row:
     bytes_per_device: int  # the largest shard held by any device
     total_bytes: int
     placed_by: str = ""
+    spec_entries: list = dataclasses.field(default_factory=list)  # per dimension: null, an axis, or a list of axes
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ class Explanation:
 
     @property
     def max_param_bytes(self) -> int:
-        return max(self.param_bytes_per_device.values())
+        return max(self.param_bytes_per_device.values(), default=0)
 
     @property
     def max_opt_bytes(self) -> int:
@@ -59,12 +60,13 @@ class Explanation:
                       for d in devices]
         return {
             "mesh": self.mesh_shape,
-            "parameters": [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.params],
+            "parameters": [{k: v for k, v in dataclasses.asdict(r).items() if k != "spec_entries"}
+                           | {"shape": list(r.shape), "spec": r.spec_entries} for r in self.params],
             "param_count": self.param_count,
             "param_bytes": sum(r.total_bytes for r in self.params),
             "per_device": per_device,
             "max_bytes_per_device": {"params": self.max_param_bytes, "optimizer": self.max_opt_bytes,
-                                     "total": max(d["total"] for d in per_device)},
+                                     "total": max((d["total"] for d in per_device), default=0)},
             "notes": self.notes,
         }
 
@@ -83,8 +85,9 @@ def _rows_and_usage(tree, placed_by: dict[str, str] | None = None) -> tuple[list
             usage[shard.device.id] += shard.data.nbytes
         name = path_str(path)
         spec = tuple(arr.sharding.spec) + (None,) * (arr.ndim - len(arr.sharding.spec))  # one entry per dimension
+        entries = [e if e is None or isinstance(e, str) else list(e) for e in spec]
         rows.append(Row(name, tuple(arr.shape), str(arr.dtype), str(P(*spec)), max(shard_bytes), arr.nbytes,
-                        (placed_by or {}).get(name, "")))
+                        (placed_by or {}).get(name, ""), entries))
     return rows, dict(usage)
 
 
@@ -129,6 +132,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def format_explanation(ex: Explanation) -> str:
+    if not ex.params:
+        return f"mesh {ex.mesh}: the model has no parameters"
     w = max(len(r.path) for r in ex.params)
     sw = max(28, max(len(r.spec) for r in ex.params))
     by = any(r.placed_by for r in ex.params)

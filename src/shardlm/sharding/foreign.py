@@ -7,44 +7,45 @@
     trainer = sharded.trainer(optax.adamw(1e-3))             # jitted, donated train step; optimizer state
     metrics = trainer.step(batch)                            #   sharded like its parameters from step 0
 
-Both kinds are reduced to the same functional form, (params, rest) trees plus `forward(params, rest, *inputs)`,
-so one resolver, one placement and one train step serve both. `params` are the trainable parameters (NNX
-`nnx.Param` variables; Linen's "params" collection); `rest` is every other variable (RNG state, batch
-statistics), kept whole on every device. The plan is checked against the shapes before anything is placed.
+Both kinds are reduced to the same functional form, (params, rest) trees plus a forward function, so one
+resolver, one placement and one train step serve both. `params` are the trainable parameters (NNX `nnx.Param`
+variables; Linen's "params" collection); `rest` is every other variable (RNG state, batch statistics), kept whole
+on every device. For NNX the module itself is the single source of truth: `params`, `rest` and the module's
+mode (`model.eval()` / `model.train()`) are read from it at each call. The plan is checked against the shapes
+before anything is placed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from shardlm.errors import ShardlmError
 from shardlm.sharding.layout import Layout, Leaf, resolve
 from shardlm.sharding.plan import Plan
-from shardlm.sharding.rules import path_str
+from shardlm.sharding.rules import path_str, replicated
 
 log = logging.getLogger("shardlm")
 
 
 @dataclasses.dataclass
 class Sharded:
-    """A model placed on a mesh by a plan. `params` / `rest` hold the live sharded arrays."""
+    """A model placed on a mesh by a plan."""
 
     kind: str  # "nnx" or "linen"
     mesh: Any
     plan: Plan
     layout: Layout
-    params: Any
-    rest: Any
     param_shardings: Any
     rest_shardings: Any
-    forward: Callable  # forward(params, rest, *inputs, **static_kwargs) -> outputs
-    _module: Any = None  # the user's nnx.Module (kept in sync) or the Linen module
-    _graphdef: Any = None
+    _module: Any  # the user's nnx.Module (kept in sync) or the Linen module
+    _params: Any = None  # Linen only: NNX state lives in the module
+    _rest: Any = None
     _applies: dict = dataclasses.field(default_factory=dict)
 
     # --- what the user holds ------------------------------------------------------------------------------------
@@ -55,60 +56,105 @@ class Sharded:
         return self._module
 
     @property
+    def params(self):
+        """The sharded parameter tree: NNX `nnx.Param` state, or Linen's "params" collection."""
+        return self._split()[1] if self.kind == "nnx" else self._params
+
+    @property
+    def rest(self):
+        """Every other variable (NNX RNG state and batch statistics, Linen's other collections)."""
+        return self._split()[2] if self.kind == "nnx" else self._rest
+
+    @property
     def variables(self) -> dict:
         """Linen: the variables dict, {"params": ..., other collections...}, every leaf sharded."""
         if self.kind != "linen":
             raise ShardlmError("`.variables` is for Linen models; an NNX model's state is `nnx.state(sharded.model)`")
-        return {"params": self.params, **self.rest}
+        return {"params": self._params, **self._rest}
 
     @property
     def specs(self) -> dict[str, Any]:
         return self.layout.specs
 
-    @property
-    def input_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, self.layout.input_spec)
+    def _split(self):
+        from flax import nnx
 
-    @property
-    def output_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, self.layout.output_spec)
+        return nnx.split(self._module, nnx.Param, ...)
 
     def _set(self, params, rest) -> None:
         """Adopt new arrays (after a donated train step) so the user's module never holds deleted buffers."""
-        self.params, self.rest = params, rest
         if self.kind == "nnx":
             from flax import nnx
 
             nnx.update(self._module, params, rest)
+        else:
+            self._params, self._rest = params, rest
+
+    # --- input and output placement -----------------------------------------------------------------------------
+
+    def io_shardings(self, tree, spec, what: str):
+        """The plan's input (or output) spec on every leaf of `tree` with at least that many dimensions (a scalar
+        or a short leaf is kept whole), after checking that each split dimension divides evenly."""
+        mesh = self.mesh
+
+        def one(path, leaf):
+            shape = np.shape(leaf)
+            if len(shape) < len(spec):
+                return replicated(mesh)
+            for dim, entry in enumerate(spec):
+                axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+                degree = int(np.prod([mesh.shape[a] for a in axes]))
+                if degree > 1 and shape[dim] % degree:
+                    name = f"{what} {path_str(path)}" if path else what
+                    raise ShardlmError(
+                        f"{name} of shape {tuple(shape)}: dimension {dim} (size {shape[dim]}) is split "
+                        f"{degree} ways over {' x '.join(axes)} by the plan's {what} spec {spec}; make it a multiple "
+                        f"of {degree} (e.g. the batch size), or change the plan's {what}"
+                    )
+            return NamedSharding(mesh, spec)
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def batch_shardings(self, batch):
+        return self.io_shardings(batch, self.layout.input_spec, "inputs")
 
     # --- running ------------------------------------------------------------------------------------------------
 
+    def forward(self, graphdef, params, rest, *inputs, **kwargs):
+        """The pure forward pass (no state written back)."""
+        if self.kind == "nnx":
+            from flax import nnx
+
+            return nnx.merge(graphdef, params, rest)(*inputs, **kwargs)
+        return self._module.apply({"params": params, **rest}, *inputs, **kwargs)
+
     def apply(self, *inputs, **static_kwargs):
-        """The model's forward pass, jitted with the plan's input spec on the first input (others whole) and its
-        output spec on every output. Keyword arguments are static (e.g. `deterministic=True`, `training=False`)."""
-        return self._jitted_apply(len(inputs), tuple(sorted(static_kwargs.items())))(self.params, self.rest, *inputs)
+        """The model's forward pass, jitted with the plan's input spec on the first input (other inputs whole)
+        and its output spec on every output leaf of enough rank. Keyword arguments are static (e.g.
+        `deterministic=True`). Nothing is written back: RNG counters and batch statistics stay as they were."""
+        if self.kind == "nnx":
+            graphdef, params, rest = self._split()  # the module's current mode and state
+        else:
+            graphdef, params, rest = None, self._params, self._rest
+        key = (graphdef, tuple(sorted(static_kwargs.items())), signature(inputs))
+        if key not in self._applies:
+            fn = lambda p, r, *xs: self.forward(graphdef, p, r, *xs, **static_kwargs)  # noqa: E731
+            in_sh = (self.param_shardings, self.rest_shardings, self.io_shardings(inputs[0], self.layout.input_spec,
+                                                                                 "inputs"))
+            in_sh += tuple(jax.tree.map(lambda _: replicated(self.mesh), x) for x in inputs[1:])
+            out = jax.eval_shape(fn, params, rest, *inputs)
+            self._applies[key] = jax.jit(fn, in_shardings=in_sh[: 2 + len(inputs)],
+                                         out_shardings=self.io_shardings(out, self.layout.output_spec, "outputs"))
+        return self._applies[key](params, rest, *inputs)
 
-    def _jitted_apply(self, arity: int, static: tuple):
-        """One compiled forward per (number of inputs, static keyword arguments)."""
-        from shardlm.sharding.rules import replicated
-
-        if (arity, static) not in self._applies:
-            kwargs = dict(static)
-            in_sh = (self.param_shardings, self.rest_shardings, self.input_sharding)
-            in_sh += (replicated(self.mesh),) * (arity - 1)
-            self._applies[arity, static] = jax.jit(lambda p, r, *xs: self.forward(p, r, *xs, **kwargs),
-                                                   in_shardings=in_sh[: 2 + arity],
-                                                   out_shardings=self.output_sharding)
-        return self._applies[arity, static]
-
-    def trainer(self, tx, loss_fn: Callable | None = None):
-        """A `Trainer` over these parameters: `loss_fn(model, batch) -> scalar`, where `model(*inputs)` is the
-        forward pass (the NNX module itself; for Linen, the module applied to the current variables). Default:
-        next-token cross entropy on a [batch, seq + 1] token array."""
+    def trainer(self, tx, loss_fn=None, *, seed: int = 0):
+        """A `Trainer` over these parameters. `loss_fn(model, batch) -> scalar`, where `model(*inputs)` is the
+        forward pass (the NNX module itself; for Linen, the module applied to the current variables, with a fresh
+        dropout key each step and its non-parameter collections updated). Default: next-token cross entropy on a
+        [batch, seq + 1] token array."""
         from shardlm.train.runner import Trainer
 
-        return Trainer(self, tx, loss_fn)
-
+        return Trainer(self, tx, loss_fn, seed=seed)
 
 
 # --- entry point ------------------------------------------------------------------------------------------------
@@ -124,6 +170,7 @@ def shard(model, plan: Plan | str | dict = "dp", mesh=None, *, variables=None) -
     plan = Plan.load(plan)
     if mesh is None:
         mesh = plan.make_mesh()
+    check_auto_mesh(mesh)
     from flax import linen, nnx
 
     if isinstance(model, linen.Module):
@@ -141,8 +188,31 @@ def shard(model, plan: Plan | str | dict = "dp", mesh=None, *, variables=None) -
                        "Linen module with variables=")
 
 
+def check_auto_mesh(mesh) -> None:
+    """Unannotated models need Auto axes: on Explicit ones (jax.make_mesh's default since JAX 0.9) a row-parallel
+    weight fails to trace ("Contracting dimensions are sharded")."""
+    from jax.sharding import AxisType
+
+    explicit = [name for name, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto]
+    if explicit:
+        raise ShardlmError(
+            f"mesh axes {', '.join(explicit)} are not AxisType.Auto (jax.make_mesh makes Explicit axes); build the "
+            "mesh with shardlm.make_mesh / shardlm.make_named_mesh, or pass axis_types=(AxisType.Auto,) * n"
+        )
+
+
+def dtype_name(x) -> str:
+    """An array's dtype (including JAX key types, which NumPy cannot name), or a Python scalar's."""
+    return str(x.dtype) if hasattr(x, "dtype") else str(np.result_type(x))
+
+
+def signature(tree) -> str:
+    """Structure, shapes and dtypes: what a jitted function is compiled for."""
+    return str(jax.tree.structure(tree)) + str([(np.shape(x), dtype_name(x)) for x in jax.tree.leaves(tree)])
+
+
 def _leaves(tree, is_param: bool) -> list[Leaf]:
-    return [Leaf(path_str(p), tuple(x.shape), str(x.dtype), is_param)
+    return [Leaf(path_str(p), tuple(np.shape(x)), dtype_name(x), is_param)
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
@@ -158,8 +228,20 @@ def _layout_and_shardings(params, rest, plan, mesh):
 
 
 def _place(tree, shardings):
-    # may_alias=False: a later donated train step must never free the caller's own arrays.
-    return jax.device_put(tree, shardings, may_alias=False)
+    """Copies of the caller's arrays on the mesh, never sharing a buffer with them: the train step donates its
+    inputs, which must not free arrays the caller still holds. (`device_put(may_alias=False)` alone is not enough:
+    replicating a one-device array onto a mesh can keep its buffer as the first device's shard.)"""
+    import jax.numpy as jnp
+
+    placed = jax.device_put(tree, shardings, may_alias=False)
+
+    def buffers(x):
+        return {s.data.unsafe_buffer_pointer() for s in getattr(x, "addressable_shards", ())}
+
+    def fresh(src, dst, sharding):
+        return jax.jit(jnp.copy, out_shardings=sharding)(dst) if buffers(src) & buffers(dst) else dst
+
+    return jax.tree.map(fresh, tree, placed, shardings)
 
 
 def _shard_nnx(module, build, plan, mesh) -> Sharded:
@@ -179,29 +261,24 @@ def _shard_nnx(module, build, plan, mesh) -> Sharded:
             params, rest = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[1:], out_shardings=(p_sh, r_sh))()
         module = nnx.merge(graphdef, params, rest)
     else:
-        params, rest = _place(params, p_sh), _place(rest, r_sh)
-        nnx.update(module, params, rest)
-
-    def forward(params, rest, *inputs, **kwargs):
-        return nnx.merge(graphdef, params, rest)(*inputs, **kwargs)
-
-    return Sharded("nnx", mesh, plan, layout, params, rest, p_sh, r_sh, forward, module, graphdef)
+        nnx.update(module, _place(params, p_sh), _place(rest, r_sh))
+    return Sharded("nnx", mesh, plan, layout, p_sh, r_sh, module)
 
 
 def _shard_linen(module, variables, plan, mesh) -> Sharded:
+    from flax.core import unfreeze
+
     build = variables if callable(variables) else None
     tree = jax.eval_shape(build) if build else variables
+    tree = unfreeze(tree)  # older Flax returned FrozenDicts
     if not isinstance(tree, dict) or "params" not in tree:
         raise ShardlmError("Linen variables must be the dict module.init returns, with a 'params' collection")
-    split = lambda t: ({"params": t["params"]}, {k: v for k, v in t.items() if k != "params"})  # noqa: E731
+    split = lambda t: ({"params": unfreeze(t)["params"]},  # noqa: E731
+                       {k: v for k, v in unfreeze(t).items() if k != "params"})
     params, rest = split(tree)
     layout, p_sh, r_sh = _layout_and_shardings(params, rest, plan, mesh)
     if build:
         params, rest = jax.jit(lambda: split(build()), out_shardings=(p_sh, r_sh))()
     else:
         params, rest = _place(params, p_sh), _place(rest, r_sh)
-
-    def forward(params, rest, *inputs, **kwargs):
-        return module.apply({"params": params, **rest}, *inputs, **kwargs)
-
-    return Sharded("linen", mesh, plan, layout, params["params"], rest, p_sh["params"], r_sh, forward, module)
+    return Sharded("linen", mesh, plan, layout, p_sh["params"], r_sh, module, params["params"], rest)

@@ -115,10 +115,7 @@ def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
         if rule.optional:
             continue
         if not matched[i]:
-            raise ShardlmError(
-                f"{plan.name}: rule {i + 1} {rule.describe()} matches no parameter; fix the pattern (paths look like "
-                f"'{example}'; `shardlm.explain` lists them all) or delete the rule"
-            )
+            raise ShardlmError(f"{plan.name}: rule {i + 1} {rule.describe()} " + _why_unmatched(rule, leaves, example))
         if not won[i]:
             first = matched[i][0]
             by = next(j for j, r in enumerate(plan.rules) if matches(r, first)
@@ -150,6 +147,20 @@ def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
     return Layout(mesh, plan, placements, io(plan.inputs, "inputs"), io(plan.outputs, "outputs"))
 
 
+def _why_unmatched(rule: Rule, leaves: list[Leaf], example: str) -> str:
+    same_pattern = [leaf for leaf in leaves if matches(rule, leaf.path)]
+    params = [leaf for leaf in same_pattern if leaf.is_param]
+    if params:
+        ranks = ", ".join(map(str, sorted(rule.spec.specs)))
+        return (f"matches {params[0].path} of rank {len(params[0].shape)}, but its spec covers only rank(s) {ranks}; "
+                "add that rank to the mapping")
+    if same_pattern:
+        return (f"matches only variables that are not parameters (e.g. {same_pattern[0].path}); plans place "
+                "parameters, and other variables stay whole on every device: delete the rule")
+    return (f"matches no parameter; fix the pattern (paths look like '{example}'; `shardlm.explain` lists them all) "
+            "or delete the rule")
+
+
 def _check_rule_names(plan: Plan, mesh) -> None:
     """Every name in every rule is a mesh axis or a logical name (checked even for rules that match nothing)."""
     axes = set(mesh.axis_names)
@@ -171,6 +182,17 @@ def _check_rule_names(plan: Plan, mesh) -> None:
                             f"{plan.name}: rule {i + 1} {rule.describe()} names '{name}', which is neither a mesh "
                             f"axis ({', '.join(mesh.axis_names)}) nor a logical axis name ({', '.join(LOGICAL_NAMES)})"
                         )
+                    table_axes = {a for n, ax in LOGICAL_AXIS_RULES if n == name for a in _axes(ax)}
+                    if name not in axes and table_axes and not (table_axes & axes) and not rule.optional:
+                        raise ShardlmError(
+                            f"{plan.name}: rule {i + 1} {rule.describe()} names logical axis '{name}', which the rule "
+                            f"table maps to {', '.join(sorted(table_axes))}, and this mesh ({', '.join(mesh.axis_names)}) "
+                            "has none of them; name one of the mesh's axes instead"
+                        )
+
+
+def _axes(axes) -> tuple[str, ...]:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _spec_for(rule: Rule, leaf: Leaf, mesh, plan_name: str) -> P:
@@ -226,8 +248,11 @@ def _resolve_entries(entries, shape, mesh, where: str) -> P:
         raise ShardlmError(f"{where}: mesh axis '{dup}' splits two dimensions; a mesh axis can split only one")
     resolved = list(explicit)
     if any(logical):
-        from_table = logical_to_spec(tuple(logical), rules_for_mesh(mesh), shape=shape, mesh=mesh,
-                                     taken=frozenset(taken))
+        try:
+            from_table = logical_to_spec(tuple(logical), rules_for_mesh(mesh), shape=shape, mesh=mesh,
+                                         taken=frozenset(taken), strict=True)
+        except ShardlmError as e:
+            raise ShardlmError(f"{where}: {e}") from None
         for i, name in enumerate(logical):
             if name is not None:
                 resolved[i] = from_table[i]

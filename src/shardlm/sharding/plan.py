@@ -151,7 +151,10 @@ class Plan:
                     raise ShardlmError(f"{name}: {key} must be a list of per-dimension entries, e.g. [batch, null]")
                 setattr(plan, key, spec)
         if data.get("report_replicated_bytes") is not None:
-            plan.report_replicated_bytes = int(data["report_replicated_bytes"])
+            value = data["report_replicated_bytes"]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ShardlmError(f"{name}: report_replicated_bytes must be a number of bytes, not {value!r}")
+            plan.report_replicated_bytes = value
         return plan
 
     def with_mesh(self, **degrees: int) -> Plan:
@@ -174,15 +177,18 @@ def _parse_mesh(mesh: Any, where: str) -> dict[str, int]:
 
 
 def _parse_rule(raw: Any, index: int, where: str) -> Rule:
-    if isinstance(raw, dict) and set(raw) <= {"match", "spec", "optional"} and "match" in raw:
-        pattern, spec, optional = raw["match"], raw.get("spec"), bool(raw.get("optional", False))
+    if isinstance(raw, dict) and set(raw) <= {"match", "spec", "optional"} and {"match", "spec"} <= set(raw):
+        pattern, spec, optional = raw["match"], raw["spec"], bool(raw.get("optional", False))
     elif isinstance(raw, (list, tuple)) and len(raw) == 2:
         (pattern, spec), optional = raw, False
     else:
         raise ShardlmError(f"{where}: rule {index + 1} must be [pattern, spec] (or {{match:, spec:}}), got {raw!r}")
     if not isinstance(pattern, str) or not pattern.strip("/"):
         raise ShardlmError(f"{where}: rule {index + 1} has pattern {pattern!r}; a pattern is a non-empty path glob")
-    compile_pattern(pattern)  # reports a malformed glob now, naming the rule
+    try:
+        compile_pattern(pattern)  # a malformed glob is reported now, naming the rule
+    except ShardlmError as e:
+        raise ShardlmError(f"{where}: rule {index + 1}: {e}") from None
     return Rule(pattern, parse_spec(spec, f"{where}: rule {index + 1} '{pattern}'"), optional)
 
 
@@ -193,8 +199,12 @@ def parse_spec(raw: Any, where: str) -> Spec:
     if isinstance(raw, str):
         if raw == "largest":
             return Largest()
-        if raw.startswith("largest:") and raw[len("largest:"):]:
-            return Largest(tuple(a for a in raw[len("largest:"):].split("+") if a))
+        if raw.startswith("largest:"):
+            axes = raw[len("largest:"):].split("+")
+            if not all(axes) or len(set(axes)) != len(axes):
+                raise ShardlmError(f"{where}: {raw!r} must name distinct mesh axes, e.g. largest:fsdp or "
+                                   "largest:data+fsdp")
+            return Largest(tuple(axes))
         raise ShardlmError(
             f"{where}: spec {raw!r} is not a list; write one entry per dimension, e.g. [null, {raw}], or use "
             "replicate / largest / largest:AXIS"
@@ -239,7 +249,10 @@ def compile_pattern(pattern: str) -> re.Pattern:
         return _PATTERN_CACHE[pattern]
     anchored = pattern.startswith("/")
     body = _glob_to_regex(pattern.strip("/"), pattern)
-    regex = re.compile(("" if anchored else "(?:.*/)?") + body)
+    try:
+        regex = re.compile(("" if anchored else "(?:.*/)?") + body)
+    except re.error as e:
+        raise ShardlmError(f"pattern '{pattern}' is malformed ({e})") from None
     _PATTERN_CACHE[pattern] = regex
     return regex
 
@@ -269,10 +282,17 @@ def _glob_to_regex(glob: str, original: str) -> str:
         elif c == "," and depth:
             out.append("|")
         elif c == "[":
-            end = glob.find("]", i + 1)
+            # A character class within one segment; [!...] negates it, as in shell globs and .gitignore.
+            end = glob.find("]", i + 2 if glob.startswith("[!", i) else i + 1)
             if end < 0:
                 raise ShardlmError(f"pattern '{original}' has an unclosed '['")
-            out.append("[" + glob[i + 1:end].replace("\\", "\\\\") + "]")
+            body = glob[i + 1:end]
+            negate = body.startswith("!")
+            body = body[1:] if negate else body
+            if not body or "/" in body:
+                raise ShardlmError(f"pattern '{original}' has an empty character class or one containing '/'")
+            body = body.replace("\\", "\\\\").replace("^", "\\^").replace("[", "\\[")
+            out.append(f"[^/{body}]" if negate else f"[{body}]")
             i = end
         else:
             out.append(re.escape(c))

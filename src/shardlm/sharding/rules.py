@@ -57,13 +57,14 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
 
 
 def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *, shape=None, mesh=None,
-                    taken: frozenset[str] = frozenset()) -> P:
+                    taken: frozenset[str] = frozenset(), strict: bool = False) -> P:
     """('embed', 'mlp') -> P('fsdp', 'tensor'). Every name must have a rule (map it to None to replicate).
 
     Given the array's `shape` and the `mesh`, a rule that is not a name's last one is also skipped when its degree
     does not divide that dimension (a bias with head_dim 64 under fsdp=128 falls back to replicated); the last
     rule for a name is binding, and `check_divisible` reports it if it does not fit. Mesh axes in `taken` are
-    already used by other dimensions (a plan that mixes mesh axes and logical names).
+    already used by other dimensions (a plan that mixes mesh axes and logical names); with `strict`, a name none
+    of whose rules could be applied because their axes were taken is an error instead of staying unsplit.
     """
     rules = LOGICAL_AXIS_RULES if rules is None else rules
     last_rule = {name: i for i, (name, _) in enumerate(rules)}
@@ -85,6 +86,12 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *
                 out[i], decided[i] = axes, True
                 used.update(_as_tuple(axes))
             break
+    if strict:
+        for name, done in zip(names, decided):
+            if not done:
+                axes = sorted({a for n, ax in rules if n == name for a in _as_tuple(ax)})
+                raise ShardlmError(f"logical axis '{name}' cannot be placed: its mesh axes ({', '.join(axes)}) "
+                                   "already split another dimension; name a free mesh axis instead")
     return P(*out)
 
 

@@ -1,9 +1,15 @@
 """`Trainer`: the train step for a model placed by a plan (`shardlm.shard(...).trainer(tx)`).
 
-The optimizer state is created inside `jit` with output shardings derived from the parameters' own
-(`optax.tree_map_params`: every moment buffer gets its parameter's sharding, counters are replicated), so it is
-sharded from step 0 rather than after a first step and a recompile. The step has explicit input and output
+The optimizer state is created inside `jit` with output shardings derived from the parameters' own: every
+optimizer-state leaf that mirrors a parameter (same path suffix, same shape: AdamW's moments, any optimizer's
+per-parameter buffers, however deeply `chain`/`multi_transform`/`MultiSteps` nest them) gets that parameter's
+sharding, and everything else (step counters, Adafactor's factored rows and columns) is replicated. So the state
+is sharded from step 0 rather than after a first step and a recompile. The step has explicit input and output
 shardings and donates parameters and optimizer state: one compile, no copies, no resharding between steps.
+
+Non-parameter state moves on as it would eagerly: an NNX model's RNG counters and batch statistics are carried
+out of the step; a Linen model gets a fresh `dropout` key per step (from `seed` and the step number) and its
+non-parameter collections (e.g. `batch_stats`) are applied as mutable and kept.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
-from shardlm.sharding.rules import replicated
+from shardlm.sharding.foreign import signature
+from shardlm.sharding.rules import path_str, replicated
 from shardlm.train.step import cross_entropy
 
 
@@ -23,52 +31,96 @@ def next_token_loss(model: Callable, batch: jax.Array) -> jax.Array:
     return cross_entropy(model(batch[:, :-1]), batch[:, 1:])
 
 
+def opt_state_shardings(abstract_opt_state, params, param_shardings, mesh):
+    """Each optimizer-state leaf whose path ends with a parameter's path and whose shape is that parameter's gets
+    the parameter's sharding; the rest is replicated. Matching by path and shape needs no knowledge of how an
+    optimizer nests its state (optax.tree_map_params fails on multi_transform's MaskedNodes and on Adafactor)."""
+    by_path = {path_str(p): (np.shape(x), s) for (p, x), s in
+               zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(param_shardings))}
+
+    def pick(path, leaf):
+        parts = path_str(path).split("/")
+        for start in range(len(parts)):
+            match = by_path.get("/".join(parts[start:]))
+            if match is not None and match[0] == np.shape(leaf):
+                return match[1]
+        return replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
+
+
 class Trainer:
-    def __init__(self, sharded, tx: optax.GradientTransformation, loss_fn: Callable | None = None):
+    def __init__(self, sharded, tx: optax.GradientTransformation, loss_fn: Callable | None = None, seed: int = 0):
         self.sharded, self.tx = sharded, tx
         self.loss_fn = loss_fn or next_token_loss
-        mesh = sharded.mesh
-        is_sharding = lambda x: isinstance(x, NamedSharding)  # noqa: E731
-        self.opt_shardings = optax.tree_map_params(
-            tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, sharded.params), sharded.param_shardings,
-            transform_non_params=lambda _: replicated(mesh), is_leaf=is_sharding)
-        self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(sharded.params)
-        shardings = (sharded.param_shardings, self.opt_shardings, sharded.rest_shardings)
-        self._step = jax.jit(self._step_fn(), in_shardings=shardings + (sharded.input_sharding,),
-                             out_shardings=shardings + (replicated(mesh),), donate_argnums=(0, 1, 2))
+        self.mesh = sharded.mesh
+        params = sharded.params
+        self.opt_shardings = opt_state_shardings(jax.eval_shape(tx.init, params), params, sharded.param_shardings,
+                                                 self.mesh)
+        self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(params)
+        self.seed = seed
         self.steps_done = 0
+        self.compiles = 0  # traces of the step (each one a compile): 1 after any number of same-shaped batches
+        self._compiled: dict = {}
 
-    def _step_fn(self):
+    def _step_fn(self, graphdef):
         sharded, tx, loss_fn = self.sharded, self.tx, self.loss_fn
+        base_key = jax.random.key(self.seed)
 
-        def loss_and_rest(params, rest, batch):
+        def loss_and_rest(params, rest, batch, step_index):
             if sharded.kind == "nnx":
                 from flax import nnx
 
-                model = nnx.merge(sharded._graphdef, params, rest)
+                # Fresh variables in this trace: NNX refuses to update (RNG counts, batch statistics) variables
+                # created outside it.
+                model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
                 loss = loss_fn(model, batch)
-                return loss, nnx.split(model, nnx.Param, ...)[2]  # RNG counters etc. move on, as in eager NNX
-            model = lambda *inputs, **kwargs: sharded.forward(params, rest, *inputs, **kwargs)  # noqa: E731
-            return loss_fn(model, batch), rest
+                return loss, nnx.split(model, nnx.Param, ...)[2]
+            updated = dict(rest)
+            rngs = {"dropout": jax.random.fold_in(base_key, step_index)}
 
-        def step(params, opt_state, rest, batch):
-            (loss, rest), grads = jax.value_and_grad(loss_and_rest, has_aux=True)(params, rest, batch)
+            def model(*inputs, **kwargs):
+                variables = {"params": params, **rest}
+                if not rest:
+                    return sharded.model.apply(variables, *inputs, rngs=rngs, **kwargs)
+                out, new = sharded.model.apply(variables, *inputs, rngs=rngs, mutable=list(rest), **kwargs)
+                updated.update(new)
+                return out
+
+            return loss_fn(model, batch), updated
+
+        def step(params, opt_state, rest, batch, step_index):
+            self.compiles += 1  # runs once per trace
+            (loss, rest), grads = jax.value_and_grad(loss_and_rest, has_aux=True)(params, rest, batch, step_index)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             return params, opt_state, rest, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
         return step
 
+    def _compiled_step(self, graphdef, batch):
+        """One jitted step per (module mode, batch structure and shapes); normally exactly one."""
+        key = (graphdef, signature(batch))
+        if key not in self._compiled:
+            s = self.sharded
+            state = (s.param_shardings, self.opt_shardings, s.rest_shardings)
+            self._compiled[key] = jax.jit(
+                self._step_fn(graphdef),
+                in_shardings=state + (s.batch_shardings(batch), replicated(self.mesh)),
+                out_shardings=state + (replicated(self.mesh),), donate_argnums=(0, 1, 2))
+        return self._compiled[key]
+
     def step(self, batch) -> dict[str, Any]:
         """One update on `batch` (split over the mesh by the plan's input spec). Returns {"loss", "grad_norm"}
         as device scalars (the loss before the update), without waiting for them."""
         s = self.sharded
-        params, self.opt_state, rest, metrics = self._step(s.params, self.opt_state, s.rest, batch)
+        if s.kind == "nnx":
+            graphdef, params, rest = s._split()  # the module's current mode (train()/eval()) and state
+        else:
+            graphdef, params, rest = None, s.params, s.rest
+        step_index = jax.device_put(jnp.asarray(self.steps_done, jnp.int32), replicated(self.mesh))
+        params, self.opt_state, rest, metrics = self._compiled_step(graphdef, batch)(
+            params, self.opt_state, rest, batch, step_index)
         s._set(params, rest)
         self.steps_done += 1
         return metrics
-
-    @property
-    def compiles(self) -> int:
-        """How many times the step has been compiled (1 after any number of steps with same-shaped batches)."""
-        return self._step._cache_size()
