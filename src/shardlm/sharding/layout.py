@@ -98,7 +98,7 @@ def _degree(mesh, spec: P) -> int:
 def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
     _check_rule_names(plan, mesh)
     params = [leaf for leaf in leaves if leaf.is_param]
-    winners: dict[str, Rule | None] = {}
+    winners: dict[str, int | None] = {}  # parameter path -> index of the rule that places it
     matched: dict[int, list[str]] = {i: [] for i in range(len(plan.rules))}
     won: dict[int, int] = {i: 0 for i in range(len(plan.rules))}
     for leaf in params:
@@ -109,7 +109,7 @@ def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
                 if winner is None:
                     winner = i
                     won[i] += 1
-        winners[leaf.path] = None if winner is None else plan.rules[winner]
+        winners[leaf.path] = winner
     example = params[0].path if params else "(the model has no parameters)"
     for i, rule in enumerate(plan.rules):
         if rule.optional:
@@ -118,8 +118,7 @@ def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
             raise ShardlmError(f"{plan.name}: rule {i + 1} {rule.describe()} " + _why_unmatched(rule, leaves, example))
         if not won[i]:
             first = matched[i][0]
-            by = next(j for j, r in enumerate(plan.rules) if matches(r, first)
-                      and r.spec_for_rank(len(next(p.shape for p in params if p.path == first))) is not None)
+            by = winners[first]
             raise ShardlmError(
                 f"{plan.name}: rule {i + 1} {rule.describe()} never applies: every parameter it matches (e.g. {first}) "
                 f"is placed by the earlier rule {by + 1} {plan.rules[by].describe()}; move it up or delete it"
@@ -134,7 +133,7 @@ def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
         )
     placements = []
     for leaf in leaves:
-        rule = winners.get(leaf.path)
+        rule = None if winners.get(leaf.path) is None else plan.rules[winners[leaf.path]]
         if not leaf.is_param:
             placements.append(Placement(leaf.path, leaf.shape, leaf.dtype, P(), NOT_A_PARAMETER, False))
         elif rule is None:
