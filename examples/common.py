@@ -1,9 +1,22 @@
 """What both foreign-model examples share: offline text batches, and training one model under several plans."""
 
+import argparse
 import time
 
-import jax
 import numpy as np
+
+
+def parse_args(doc: str, argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--cpu-devices", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--explain", action="store_true")
+    args = parser.parse_args(argv)
+    import shardlm
+
+    shardlm.simulate_cpu_devices(args.cpu_devices)
+    return args
 
 
 def text_batches(n: int, batch_size: int, seq_len: int):
@@ -20,6 +33,7 @@ def text_batches(n: int, batch_size: int, seq_len: int):
 def compare_strategies(shard_with, hand_plan, batches, explain: bool = False) -> None:
     """Train a fresh copy of the model under each strategy (`shard_with(plan, mesh)` places it) on the same
     batches, and print each run's losses next to the unsharded run's."""
+    import jax
     import optax
 
     import shardlm

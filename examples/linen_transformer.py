@@ -11,7 +11,6 @@ Unlike the seed's model, attention is causal only (the seed also masked token id
 model over real text must not do) and there is a final LayerNorm before the output projection.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -73,17 +72,10 @@ SIZES = dict(vocab_size=512, seq_len=64, embed_dim=128, num_layers=2, num_heads=
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-devices", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--explain", action="store_true")
-    args = parser.parse_args(argv)
+    from common import compare_strategies, parse_args, text_batches
 
+    args = parse_args(__doc__, argv)  # also simulates --cpu-devices (default 8) before JAX starts
     import shardlm
-
-    shardlm.simulate_cpu_devices(args.cpu_devices)
-    from common import compare_strategies, text_batches
 
     batches = list(text_batches(args.steps, args.batch_size, SIZES["seq_len"]))
     model = DecoderOnlyTransformer(**SIZES)

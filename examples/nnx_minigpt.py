@@ -11,7 +11,6 @@ Two changes from the seed, both forced by current Flax: `nnx.List` instead of a 
 refuses module lists stored as plain attributes), and no `NamedSharding` in the initializers.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -79,17 +78,10 @@ SIZES = dict(maxlen=64, vocab_size=512, embed_dim=128, num_heads=8, feed_forward
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-devices", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--explain", action="store_true")
-    args = parser.parse_args(argv)
+    from common import compare_strategies, parse_args, text_batches
 
+    args = parse_args(__doc__, argv)  # also simulates --cpu-devices (default 8) before JAX starts
     import shardlm
-
-    shardlm.simulate_cpu_devices(args.cpu_devices)
-    from common import compare_strategies, text_batches
 
     batches = list(text_batches(args.steps, args.batch_size, SIZES["maxlen"]))
     build = lambda: MiniGPT(**SIZES, rngs=nnx.Rngs(0))  # noqa: E731
