@@ -68,12 +68,13 @@ def shard_linen_model(model, params, sharding_config, mesh=None):
     sharded_params = traverse_util.unflatten_dict({k: placed[k] for k in traverse_util.flatten_dict(params)})
 
     placements = {p.path: p for p in sharded.layout.placements}
-    for key, value in traverse_util.flatten_dict(sharded_params).items():
+    for key in traverse_util.flatten_dict(sharded_params):
         placement = placements["/".join(map(str, key))]
         if not placement.is_param:
             print(f"Replicated variable {key} (not a parameter)")
         elif placement.rule is not None:
-            print(f"Sharded param {key} with {_seed_repr(placement.rule.spec)}")
+            spec = placement.rule.spec  # as the config gave it, like the seed's log
+            print(f"Sharded param {key} with {_seed_repr(spec) if isinstance(spec, tuple) else placement.spec}")
         else:
             print(f"[WARN] No sharding spec for param {key}, replicating it on every device")
 
