@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from shardlm.errors import ShardlmError
 from shardlm.sharding.layout import Layout, Leaf, resolve
 from shardlm.sharding.plan import Plan
-from shardlm.sharding.rules import path_str, replicated
+from shardlm.sharding.rules import as_axes, axis_degree, path_str, replicated
 
 log = logging.getLogger("shardlm")
 
@@ -102,8 +102,7 @@ class Sharded:
             if len(shape) < len(spec):
                 return replicated(mesh)
             for dim, entry in enumerate(spec):
-                axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-                degree = int(np.prod([mesh.shape[a] for a in axes]))
+                axes, degree = as_axes(entry), axis_degree(mesh, entry)
                 if degree > 1 and shape[dim] % degree:
                     name = f"{what} {path_str(path)}" if path else what
                     raise ShardlmError(

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlm.errors import ShardlmError
 from shardlm.sharding.plan import Largest, Plan, Rule, matches
-from shardlm.sharding.rules import LOGICAL_AXIS_RULES, logical_to_spec, rules_for_mesh
+from shardlm.sharding.rules import LOGICAL_AXIS_RULES, as_axes, axis_degree, logical_to_spec, rules_for_mesh
 
 LOGICAL_NAMES = tuple(dict.fromkeys(name for name, _ in LOGICAL_AXIS_RULES))
 UNMATCHED_NOTE = "no rule (replicated)"
@@ -91,8 +91,7 @@ def canonical(spec: P) -> P:
 
 
 def _degree(mesh, spec: P) -> int:
-    return math.prod(mesh.shape[a] for entry in spec if entry is not None
-                     for a in ((entry,) if isinstance(entry, str) else entry))
+    return math.prod(axis_degree(mesh, entry) for entry in spec)
 
 
 def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
@@ -181,17 +180,13 @@ def _check_rule_names(plan: Plan, mesh) -> None:
                             f"{plan.name}: rule {i + 1} {rule.describe()} names '{name}', which is neither a mesh "
                             f"axis ({', '.join(mesh.axis_names)}) nor a logical axis name ({', '.join(LOGICAL_NAMES)})"
                         )
-                    table_axes = {a for n, ax in LOGICAL_AXIS_RULES if n == name for a in _axes(ax)}
+                    table_axes = {a for n, ax in LOGICAL_AXIS_RULES if n == name for a in as_axes(ax)}
                     if name not in axes and table_axes and not (table_axes & axes) and not rule.optional:
                         raise ShardlmError(
                             f"{plan.name}: rule {i + 1} {rule.describe()} names logical axis '{name}', which the rule "
                             f"table maps to {', '.join(sorted(table_axes))}, and this mesh ({', '.join(mesh.axis_names)}) "
                             "has none of them; name one of the mesh's axes instead"
                         )
-
-
-def _axes(axes) -> tuple[str, ...]:
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _spec_for(rule: Rule, leaf: Leaf, mesh, plan_name: str) -> P:
@@ -209,7 +204,7 @@ def _spec_for(rule: Rule, leaf: Leaf, mesh, plan_name: str) -> P:
 
 def _largest(spec: Largest, shape: tuple[int, ...], mesh) -> P:
     axes = tuple(a for a in spec.axes if a in mesh.axis_names)
-    degree = math.prod(mesh.shape[a] for a in axes)
+    degree = axis_degree(mesh, axes)
     if degree == 1:
         return P()
     for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
@@ -261,10 +256,7 @@ def _resolve_entries(entries, shape, mesh, where: str) -> P:
 
 def _check_divisible(spec: P, leaf: Leaf, mesh, rule: Rule) -> None:
     for dim, (size, entry) in enumerate(zip(leaf.shape, spec)):
-        if entry is None:
-            continue
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
-        degree = math.prod(mesh.shape[a] for a in names)
+        names, degree = as_axes(entry), axis_degree(mesh, entry)
         if size % degree:
             axis = " x ".join(f"'{a}' ({mesh.shape[a]})" for a in names)
             raise ShardlmError(

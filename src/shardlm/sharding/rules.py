@@ -52,7 +52,8 @@ LOGICAL_AXIS_RULES: Rules = (
 )
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def as_axes(axes: MeshAxes) -> tuple[str, ...]:
+    """A spec entry (None, an axis, or several) as a tuple of mesh axes."""
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
@@ -82,14 +83,14 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *
             if decided[i] or name != rule_name:
                 continue
             fits = shape is None or r == last_rule[name] or shape[i] % axis_degree(mesh, axes) == 0
-            if fits and used.isdisjoint(_as_tuple(axes)):
+            if fits and used.isdisjoint(as_axes(axes)):
                 out[i], decided[i] = axes, True
-                used.update(_as_tuple(axes))
+                used.update(as_axes(axes))
             break
     if strict:
         for name, done in zip(names, decided):
             if not done:
-                axes = sorted({a for n, ax in rules if n == name for a in _as_tuple(ax)})
+                axes = sorted({a for n, ax in rules if n == name for a in as_axes(ax)})
                 raise ShardlmError(f"logical axis '{name}' cannot be placed: its mesh axes ({', '.join(axes)}) "
                                    "already split another dimension; name a free mesh axis instead")
     return P(*out)
@@ -100,17 +101,13 @@ def rules_for_mesh(mesh, rules: Rules | None = None) -> Rules:
     present = set(mesh.axis_names)
     out = []
     for name, axes in LOGICAL_AXIS_RULES if rules is None else rules:
-        kept = tuple(a for a in _as_tuple(axes) if a in present)
+        kept = tuple(a for a in as_axes(axes) if a in present)
         out.append((name, kept[0] if len(kept) == 1 else kept or None))
     return tuple(out)
 
 
 def axis_degree(mesh, axes: MeshAxes) -> int:
-    if axes is None:
-        return 1
-    if isinstance(axes, str):
-        axes = (axes,)
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in as_axes(axes))
 
 
 # --- activation constraints -------------------------------------------------------------------------------------
@@ -193,7 +190,7 @@ def check_divisible(abstract_state, specs, mesh) -> None:
         for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
             degree = axis_degree(mesh, axes)
             if size % degree:
-                knobs = " x ".join(f"mesh.{a}" for a in _as_tuple(axes))
+                knobs = " x ".join(f"mesh.{a}" for a in as_axes(axes))
                 what = f"its '{names[dim]}' dimension" if names[dim] else f"dimension {dim}"
                 raise ShardlmError(
                     f"parameter {path_str(path)} of shape {shape}: {what} (size {size}) is split {degree} ways over "
