@@ -1,7 +1,9 @@
 """The `shardlm` command line.
 
     shardlm train [--config FILE] [--run-dir DIR] [--cpu-devices N] [--overwrite] [--explain] [--no-progress]
-                  [key=value ...]
+                  [key=value ...]      (resumes the run in DIR if there is one)
+    shardlm generate RUN_DIR [--prompt TEXT] [--max-tokens N] [--temperature T] [--top-k K] [--seed S] [--step N]
+                     [--cpu-devices N] [mesh.*=value ...]
     shardlm explain [--config FILE] [--cpu-devices N] [--json] [key=value ...]
     shardlm data prepare INPUT... --tokenizer T --out DIR [--val INPUT...] [--val-fraction F] [--force]
     shardlm tokenizer train INPUT... --vocab-size N --out PATH [--force]
@@ -33,9 +35,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     train = sub.add_parser("train", help="train a model (default: tiny GPT on the built-in Shakespeare corpus)")
     _common(train)
     train.add_argument("--run-dir", metavar="DIR", help="where the run's files go (default: runs/<name>)")
-    train.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the run in --run-dir (by default a run there is resumed from its checkpoint)")
     train.add_argument("--explain", action="store_true", help="print every parameter's placement before training")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    gen = sub.add_parser("generate", help="sample text from a trained run's newest checkpoint (parameters only)")
+    gen.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory")
+    gen.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    gen.add_argument("--max-tokens", type=int, default=100, metavar="N", help="new tokens (default 100)")
+    gen.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=40, metavar="K", help="sample from the K likeliest (0 = all)")
+    gen.add_argument("--seed", type=int, default=0, metavar="S")
+    gen.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint to load (default newest)")
+    gen.add_argument("--cpu-devices", type=int, metavar="N",
+                     help="simulate N devices on the CPU host (sets XLA_FLAGS before JAX starts)")
+    gen.add_argument("overrides", nargs="*", metavar="mesh.*=value",
+                     help="the mesh to load onto, e.g. mesh.tensor=2 (default: the run's)")
     explain = sub.add_parser("explain", help="print every parameter's shape, partition spec and bytes per device")
     _common(explain)
     explain.add_argument("--json", action="store_true", help="the same as JSON, with per-device totals")
@@ -70,7 +85,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                            help="train on at most this much text (default: all of it)")
     _reading_options(tok_train)
     tok_train.add_argument("--force", action="store_true", help="replace PATH if it exists")
-    return parser, {"train": train, "explain": explain}
+    return parser, {"train": train, "explain": explain, "generate": gen}
 
 
 def _reading_options(p: argparse.ArgumentParser) -> None:
@@ -120,6 +135,21 @@ def _tokenizer_train(args: argparse.Namespace) -> None:
     print(f"{out}: {tok.vocab_size}-token byte-level BPE; use it with --tokenizer bpe:{out}")
 
 
+def _generate(args: argparse.Namespace) -> None:
+    from shardlm.data.tokenizer import EOT
+    from shardlm.generate import sample_text
+    from shardlm.load import load_model
+
+    if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+        raise ShardlmError("--max-tokens must be >= 1, and --temperature and --top-k >= 0")
+    m = load_model(args.run_dir, step=args.step, overrides=args.overrides)
+    prompt = args.prompt or EOT  # no prompt: the model starts a new document
+    text = sample_text(m.graphdef, m.state, m.mesh, m.tokenizer, prompt, n_samples=1, max_new=args.max_tokens,
+                       seq_len=m.cfg.model.seq_len, temperature=args.temperature, top_k=args.top_k,
+                       seed=args.seed)[0]
+    print(args.prompt + text)
+
+
 def _run(args: argparse.Namespace) -> None:
     if args.command == "data":
         return _data_prepare(args)
@@ -129,14 +159,26 @@ def _run(args: argparse.Namespace) -> None:
         from shardlm.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(args.cpu_devices)
+    if args.command == "generate":
+        return _generate(args)
     from shardlm.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
     if args.command == "train":
-        from shardlm.train.loop import train
+        from pathlib import Path
 
-        train(cfg, args.run_dir, overwrite=args.overwrite, progress=not args.no_progress, explain=args.explain)
-    elif args.command == "explain":
+        from shardlm.train.loop import train
+        from shardlm.train.rundir import CONFIG_FILE, default_run_dir, holds_run
+
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+        if holds_run(run_dir) and not args.overwrite:
+            # Resuming: the run's own config is the base, so `shardlm train --run-dir DIR` alone continues it;
+            # --config and key=value overrides (a new mesh, more steps) apply on top.
+            cfg = load_config(args.config, args.overrides, base=run_dir / CONFIG_FILE)
+        train(cfg, run_dir, overwrite=args.overwrite, progress=not args.no_progress, explain=args.explain)
+        return
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "explain":
         from shardlm.sharding.explain import explain
         from shardlm.mesh import mesh_from_config
         from shardlm.train.loop import load_data

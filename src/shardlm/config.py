@@ -79,6 +79,14 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    # Save every this many steps (0 = only at the end and when stopped by a signal), asynchronously.
+    every: int = 100
+    # How many of the newest checkpoints to keep; the one at train.steps is kept as well.
+    keep: int = 3
+
+
+@dataclasses.dataclass
 class Config:
     name: str = ""
     seed: int = 0
@@ -86,6 +94,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -211,22 +220,37 @@ def _apply(cfg: Config, items: list[tuple[str, Any]]) -> None:
             _set(cfg, key, value)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build a Config from defaults, then a YAML file, then `key=value` overrides, and validate it."""
+def _read_yaml(p: Path) -> dict[str, Any]:
+    if not p.is_file():
+        raise ShardlmError(f"config file {p} does not exist; pass an existing YAML file to --config")
+    try:
+        tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ShardlmError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+    except UnicodeDecodeError:
+        raise ShardlmError(f"config file {p} is not UTF-8 text; pass a YAML file") from None
+    if not isinstance(tree, dict):
+        raise ShardlmError(f"config file {p} must hold a mapping of keys, not {type(tree).__name__}")
+    return tree
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                base: str | Path | None = None) -> Config:
+    """Build a Config from defaults, then `base` (a run's own config.yaml, when resuming), then the YAML file
+    `path`, then `key=value` overrides, and validate it."""
     cfg = Config()
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ShardlmError(f"config file {p} does not exist; pass an existing YAML file to --config")
-        try:
-            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as e:
-            raise ShardlmError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
-        except UnicodeDecodeError:
-            raise ShardlmError(f"config file {p} is not UTF-8 text; pass a YAML file") from None
-        if not isinstance(tree, dict):
-            raise ShardlmError(f"config file {p} must hold a mapping of keys, not {type(tree).__name__}")
-        _apply(cfg, _flatten(tree))
+    for p in (base, path):
+        if p is not None:
+            _apply(cfg, _flatten(_read_yaml(Path(p))))
+    _apply(cfg, [_parse_override(a) for a in overrides])
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The inverse of `Config.to_dict` (a checkpoint's saved config), then `key=value` overrides, validated."""
+    cfg = Config()
+    _apply(cfg, _flatten(tree))
     _apply(cfg, [_parse_override(a) for a in overrides])
     validate(cfg)
     return cfg
@@ -276,6 +300,10 @@ def validate(cfg: Config) -> None:
         raise ShardlmError("data.path and data.text_field must not be empty")
     if d.tokenizer_vocab < 257:
         raise ShardlmError(f"data.tokenizer_vocab must be at least 257 (bytes + end of text), got {d.tokenizer_vocab}")
+    if cfg.checkpoint.every < 0:
+        raise ShardlmError(f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
+    if cfg.checkpoint.keep < 1:
+        raise ShardlmError(f"checkpoint.keep must be at least 1, got {cfg.checkpoint.keep}")
     for axis in ("data", "fsdp", "tensor"):
         v = getattr(cfg.mesh, axis)
         if v is not None and v != -1 and v < 1:

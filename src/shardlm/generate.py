@@ -14,12 +14,13 @@ from shardlm.sharding import batch_sharding, replicated, use_mesh_rules
 
 def sample_tokens(graphdef, state, mesh, prompts: np.ndarray, prompt_len: int, max_new: int,
                   temperature: float, top_k: int, seed: int) -> np.ndarray:
-    """prompts: [batch, seq_len] int32 with the prompt in the first `prompt_len` positions. Returns the buffer."""
+    """`graphdef`, `state`: the model's (`nnx.split(model)`). prompts: [batch, seq_len] int32 with the prompt in the
+    first `prompt_len` positions. Returns the buffer."""
     seq_len = prompts.shape[1]
     max_new = min(max_new, seq_len - prompt_len)
 
     def run(state, buf, key):
-        model = nnx.merge(graphdef, state)["model"]
+        model = nnx.merge(graphdef, state)
 
         def body(i, carry):
             buf, key = carry
@@ -44,13 +45,13 @@ def sample_tokens(graphdef, state, mesh, prompts: np.ndarray, prompt_len: int, m
     return np.asarray(jax.device_get(out))[:, : prompt_len + max_new]
 
 
-def sample_text(train_state, mesh, tokenizer, prompt: str, n_samples: int, max_new: int, seq_len: int,
+def sample_text(graphdef, state, mesh, tokenizer, prompt: str, n_samples: int, max_new: int, seq_len: int,
                 temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> list[str]:
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = -(-n_samples // dp) * dp  # the batch dimension is split over data x fsdp
     ids = tokenizer.encode(prompt)[: seq_len - 1] or [tokenizer.eot_id]
     prompts = np.zeros((batch, seq_len), np.int32)
     prompts[:, : len(ids)] = ids
-    out = sample_tokens(train_state.graphdef, train_state.state, mesh, prompts, len(ids), max_new, temperature,
+    out = sample_tokens(graphdef, state, mesh, prompts, len(ids), max_new, temperature,
                         top_k, seed)
     return [tokenizer.decode(row[len(ids):]) for row in out[:n_samples]]  # the continuations

@@ -53,6 +53,11 @@ class BatchIterator:
     def __next__(self) -> jax.Array:
         return self.loader.to_global(next(self._it))
 
+    @property
+    def grain_iterator(self):
+        """The underlying Grain `DatasetIterator`, for Grain's Orbax checkpoint handler."""
+        return self._it
+
     def get_state(self) -> dict:
         return self._it.get_state()
 

@@ -8,11 +8,28 @@ from tensorboardX import SummaryWriter
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path):
+    """`resume_step`: continue a run from that checkpoint step. Rows logged after it (by the interrupted process)
+    are dropped from metrics.jsonl, and TensorBoard is told to purge its events from the next step on, so each
+    step appears once in both."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
         self.run_dir = Path(run_dir)
-        self.jsonl = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
-        self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        path = self.run_dir / "metrics.jsonl"
         self.rows: list[dict] = []
+        if resume_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a kill
+                    continue
+                if row.get("step", resume_step + 1) <= resume_step:
+                    self.rows.append(row)
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            tmp.replace(path)
+        self.jsonl = path.open("a" if resume_step is not None else "w", buffering=1)
+        purge = None if resume_step is None else resume_step + 1
+        self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, row: dict) -> None:
         row = {k: (float(v) if isinstance(v, float) or hasattr(v, "item") else v) for k, v in row.items()}

@@ -98,13 +98,33 @@ def check_shardable(cfg: Config, mesh) -> None:
         state_shardings(nnx.state(nnx.eval_shape(_builder(cfg, mesh, 257))), mesh)
 
 
-def compile_init(cfg: Config, mesh, vocab_size: int):
-    """(graphdef, compiled init, shardings): the init computes each device's shards of model + AdamW state."""
+def abstract_train_state(cfg: Config, mesh, vocab_size: int):
+    """(build, graphdef, abstract state, shardings): shapes and placements only, nothing computed. The abstract
+    state's leaves carry their target sharding, so a checkpoint can be read straight into it."""
     build = _builder(cfg, mesh, vocab_size)
     with nnx.use_eager_sharding(False):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
         # Raises before any compile if a degree does not divide a dimension (model parameters come first).
         shardings = state_shardings(abstract_state, mesh)
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  abstract_state, shardings)
+    return build, graphdef, abstract_state, shardings
+
+
+def abstract_model(cfg: Config, mesh, vocab_size: int):
+    """(graphdef, abstract state with shardings) of the model alone: what readers of a checkpoint restore."""
+    with nnx.use_eager_sharding(False):
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(model_factory(cfg, vocab_size, mesh.shape["tensor"]),
+                                                            nnx.Rngs(params=0)))
+        shardings = state_shardings(abstract_state, mesh)
+    return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  abstract_state, shardings)
+
+
+def compile_init(cfg: Config, mesh, vocab_size: int):
+    """(graphdef, compiled init, shardings): the init computes each device's shards of model + AdamW state."""
+    build, graphdef, _, shardings = abstract_train_state(cfg, mesh, vocab_size)
+    with nnx.use_eager_sharding(False):
         init = jax.jit(lambda: nnx.state(build()), out_shardings=shardings).lower().compile()
     return graphdef, init, shardings
 

@@ -1,0 +1,79 @@
+"""Loading a trained model from a run directory, for readers such as `shardlm generate`.
+
+Readers restore the `params` item of a checkpoint and nothing else: no optimizer state (two thirds of the bytes
+under AdamW) is read or allocated. The parameters are read straight into the shardings of the mesh the reader
+asks for, which need not be the mesh the run trained on.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from shardlm.config import Config, config_from_dict
+from shardlm.data.tokenizer import Tokenizer, load_tokenizer
+from shardlm.errors import ShardlmError
+from shardlm.mesh import mesh_from_config
+from shardlm.train.checkpoint import CheckpointError, RunCheckpoints
+from shardlm.train.rundir import CONFIG_FILE, unreadable
+from shardlm.train.state import abstract_model, vocab_sizes
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    cfg: Config
+    mesh: object
+    graphdef: object  # the model's (nnx.split(model))
+    state: object  # its parameters, sharded on `mesh`
+    tokenizer: Tokenizer
+    step: int
+
+
+def run_tokenizer(cfg: Config, run_dir: Path) -> Tokenizer:
+    """The run's tokenizer: a trained BPE travels with the run as tokenizer.json; gpt2 and bytes need no file."""
+    spec = cfg.data.tokenizer
+    return load_tokenizer("bpe" if spec.startswith("bpe") else spec, run_dir)
+
+
+def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[str] | tuple[str, ...] = (),
+               devices=None) -> LoadedModel:
+    """The model of the run in `run_dir` at `step` (default: the newest checkpoint). `overrides` (`mesh.*=...`)
+    choose the mesh to load onto; by default the run's own mesh settings."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ShardlmError(f"{run_dir} holds no shardlm run (no {CONFIG_FILE}); pass the --run-dir of a training run")
+    reader = RunCheckpoints(run_dir, read_only=True)
+    try:
+        steps = reader.steps()
+        if not steps:
+            raise ShardlmError(f"{run_dir} has no complete checkpoint yet; train it first "
+                               f"(shardlm train --run-dir {run_dir})")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise ShardlmError(f"{run_dir} has no checkpoint at step {step}; it has steps "
+                               f"{', '.join(map(str, steps))}")
+        bad = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("mesh.")]
+        if bad:
+            raise ShardlmError(f"{bad[0]}: only mesh.* settings can change when loading a trained model")
+        try:
+            meta = reader.read_meta(step)
+        except CheckpointError as e:
+            raise unreadable(run_dir, e, [s for s in steps if s < step], reader) from None
+        # mesh.* overrides describe the whole mesh to load onto (unset axes take their defaults), not changes to
+        # the run's: `mesh.tensor=2` alone means tensor 2 x data for the rest.
+        cfg = config_from_dict({**meta["config"], "mesh": {}} if overrides else meta["config"], overrides)
+        mesh = mesh_from_config(cfg.mesh, devices)
+        real, padded = vocab_sizes(cfg, meta["vocab"]["real"], mesh.shape["tensor"])
+        if padded != meta["vocab"]["padded"]:
+            raise ShardlmError(f"checkpoint step {step} holds a vocabulary padded to {meta['vocab']['padded']} "
+                               f"rows, but mesh.tensor={mesh.shape['tensor']} pads it to {padded}; use a tensor "
+                               f"degree dividing {meta['vocab']['padded']}")
+        graphdef, abstract = abstract_model(cfg, mesh, real)
+        try:
+            state = reader.restore(step, abstract, optimizer=False)
+        except CheckpointError as e:
+            older = [s for s in steps if s < step]
+            raise unreadable(run_dir, e, older, reader,
+                             check=lambda s: reader.restore(s, abstract, optimizer=False)) from None
+    finally:
+        reader.close()
+    return LoadedModel(cfg, mesh, graphdef, state, run_tokenizer(cfg, run_dir), step)

@@ -1,0 +1,167 @@
+"""A run's checkpoints: an Orbax `CheckpointManager` over `<run_dir>/checkpoints/<step>/`.
+
+Each step directory holds four items:
+- `params`: the model's parameters, the only item readers such as `shardlm generate` restore;
+- `optimizer`: the optimizer state (AdamW moments and the step counter);
+- `data`: the Grain iterator's position, through Grain's own Orbax handler (one JSON file per process);
+- `meta`: JSON with the step, the resolved config, the mesh, the vocabulary, the data's fingerprint, the RNG
+  derivation and the library versions.
+
+Design choices:
+- Saves are asynchronous. `save` returns once the arrays have been copied off the devices, so the next step may
+  donate them, and a background thread writes the files while training goes on.
+- Orbax writes each step into `<step>.orbax-checkpoint-tmp` and renames it when complete. A process killed
+  mid-save therefore leaves the earlier checkpoints untouched and the incomplete one recognisable; the next start
+  reports it and removes it.
+- Restores read each array straight into the sharding the current mesh wants, because the abstract target carries
+  it. Orbax and TensorStore then read only the slices each device holds, so a checkpoint moves between meshes,
+  strategies and device counts without ever being gathered whole on one device.
+- Arrays are stored as plain nested dicts (`nnx.to_pure_dict`), so the format does not depend on Flax's Variable
+  classes.
+"""
+
+import logging
+from pathlib import Path
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from orbax.checkpoint import checkpoint_managers as policies
+
+from shardlm.errors import ShardlmError
+
+CHECKPOINT_DIR = "checkpoints"
+INCOMPLETE_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress
+
+
+class CheckpointError(ShardlmError):
+    """A checkpoint that cannot be read; `step` names it."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"checkpoint step {step} cannot be read ({reason})")
+        self.step, self.reason = step, reason
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of an exception, short enough for a one-line error."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def incomplete_steps(run_dir: str | Path) -> list[str]:
+    """Names of step directories whose save never finished (the process died while writing them)."""
+    d = checkpoint_dir(run_dir)
+    return sorted(p.name.split(INCOMPLETE_SUFFIX)[0] for p in d.glob(f"*{INCOMPLETE_SUFFIX}*")) if d.is_dir() else []
+
+
+def _array_tree_handler() -> ocp.PyTreeCheckpointHandler:
+    """Orbax's handler for the array trees. Replica-parallel saving (the default) slices every replicated array on
+    its devices so that several hosts share the writing; with one process there is no one to share with, and the
+    slicing costs hundreds of dispatches per save (seconds of compiles at the first), all while training waits."""
+    arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1)
+    return ocp.PyTreeCheckpointHandler(
+        type_handler_registry=ocp.type_handlers.create_type_handler_registry((jax.Array, arrays)))
+
+
+def _quiet_orbax() -> None:
+    # Orbax logs every save and restore at INFO/WARNING through absl; shardlm reports checkpoints itself.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def _restore_args(target) -> ocp.args.PyTreeRestore:
+    """Read every array of `target` (ShapeDtypeStructs with shardings) into its sharding and dtype."""
+    return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
+
+class RunCheckpoints:
+    """The checkpoints of one run directory. `keep`: how many of the newest to keep; `also_keep`: steps never
+    deleted (the run's last step). `read_only` opens without creating, cleaning or deleting anything."""
+
+    def __init__(self, run_dir: str | Path, *, keep: int = 3, also_keep: tuple[int, ...] = (),
+                 read_only: bool = False):
+        _quiet_orbax()
+        self.directory = checkpoint_dir(run_dir).absolute()
+        preserve = [policies.LatestN(keep)] + ([policies.CustomSteps(list(also_keep))] if also_keep else [])
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=not read_only,
+            preservation_policy=policies.AnyPreservationPolicy(preserve),
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
+            create=not read_only,
+        )
+        if read_only and not self.directory.is_dir():
+            self.manager = None
+        else:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+                "params": _array_tree_handler(), "optimizer": _array_tree_handler(),
+                "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+
+    # --- reading -----------------------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """The complete checkpoints' steps, oldest first."""
+        if self.manager is None:
+            return []
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def read_meta(self, step: int) -> dict:
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - any failure to read is reported as this step being unreadable
+            raise CheckpointError(step, _reason(e)) from e
+        if not isinstance(meta, dict) or meta.get("step") != step or "config" not in meta:
+            raise CheckpointError(step, "its meta item is not a shardlm checkpoint's")
+        return meta
+
+    def restore(self, step: int, abstract_state, *, optimizer: bool = True, iterator=None):
+        """The state at `step`, each array placed as the matching leaf of `abstract_state` says (ShapeDtypeStructs
+        with shardings). `abstract_state` is {"model": ..., "optimizer": ...}, or the model's state alone when
+        `optimizer` is False. With `iterator` (a Grain DatasetIterator), its position is restored too."""
+        target = nnx.to_pure_dict(abstract_state)
+        items = {"params": _restore_args(target["model"] if optimizer else target)}
+        if optimizer:
+            items["optimizer"] = _restore_args(target["optimizer"])
+        if iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(iterator)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(step, _reason(e)) from e
+        state = jax.tree.map(lambda x: x, abstract_state)  # a fresh tree of the same Variables, filled below
+        arrays = {"model": restored["params"], "optimizer": restored["optimizer"]} if optimizer else restored["params"]
+        nnx.replace_by_pure_dict(state, arrays)
+        return state
+
+    # --- writing -----------------------------------------------------------------------------------------------
+    def save(self, step: int, state, iterator, meta: dict) -> None:
+        """Start saving `state` ({"model", "optimizer"}) and the iterator's position; returns once the arrays are
+        off the devices, while the files are written in the background."""
+        pure = nnx.to_pure_dict(state)
+        args = ocp.args.Composite(
+            params=ocp.args.PyTreeSave(pure["model"]),
+            optimizer=ocp.args.PyTreeSave(pure["optimizer"]),
+            data=grain.checkpoint.CheckpointSave(iterator),
+            meta=ocp.args.JsonSave(meta),
+        )
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:  # noqa: BLE001 - a failed earlier background write surfaces here
+            raise ShardlmError(f"saving checkpoint step {step} in {self.directory} failed ({_reason(e)}); check "
+                               "that the disk has space and the directory is writable") from e
+
+    def wait(self) -> None:
+        """Block until the background writes are done."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise ShardlmError(f"writing a checkpoint in {self.directory} failed ({_reason(e)}); check that the "
+                               "disk has space and the directory is writable") from e
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()

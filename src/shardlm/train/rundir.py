@@ -1,0 +1,154 @@
+"""A run directory's life: new, resumed from its newest checkpoint, finished, or replaced with --overwrite.
+
+Design choices:
+- Re-running `shardlm train` on a directory that holds a run continues it from its newest complete checkpoint;
+  nothing is deleted. A run without any complete checkpoint (killed before its first save) starts again from
+  step 0, and a run whose checkpoint has reached `train.steps` is not trained again.
+- What may change on resume: the mesh (a checkpoint is read into any sharding), `train.steps` (raising it
+  extends a finished run; the learning-rate schedule then decays over the new length), intervals, checkpoint
+  settings and optimizer hyperparameters. What may not: the model's shape, the seed, the global batch size and
+  the training data (checked by its SHA-256), because the checkpoint, the batch order or the dropout stream
+  would no longer be the run's.
+"""
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+
+from shardlm.config import Config, ModelConfig, config_from_dict
+from shardlm.errors import ShardlmError
+from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, incomplete_steps
+
+FINISHED_MARKER = "summary.json"
+CONFIG_FILE = "config.yaml"
+# The files a shardlm run writes at the top of its directory (--overwrite removes these and nothing else).
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "loss.png", "samples.txt", "tokenizer.json", FINISHED_MARKER)
+# Keys that must be equal to the checkpoint's for a run to resume.
+FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig) if f.name != "dropout") + (
+    "seed", "train.batch_size")
+
+
+def default_run_dir(cfg: Config) -> Path:
+    name = cfg.name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path("runs") / name
+
+
+def holds_run(run_dir: Path) -> bool:
+    return (Path(run_dir) / CONFIG_FILE).exists()
+
+
+def check_writable(run_dir: Path) -> None:
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ShardlmError(f"--run-dir {run_dir}: {parent} is a file; pass a directory path")
+            if not os.access(parent, os.W_OK):
+                raise ShardlmError(f"--run-dir {run_dir}: {parent} is not writable; pass a directory you can write")
+            break
+
+
+@dataclasses.dataclass
+class RunStart:
+    """How a run begins: `resume_step` is the checkpoint it continues from (None: from step 0); `meta` is that
+    checkpoint's meta item; `reset` says the directory's earlier files are to be replaced."""
+
+    resume_step: int | None = None
+    meta: dict | None = None
+    reset: bool = False
+    finished: bool = False
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(cfg: Config, saved: Config, step: int) -> list[str]:
+    """Raise if a fixed key differs from the checkpoint's config; else the changed keys as 'key old -> new'."""
+    new, old = _flat(cfg.to_dict()), _flat(saved.to_dict())
+    for key in FIXED_KEYS:
+        if new[key] != old[key]:
+            raise ShardlmError(
+                f"{key}={new[key]} differs from the run's {old[key]} (checkpoint step {step}); a run's model, seed "
+                f"and batch size cannot change when it resumes: drop that override, or pass another --run-dir"
+            )
+    skip = {"data.tokenizer"} if cfg.data.tokenizer == "auto" else set()  # resolved only once the data is read
+    return [f"{k} {old[k]} -> {new[k]}" for k in new if k not in skip and new[k] != old.get(k)]
+
+
+def plan_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
+    """Decide, reading only metadata, whether this run is new, resumed, restarted or already finished."""
+    check_writable(run_dir)
+    if overwrite:
+        return RunStart(reset=True)
+    if not holds_run(run_dir):
+        return RunStart()
+    for name in incomplete_steps(run_dir):
+        log(f"ignoring the incomplete checkpoint {checkpoint_dir(run_dir) / name}: its save did not finish "
+            "(the process was killed while writing it); it will be removed")
+    reader = RunCheckpoints(run_dir, read_only=True)
+    try:
+        steps = reader.steps()
+        if not steps:
+            if (run_dir / FINISHED_MARKER).exists():
+                raise ShardlmError(f"--run-dir {run_dir} holds a finished run without checkpoints; pass another "
+                                   "--run-dir, or --overwrite to replace it")
+            log(f"{run_dir} holds a run that has no complete checkpoint yet: starting it again from step 0")
+            return RunStart(reset=True)
+        step = steps[-1]
+        try:
+            meta = reader.read_meta(step)
+        except CheckpointError as e:
+            raise unreadable(run_dir, e, [s for s in steps if s < step], reader) from None
+    finally:
+        reader.close()
+    changes = config_changes(cfg, config_from_dict(meta["config"]), step)
+    if step >= cfg.train.steps:
+        log(f"{run_dir} has already trained to step {step} (train.steps={cfg.train.steps}): nothing to do; raise "
+            "train.steps to train it further")
+        return RunStart(resume_step=step, meta=meta, finished=True)
+    log(f"resuming {run_dir} from its checkpoint at step {step} (of {cfg.train.steps})"
+        + (f"; changed: {', '.join(changes)}" if changes else ""))
+    return RunStart(resume_step=step, meta=meta)
+
+
+def unreadable(run_dir: Path, error: CheckpointError, older: list[int], reader: RunCheckpoints,
+               check=None) -> ShardlmError:
+    """The one-line error for an unreadable checkpoint, naming the newest older one that reads (`check(step)`
+    raises CheckpointError if it does not; by default only its meta item is read)."""
+    good = None
+    for s in sorted(older, reverse=True):
+        try:
+            (check or reader.read_meta)(s)
+            good = s
+            break
+        except CheckpointError:
+            continue
+    where = checkpoint_dir(run_dir)
+    fix = (f"the newest readable one is step {good}: move {where / str(error.step)} out of {where} to resume from it"
+           if good is not None else "no older checkpoint reads either: pass --overwrite or another --run-dir to "
+                                    "start over")
+    return ShardlmError(f"checkpoint step {error.step} in {where} cannot be read ({error.reason}); {fix}")
+
+
+def claim(run_dir: Path, start: RunStart) -> None:
+    """Create the directory; on reset, remove only the files an earlier shardlm run wrote there."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if start.reset:
+        for name in RUN_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+        tb = run_dir / "tensorboard"
+        if tb.is_dir():
+            for f in tb.glob("events.out.tfevents.*"):
+                f.unlink()
+        if checkpoint_dir(run_dir).is_dir():
+            shutil.rmtree(checkpoint_dir(run_dir))
+    elif start.resume_step is not None:
+        (run_dir / FINISHED_MARKER).unlink(missing_ok=True)  # the run is under way again
