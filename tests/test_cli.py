@@ -88,7 +88,7 @@ def test_rerunning_a_finished_run_trains_nothing(fsdp_run):
     files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     proc = shardlm("train", "--cpu-devices", "8", "--run-dir", str(run_dir), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "has already trained to step 20 (train.steps=20): nothing to do; raise train.steps" in proc.stderr
+    assert "has already trained to step 20 (train.steps=20): nothing to do; raise train.steps" in proc.stdout
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == files  # nothing touched
 
 

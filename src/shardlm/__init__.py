@@ -23,6 +23,7 @@ _LAZY = {
     "create_train_state": "shardlm.train.state",
     "explain_state": "shardlm.sharding.explain",
     "format_explanation": "shardlm.sharding.explain",
+    "load_model": "shardlm.load",
 }
 # `shardlm.train` is a subpackage; the training loop's entry point is `shardlm.train.loop.train`.
 

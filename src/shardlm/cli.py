@@ -200,9 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"shardlm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("shardlm: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop, or a second Ctrl-C / SIGTERM inside it
+        print("shardlm: aborted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # At once: a checkpoint write still in flight (Orbax's non-daemon thread) is abandoned, not waited for;
+        # it stays incomplete and the next start ignores it.
+        os._exit(130)
     return 0
 
 

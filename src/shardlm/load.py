@@ -73,7 +73,8 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
         except CheckpointError as e:
             older = [s for s in steps if s < step]
             raise unreadable(run_dir, e, older, reader,
-                             check=lambda s: reader.restore(s, abstract, optimizer=False)) from None
+                             check=lambda s: (reader.read_meta(s), reader.restore(s, abstract, optimizer=False))
+                             ) from None
     finally:
         reader.close()
     return LoadedModel(cfg, mesh, graphdef, state, run_tokenizer(cfg, run_dir), step)

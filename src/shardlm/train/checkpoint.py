@@ -20,7 +20,9 @@ Design choices:
   classes.
 """
 
+import gc
 import logging
+import sys
 from pathlib import Path
 
 import grain
@@ -44,9 +46,32 @@ class CheckpointError(ShardlmError):
 
 
 def _reason(e: BaseException) -> str:
-    """The first line of an exception, short enough for a one-line error."""
+    """The first line of the root cause (Orbax wraps TensorStore's precise error), short enough for one line."""
+    while e.__cause__ is not None:
+        e = e.__cause__
     text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return text if len(text) <= 160 else text[:157] + "..."
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _quiet_failed_read_aftermath() -> None:
+    """After a failed restore, Orbax abandons the other reads in flight: their coroutines are collected unawaited
+    and TensorStore's callbacks find Orbax's event loop closed, each printing a traceback through
+    `sys.unraisablehook` (hundreds for one bad file), some while the error is still propagating. The failure
+    itself is reported as one line, so these two kinds of echo are dropped once shardlm opens checkpoints; every
+    other unraisable exception still prints."""
+    previous = sys.unraisablehook
+    if getattr(previous, "shardlm_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        exc, obj = unraisable.exc_value, unraisable.object
+        if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or \
+                getattr(obj, "__qualname__", "") == "_read_array_index_and_device_put":
+            return
+        previous(unraisable)
+
+    hook.shardlm_quiet = True
+    sys.unraisablehook = hook
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -71,6 +96,7 @@ def _array_tree_handler() -> ocp.PyTreeCheckpointHandler:
 def _quiet_orbax() -> None:
     # Orbax logs every save and restore at INFO/WARNING through absl; shardlm reports checkpoints itself.
     logging.getLogger("absl").setLevel(logging.ERROR)
+    _quiet_failed_read_aftermath()
 
 
 def _restore_args(target) -> ocp.args.PyTreeRestore:
@@ -131,6 +157,7 @@ class RunCheckpoints:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001
+            gc.collect()  # collect the abandoned reads now, while quiet
             raise CheckpointError(step, _reason(e)) from e
         state = jax.tree.map(lambda x: x, abstract_state)  # a fresh tree of the same Variables, filled below
         arrays = {"model": restored["params"], "optimizer": restored["optimizer"]} if optimizer else restored["params"]

@@ -121,7 +121,8 @@ def restore_state(run_dir: Path, step: int, cfg: Config, mesh, vocab_size: int, 
         state = reader.restore(step, abstract, iterator=iterator)
     except CheckpointError as e:
         older = [s for s in reader.steps() if s < step]
-        raise unreadable(run_dir, e, older, reader, check=lambda s: reader.restore(s, abstract)) from None
+        raise unreadable(run_dir, e, older, reader,
+                         check=lambda s: (reader.read_meta(s), reader.restore(s, abstract))) from None
     finally:
         reader.close()
     return TrainState(graphdef, state, shardings)
@@ -319,6 +320,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
         "param_bytes_per_device": ex.max_param_bytes, "optimizer_bytes_per_device": ex.max_opt_bytes,
     }
     (run_dir / FINISHED_MARKER).write_text(json.dumps(summary, indent=2) + "\n")
-    _log(f"done in {summary['wall_s']:.0f}s: {run_dir}/ holds config.yaml, metrics.jsonl, tensorboard/, loss.png, "
-         f"samples.txt, checkpoints/")
+    written = [n for n in ("config.yaml", "metrics.jsonl", "tensorboard/", "loss.png", "samples.txt", "checkpoints/")
+               if (run_dir / n.rstrip("/")).exists()]
+    _log(f"done in {summary['wall_s']:.0f}s: {run_dir}/ holds {', '.join(written)}")
     return summary
