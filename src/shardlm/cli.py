@@ -144,6 +144,12 @@ def _generate(args: argparse.Namespace) -> None:
         raise ShardlmError("--max-tokens must be >= 1, and --temperature and --top-k >= 0")
     m = load_model(args.run_dir, step=args.step, overrides=args.overrides)
     prompt = args.prompt or EOT  # no prompt: the model starts a new document
+    context, used = m.cfg.model.seq_len, len(m.tokenizer.encode(prompt))
+    if used >= context:
+        raise ShardlmError(f"--prompt is {used} tokens; the model's context is {context}: shorten it")
+    if args.max_tokens > context - used:
+        print(f"note: the context holds {context - used} new tokens after the prompt; generating that many",
+              file=sys.stderr)
     text = sample_text(m.graphdef, m.state, m.mesh, m.tokenizer, prompt, n_samples=1, max_new=args.max_tokens,
                        seq_len=m.cfg.model.seq_len, temperature=args.temperature, top_k=args.top_k,
                        seed=args.seed)[0]
@@ -173,8 +179,14 @@ def _run(args: argparse.Namespace) -> None:
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
         if holds_run(run_dir) and not args.overwrite:
             # Resuming: the run's own config is the base, so `shardlm train --run-dir DIR` alone continues it;
-            # --config and key=value overrides (a new mesh, more steps) apply on top.
-            cfg = load_config(args.config, args.overrides, base=run_dir / CONFIG_FILE)
+            # --config and key=value overrides (more steps, a new mesh) apply on top. mesh.* overrides describe
+            # the whole new mesh (as for `generate`): `mesh.tensor=4` alone means tensor 4 x data for the rest.
+            from shardlm.config import read_config_file
+
+            base = read_config_file(run_dir / CONFIG_FILE)
+            if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
+                base.pop("mesh", None)
+            cfg = load_config(args.config, args.overrides, base=base)
         train(cfg, run_dir, overwrite=args.overwrite, progress=not args.no_progress, explain=args.explain)
         return
     cfg = load_config(args.config, args.overrides)

@@ -220,7 +220,7 @@ def _apply(cfg: Config, items: list[tuple[str, Any]]) -> None:
             _set(cfg, key, value)
 
 
-def _read_yaml(p: Path) -> dict[str, Any]:
+def read_config_file(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ShardlmError(f"config file {p} does not exist; pass an existing YAML file to --config")
     try:
@@ -235,13 +235,13 @@ def _read_yaml(p: Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                base: str | Path | None = None) -> Config:
-    """Build a Config from defaults, then `base` (a run's own config.yaml, when resuming), then the YAML file
+                base: dict[str, Any] | None = None) -> Config:
+    """Build a Config from defaults, then `base` (a run's own config, as a dict, when resuming), then the YAML file
     `path`, then `key=value` overrides, and validate it."""
     cfg = Config()
-    for p in (base, path):
-        if p is not None:
-            _apply(cfg, _flatten(_read_yaml(Path(p))))
+    for tree in (base, None if path is None else read_config_file(Path(path))):
+        if tree is not None:
+            _apply(cfg, _flatten(tree))
     _apply(cfg, [_parse_override(a) for a in overrides])
     validate(cfg)
     return cfg

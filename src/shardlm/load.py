@@ -65,8 +65,9 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
         real, padded = vocab_sizes(cfg, meta["vocab"]["real"], mesh.shape["tensor"])
         if padded != meta["vocab"]["padded"]:
             raise ShardlmError(f"checkpoint step {step} holds a vocabulary padded to {meta['vocab']['padded']} "
-                               f"rows, but mesh.tensor={mesh.shape['tensor']} pads it to {padded}; use a tensor "
-                               f"degree dividing {meta['vocab']['padded']}")
+                               f"rows (for its mesh.tensor={meta['mesh']['tensor']}), but mesh.tensor="
+                               f"{mesh.shape['tensor']} pads it to {padded}; load with "
+                               f"mesh.tensor={meta['mesh']['tensor']}")
         graphdef, abstract = abstract_model(cfg, mesh, real)
         try:
             state = reader.restore(step, abstract, optimizer=False)

@@ -53,25 +53,36 @@ def _reason(e: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _quiet_failed_read_aftermath() -> None:
+class _QuietFailedReads:
     """After a failed restore, Orbax abandons the other reads in flight: their coroutines are collected unawaited
     and TensorStore's callbacks find Orbax's event loop closed, each printing a traceback through
-    `sys.unraisablehook` (hundreds for one bad file), some while the error is still propagating. The failure
-    itself is reported as one line, so these two kinds of echo are dropped once shardlm opens checkpoints; every
-    other unraisable exception still prints."""
-    previous = sys.unraisablehook
-    if getattr(previous, "shardlm_quiet", False):
-        return
+    `sys.unraisablehook` (hundreds for one bad file), some while the error is still propagating, and asyncio logs
+    each unretrieved task. The failure itself is reported in one line, so during a restore, and for the rest of the
+    process once one has failed, these echoes are dropped; every other unraisable exception still prints."""
 
-    def hook(unraisable) -> None:
-        exc, obj = unraisable.exc_value, unraisable.object
-        if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or \
-                getattr(obj, "__qualname__", "") == "_read_array_index_and_device_put":
-            return
-        previous(unraisable)
+    def __enter__(self):
+        self.previous = sys.unraisablehook
+        previous = self.previous
+        # The abandoned asyncio tasks also log "Task exception was never retrieved" when collected.
+        self.asyncio_level = logging.getLogger("asyncio").level
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
-    hook.shardlm_quiet = True
-    sys.unraisablehook = hook
+        def hook(unraisable) -> None:
+            exc, obj = unraisable.exc_value, unraisable.object
+            if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or \
+                    getattr(obj, "__qualname__", "") == "_read_array_index_and_device_put":
+                return
+            previous(unraisable)
+
+        sys.unraisablehook = hook
+        return self
+
+    def __exit__(self, exc_type, *rest) -> None:
+        if exc_type is None:
+            sys.unraisablehook = self.previous
+            logging.getLogger("asyncio").setLevel(self.asyncio_level)
+        else:
+            gc.collect()  # collect the abandoned reads now, while quiet; the hook stays for the late echoes
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -95,8 +106,8 @@ def _array_tree_handler() -> ocp.PyTreeCheckpointHandler:
 
 def _quiet_orbax() -> None:
     # Orbax logs every save and restore at INFO/WARNING through absl; shardlm reports checkpoints itself.
-    logging.getLogger("absl").setLevel(logging.ERROR)
-    _quiet_failed_read_aftermath()
+    # CRITICAL: a failed background write is also logged by Orbax with a traceback; shardlm reports it in one line.
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
 
 
 def _restore_args(target) -> ocp.args.PyTreeRestore:
@@ -111,6 +122,7 @@ class RunCheckpoints:
     def __init__(self, run_dir: str | Path, *, keep: int = 3, also_keep: tuple[int, ...] = (),
                  read_only: bool = False):
         _quiet_orbax()
+        self.read_only = read_only
         self.directory = checkpoint_dir(run_dir).absolute()
         preserve = [policies.LatestN(keep)] + ([policies.CustomSteps(list(also_keep))] if also_keep else [])
         options = ocp.CheckpointManagerOptions(
@@ -155,9 +167,9 @@ class RunCheckpoints:
         if iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(iterator)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+            with _QuietFailedReads():
+                restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001
-            gc.collect()  # collect the abandoned reads now, while quiet
             raise CheckpointError(step, _reason(e)) from e
         state = jax.tree.map(lambda x: x, abstract_state)  # a fresh tree of the same Variables, filled below
         arrays = {"model": restored["params"], "optimizer": restored["optimizer"]} if optimizer else restored["params"]
@@ -190,5 +202,10 @@ class RunCheckpoints:
                                "disk has space and the directory is writable") from e
 
     def close(self) -> None:
+        """Wait for the background writes (a failed one raises ShardlmError), then release the manager."""
         if self.manager is not None:
-            self.manager.close()
+            try:
+                if not self.read_only:
+                    self.wait()
+            finally:
+                self.manager.close()

@@ -104,9 +104,9 @@ def check_same_run(meta: dict, cfg: Config, data: PreparedData, vocab: tuple[int
         raise ShardlmError(f"the tokenizer's vocabulary ({vocab[0]}) differs from the run's ({meta['vocab']['real']});"
                            " resume with the run's tokenizer, or pass another --run-dir")
     if meta["vocab"]["padded"] != vocab[1]:
-        raise ShardlmError(f"checkpoint step {step} holds a vocabulary padded to {meta['vocab']['padded']} rows, but "
-                           f"mesh.tensor={cfg.mesh.tensor} pads it to {vocab[1]}; use a tensor degree dividing "
-                           f"{meta['vocab']['padded']}")
+        raise ShardlmError(f"checkpoint step {step} holds a vocabulary padded to {meta['vocab']['padded']} rows "
+                           f"(for its mesh.tensor={meta['mesh']['tensor']}), but this mesh's tensor degree pads it to "
+                           f"{vocab[1]}; resume with mesh.tensor={meta['mesh']['tensor']}")
     if meta["rng"]["prng_impl"] != str(jax.config.jax_default_prng_impl):
         raise ShardlmError(f"the run used the {meta['rng']['prng_impl']} PRNG, this process uses "
                            f"{jax.config.jax_default_prng_impl}; set jax_default_prng_impl to the run's")
@@ -238,10 +238,11 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     last_eval, last_bpb, last_row = first_eval, first_bpb, {}
     t_mark, steps_since = time.perf_counter(), 0
     stopped = None
-    aborted = False
     every = cfg.checkpoint.every
-    try:
-        with StopOnSignal() as stop:
+    # Signals are handled until train() returns: after the loop, a first one lets the run finish (without samples)
+    # and a second aborts.
+    with StopOnSignal() as stop:
+        try:
             for step in range(resumed + 1, steps + 1):
                 batch = first if step == resumed + 1 else next(batches)
                 state, metrics = step_fn(state, batch)
@@ -250,7 +251,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
                 if on_step is not None:
                     on_step(step)
                 is_last = step == steps
-                stopped = None if is_last else stop.received  # a signal during the last step just lets it finish
+                stopped = None if is_last else stop.received  # the last step ends the run anyway
                 is_eval = step % cfg.train.eval_interval == 0 or is_last
                 if step == resumed + 1 or step % cfg.train.log_interval == 0 or is_eval or stopped:
                     metrics = jax.device_get(metrics)  # the only host sync: once per log (or eval) interval
@@ -263,7 +264,9 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
                     if not np.isfinite(row["loss"]):
                         raise ShardlmError(f"loss became {row['loss']} at step {step}; lower train.lr or raise "
                                            "warmup_steps")
-                    if is_eval and not stopped:  # after `elapsed` was read: eval time is not step time
+                    # After `elapsed` was read: eval time is not step time. Also when stopping on an eval step, so
+                    # that the resumed run's metrics miss nothing.
+                    if is_eval:
                         last_eval, last_bpb = evaluate(state)
                         row["eval_loss"], row["eval_bpb"] = last_eval, last_bpb
                     logger.log(row)
@@ -273,54 +276,62 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
                              f"{row['grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | MFU {row['mfu']:.1%}"
                              + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb"
                                 if "eval_loss" in row else ""))
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{row['mfu']:.1%}")
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                                    mfu=f"{row['mfu']:.1%}")
                     t_mark, steps_since = time.perf_counter(), 0
                 if is_last or stopped or (every and step % every == 0):
                     save(step, "end" if is_last else stopped or "interval")
                 if stopped:
-                    _log(f"{stopped}: stopping after step {step}; finishing the checkpoint (press Ctrl-C again to "
-                         "abort without it)")
-                    ckpts.wait()
+                    _log(f"{stopped}: stopping after step {step}; finishing the checkpoint (press Ctrl-C again "
+                         "to abort without it)")
                     break
-    except KeyboardInterrupt:
-        aborted = True  # a second signal: leave at once; an unfinished save stays incomplete and is ignored later
-        raise
-    finally:
+        except KeyboardInterrupt:  # a second signal: leave at once; a write in flight stays incomplete, ignored later
+            bar.close()
+            logger.close()
+            raise
+        except BaseException:
+            bar.close()
+            logger.close()
+            try:
+                ckpts.close()  # let the checkpoints already started complete
+            except ShardlmError as e:
+                _log(f"also: {e}")
+            raise
         bar.close()
         logger.close()
-        if not aborted:
-            ckpts.close()  # waits for the background writes
-    ts.state = state
+        ckpts.close()  # waits for the background writes: from here on every checkpoint is complete on disk
+        ts.state = state
 
-    if stopped:
-        _log(f"stopped by {stopped} at step {step}: checkpoint saved in {checkpoint_dir(run_dir) / str(step)}; "
-             f"resume with: shardlm train --run-dir {run_dir}")
-        return {"steps": step, "finished": False, "stopped_by": stopped, "resumed_from": resumed,
-                "final_loss": last_row.get("loss"), "wall_s": time.perf_counter() - t_start}
+        if stopped:
+            _log(f"stopped by {stopped} at step {step}: checkpoint saved in {checkpoint_dir(run_dir) / str(step)}; "
+                 f"resume with: shardlm train --run-dir {run_dir}")
+            return {"steps": step, "finished": False, "stopped_by": stopped, "resumed_from": resumed,
+                    "final_loss": last_row.get("loss"), "wall_s": time.perf_counter() - t_start}
 
-    _log(f"step {steps} | loss {last_row['loss']:.4f} | eval loss {last_eval:.4f} (first {first_eval:.4f}, "
-         f"ratio {last_eval / first_eval:.3f}) | {last_bpb:.3f} bits/byte")
-    if cfg.train.sample_tokens:  # unconditional samples: the prompt is the document separator
-        model_graphdef, model_state = nnx.split(nnx.merge(ts.graphdef, ts.state)["model"])
-        samples = sample_text(model_graphdef, model_state, mesh, tokenizer, EOT, n_samples=2,
-                              max_new=cfg.train.sample_tokens, seq_len=seq, seed=cfg.seed)
-        (run_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples) + "\n")
-        _log("sample:\n" + samples[0].strip())
-
-    summary = {
-        "steps": steps, "finished": True, "resumed_from": resumed, "trained_now": steps - resumed,
-        "first_eval_loss": first_eval, "final_eval_loss": last_eval,
-        "first_eval_bpb": first_bpb, "final_eval_bpb": last_bpb, "data": str(data.path),
-        "tokenizer": data.meta["tokenizer"],
-        "final_loss": last_row["loss"], "tokens_per_s": last_row["tokens_per_s"],
-        "tflops_per_device": last_row["tflops_per_device"], "mfu": last_row["mfu"],
-        "mfu_convention": "6*N_matmul + 12*L*T*d FLOPs per token (attention not halved for causality)",
-        "peak_flops_per_device": peak, "peak_source": peak_label, "compile_s": compile_s,
-        "wall_s": time.perf_counter() - t_start, "mesh": dict(mesh.shape), "param_count": ex.param_count,
-        "param_bytes_per_device": ex.max_param_bytes, "optimizer_bytes_per_device": ex.max_opt_bytes,
-    }
-    (run_dir / FINISHED_MARKER).write_text(json.dumps(summary, indent=2) + "\n")
+        _log(f"step {steps} | loss {last_row['loss']:.4f} | eval loss {last_eval:.4f} (first {first_eval:.4f}, "
+             f"ratio {last_eval / first_eval:.3f}) | {last_bpb:.3f} bits/byte")
+        summary = {
+            "steps": steps, "finished": True, "resumed_from": resumed, "trained_now": steps - resumed,
+            "first_eval_loss": first_eval, "final_eval_loss": last_eval,
+            "first_eval_bpb": first_bpb, "final_eval_bpb": last_bpb, "data": str(data.path),
+            "tokenizer": data.meta["tokenizer"],
+            "final_loss": last_row["loss"], "tokens_per_s": last_row["tokens_per_s"],
+            "tflops_per_device": last_row["tflops_per_device"], "mfu": last_row["mfu"],
+            "mfu_convention": "6*N_matmul + 12*L*T*d FLOPs per token (attention not halved for causality)",
+            "peak_flops_per_device": peak, "peak_source": peak_label, "compile_s": compile_s,
+            "wall_s": time.perf_counter() - t_start, "mesh": dict(mesh.shape), "param_count": ex.param_count,
+            "param_bytes_per_device": ex.max_param_bytes, "optimizer_bytes_per_device": ex.max_opt_bytes,
+        }
+        (run_dir / FINISHED_MARKER).write_text(json.dumps(summary, indent=2) + "\n")  # the run is complete
+        if stop.received:
+            _log(f"{stop.received} received at the end of the run: finished, without samples")
+        elif cfg.train.sample_tokens:  # unconditional samples: the prompt is the document separator
+            model_graphdef, model_state = nnx.split(nnx.merge(ts.graphdef, ts.state)["model"])
+            samples = sample_text(model_graphdef, model_state, mesh, tokenizer, EOT, n_samples=2,
+                                  max_new=cfg.train.sample_tokens, seq_len=seq, seed=cfg.seed)
+            (run_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples) + "\n")
+            _log("sample:\n" + samples[0].strip())
     written = [n for n in ("config.yaml", "metrics.jsonl", "tensorboard/", "loss.png", "samples.txt", "checkpoints/")
                if (run_dir / n.rstrip("/")).exists()]
-    _log(f"done in {summary['wall_s']:.0f}s: {run_dir}/ holds {', '.join(written)}")
+    _log(f"done in {time.perf_counter() - t_start:.0f}s: {run_dir}/ holds {', '.join(written)}")
     return summary

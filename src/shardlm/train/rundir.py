@@ -13,6 +13,7 @@ Design choices:
 
 import dataclasses
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -83,16 +84,35 @@ def config_changes(cfg: Config, saved: Config, step: int) -> list[str]:
     return [f"{k} {old[k]} -> {new[k]}" for k in new if k not in skip and new[k] != old.get(k)]
 
 
+STEP_DIR = re.compile(r"^\d+(\.orbax-checkpoint-tmp.*)?$")
+
+
+def check_checkpoint_dir(run_dir: Path) -> None:
+    """Refuse a `checkpoints/` that holds anything but step directories: it is not shardlm's to write into or
+    (with --overwrite) delete."""
+    d = checkpoint_dir(run_dir)
+    if d.exists():
+        foreign = [p.name for p in d.iterdir() if not (p.is_dir() and STEP_DIR.match(p.name))] if d.is_dir() \
+            else [d.name]
+        if foreign:
+            raise ShardlmError(f"{d} holds files shardlm did not write ({', '.join(sorted(foreign)[:3])}); pass "
+                               "another --run-dir")
+
+
 def plan_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
     """Decide, reading only metadata, whether this run is new, resumed, restarted or already finished."""
     check_writable(run_dir)
+    check_checkpoint_dir(run_dir)
     if overwrite:
         return RunStart(reset=True)
     if not holds_run(run_dir):
+        if checkpoint_dir(run_dir).is_dir() and any(checkpoint_dir(run_dir).iterdir()):
+            raise ShardlmError(f"{checkpoint_dir(run_dir)} holds checkpoints but {run_dir} has no {CONFIG_FILE}; "
+                               "pass another --run-dir, or --overwrite to replace them")
         return RunStart()
     for name in incomplete_steps(run_dir):
         log(f"ignoring the incomplete checkpoint {checkpoint_dir(run_dir) / name}: its save did not finish "
-            "(the process was killed while writing it); it will be removed")
+            "(the process was killed while writing it)")
     reader = RunCheckpoints(run_dir, read_only=True)
     try:
         steps = reader.steps()
