@@ -188,12 +188,13 @@ def _set(cfg: Config, key: str, value: Any) -> None:
     setattr(section, parts[1], _coerce(key, _value_for(value, tp), tp))
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+def flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """A nested config dict as (dotted key, value) pairs."""
     out: list[tuple[str, Any]] = []
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.extend(_flatten(v, key + "."))
+            out.extend(flatten(v, key + "."))
         else:
             out.append((key, v))
     return out
@@ -241,7 +242,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg = Config()
     for tree in (base, None if path is None else read_config_file(Path(path))):
         if tree is not None:
-            _apply(cfg, _flatten(tree))
+            _apply(cfg, flatten(tree))
     _apply(cfg, [_parse_override(a) for a in overrides])
     validate(cfg)
     return cfg
@@ -250,7 +251,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def config_from_dict(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The inverse of `Config.to_dict` (a checkpoint's saved config), then `key=value` overrides, validated."""
     cfg = Config()
-    _apply(cfg, _flatten(tree))
+    _apply(cfg, flatten(tree))
     _apply(cfg, [_parse_override(a) for a in overrides])
     validate(cfg)
     return cfg

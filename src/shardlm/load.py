@@ -13,7 +13,7 @@ from shardlm.data.tokenizer import Tokenizer, load_tokenizer
 from shardlm.errors import ShardlmError
 from shardlm.mesh import mesh_from_config
 from shardlm.train.checkpoint import CheckpointError, RunCheckpoints
-from shardlm.train.rundir import CONFIG_FILE, unreadable
+from shardlm.train.rundir import CONFIG_FILE, check_vocab_padding, unreadable
 from shardlm.train.state import abstract_model, vocab_sizes
 
 
@@ -63,11 +63,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
         cfg = config_from_dict({**meta["config"], "mesh": {}} if overrides else meta["config"], overrides)
         mesh = mesh_from_config(cfg.mesh, devices)
         real, padded = vocab_sizes(cfg, meta["vocab"]["real"], mesh.shape["tensor"])
-        if padded != meta["vocab"]["padded"]:
-            raise ShardlmError(f"checkpoint step {step} holds a vocabulary padded to {meta['vocab']['padded']} "
-                               f"rows (for its mesh.tensor={meta['mesh']['tensor']}), but mesh.tensor="
-                               f"{mesh.shape['tensor']} pads it to {padded}; load with "
-                               f"mesh.tensor={meta['mesh']['tensor']}")
+        check_vocab_padding(meta, padded, mesh.shape["tensor"], "load")
         graphdef, abstract = abstract_model(cfg, mesh, real)
         try:
             state = reader.restore(step, abstract, optimizer=False)

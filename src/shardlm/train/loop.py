@@ -41,8 +41,8 @@ from shardlm.sharding.explain import explain_state, fmt_bytes, format_explanatio
 from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir
 from shardlm.train.metrics import MetricsLogger
 from shardlm.train.preemption import StopOnSignal
-from shardlm.train.rundir import (CONFIG_FILE, FINISHED_MARKER, RunStart, claim, default_run_dir, plan_start,
-                                  unreadable)
+from shardlm.train.rundir import (CONFIG_FILE, FINISHED_MARKER, RunStart, check_vocab_padding, claim,
+                                  default_run_dir, plan_start, unreadable)
 from shardlm.train.state import (TrainState, abstract_train_state, check_shardable, create_train_state,
                                  effective_warmup, make_schedule, vocab_sizes)
 from shardlm.train.step import make_eval_step, make_train_step
@@ -94,19 +94,15 @@ def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int
     }
 
 
-def check_same_run(meta: dict, cfg: Config, data: PreparedData, vocab: tuple[int, int], run_dir: Path) -> None:
+def check_same_run(meta: dict, mesh, data: PreparedData, vocab: tuple[int, int], run_dir: Path) -> None:
     """The checks of a resume that need the data: the same training tokens, vocabulary and RNG."""
-    step = meta["step"]
     if meta["data"]["train_sha256"] != data.meta["splits"]["train"]["sha256"]:
         raise ShardlmError(f"the training data ({data.path}) differs from the data the run in {run_dir} trained on "
                            f"({meta['data']['path']}); resume on the same data, or pass another --run-dir")
     if meta["vocab"]["real"] != vocab[0]:
         raise ShardlmError(f"the tokenizer's vocabulary ({vocab[0]}) differs from the run's ({meta['vocab']['real']});"
                            " resume with the run's tokenizer, or pass another --run-dir")
-    if meta["vocab"]["padded"] != vocab[1]:
-        raise ShardlmError(f"checkpoint step {step} holds a vocabulary padded to {meta['vocab']['padded']} rows "
-                           f"(for its mesh.tensor={meta['mesh']['tensor']}), but this mesh's tensor degree pads it to "
-                           f"{vocab[1]}; resume with mesh.tensor={meta['mesh']['tensor']}")
+    check_vocab_padding(meta, vocab[1], mesh.shape["tensor"], "resume")
     if meta["rng"]["prng_impl"] != str(jax.config.jax_default_prng_impl):
         raise ShardlmError(f"the run used the {meta['rng']['prng_impl']} PRNG, this process uses "
                            f"{jax.config.jax_default_prng_impl}; set jax_default_prng_impl to the run's")
@@ -162,7 +158,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=data.meta["tokenizer"]))
     vocab = vocab_sizes(cfg, tokenizer.vocab_size, mesh.shape["tensor"])
     if start.meta is not None:
-        check_same_run(start.meta, cfg, data, vocab, run_dir)
+        check_same_run(start.meta, mesh, data, vocab, run_dir)
 
     bsh = batch_sharding(mesh)
     seq, bsz = cfg.model.seq_len, cfg.train.batch_size

@@ -18,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from shardlm.config import Config, ModelConfig, config_from_dict
+from shardlm.config import Config, ModelConfig, config_from_dict, flatten
 from shardlm.errors import ShardlmError
 from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, incomplete_steps
 
@@ -61,19 +61,9 @@ class RunStart:
     finished: bool = False
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_changes(cfg: Config, saved: Config, step: int) -> list[str]:
     """Raise if a fixed key differs from the checkpoint's config; else the changed keys as 'key old -> new'."""
-    new, old = _flat(cfg.to_dict()), _flat(saved.to_dict())
+    new, old = dict(flatten(cfg.to_dict())), dict(flatten(saved.to_dict()))
     for key in FIXED_KEYS:
         if new[key] != old[key]:
             raise ShardlmError(
@@ -97,6 +87,16 @@ def check_checkpoint_dir(run_dir: Path) -> None:
         if foreign:
             raise ShardlmError(f"{d} holds files shardlm did not write ({', '.join(sorted(foreign)[:3])}); pass "
                                "another --run-dir")
+
+
+def check_vocab_padding(meta: dict, padded: int, tensor: int, verb: str) -> None:
+    """The vocabulary is padded for the tensor degree; a checkpoint holds the padded rows of the mesh it was written
+    on, so a mesh that pads differently cannot read it."""
+    if meta["vocab"]["padded"] != padded:
+        was = meta["mesh"]["tensor"]
+        raise ShardlmError(f"checkpoint step {meta['step']} holds a vocabulary padded to {meta['vocab']['padded']} "
+                           f"rows (for its mesh.tensor={was}), but mesh.tensor={tensor} pads it to {padded}; {verb} "
+                           f"with mesh.tensor={was}")
 
 
 def plan_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:

@@ -98,6 +98,11 @@ def check_shardable(cfg: Config, mesh) -> None:
         state_shardings(nnx.state(nnx.eval_shape(_builder(cfg, mesh, 257))), mesh)
 
 
+def _placed(abstract_state, shardings):
+    """Each abstract leaf with its target sharding: a target a checkpoint can be read straight into."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+
+
 def abstract_train_state(cfg: Config, mesh, vocab_size: int):
     """(build, graphdef, abstract state, shardings): shapes and placements only, nothing computed. The abstract
     state's leaves carry their target sharding, so a checkpoint can be read straight into it."""
@@ -106,9 +111,7 @@ def abstract_train_state(cfg: Config, mesh, vocab_size: int):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
         # Raises before any compile if a degree does not divide a dimension (model parameters come first).
         shardings = state_shardings(abstract_state, mesh)
-    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                  abstract_state, shardings)
-    return build, graphdef, abstract_state, shardings
+    return build, graphdef, _placed(abstract_state, shardings), shardings
 
 
 def abstract_model(cfg: Config, mesh, vocab_size: int):
@@ -117,8 +120,7 @@ def abstract_model(cfg: Config, mesh, vocab_size: int):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(model_factory(cfg, vocab_size, mesh.shape["tensor"]),
                                                             nnx.Rngs(params=0)))
         shardings = state_shardings(abstract_state, mesh)
-    return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                  abstract_state, shardings)
+    return graphdef, _placed(abstract_state, shardings)
 
 
 def compile_init(cfg: Config, mesh, vocab_size: int):
