@@ -2,7 +2,8 @@
 
     shardlm train [--config FILE] [--run-dir DIR] [--cpu-devices N] [--overwrite] [--explain] [--no-progress]
                   [key=value ...]      (resumes the run in DIR if there is one)
-    shardlm generate RUN_DIR [--prompt TEXT] [--max-tokens N] [--temperature T] [--top-k K] [--seed S] [--step N]
+    shardlm generate RUN_DIR [--prompt TEXT | --prompts-file FILE] [--max-tokens N] [--temperature T] [--top-k K]
+                     [--top-p P] [--seed S] [--num-samples M] [--json] [--truncate] [--no-cache] [--step N]
                      [--cpu-devices N] [mesh.*=value ...]
     shardlm explain [--config FILE] [--cpu-devices N] [--json] [key=value ...]
     shardlm data prepare INPUT... --tokenizer T --out DIR [--val INPUT...] [--val-fraction F] [--force]
@@ -39,18 +40,30 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="replace the run in --run-dir (by default a run there is resumed from its checkpoint)")
     train.add_argument("--explain", action="store_true", help="print every parameter's placement before training")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    gen = sub.add_parser("generate", help="sample text from a trained run's newest checkpoint (parameters only)")
+    gen = sub.add_parser("generate", help="sample text from a trained run's newest checkpoint (KV-cache decoding)")
     gen.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory")
-    gen.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
-    gen.add_argument("--max-tokens", type=int, default=100, metavar="N", help="new tokens (default 100)")
+    gen.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
+    gen.add_argument("--prompts-file", metavar="FILE",
+                     help="many prompts, decoded as batches: one per line, or .jsonl lines {\"prompt\": ...}")
+    gen.add_argument("--max-tokens", type=int, default=100, metavar="N", help="new tokens per sample (default 100)")
     gen.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=40, metavar="K", help="sample from the K likeliest (0 = all)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                     help="sample from the likeliest tokens holding probability P (default 1 = all)")
     gen.add_argument("--seed", type=int, default=0, metavar="S")
+    gen.add_argument("--num-samples", type=int, default=1, metavar="M", help="samples per prompt (default 1)")
+    gen.add_argument("--batch-size", type=int, default=16, metavar="B", help="samples decoded together (default 16)")
+    gen.add_argument("--json", action="store_true",
+                     help="one JSON object per sample: prompt, text, new_tokens, tokens_per_s, stop")
+    gen.add_argument("--truncate", action="store_true",
+                     help="cut prompts too long for the context (and --max-tokens) to their last tokens")
+    gen.add_argument("--no-cache", action="store_true",
+                     help="re-run the whole context for every token (the naive decoder, for comparison)")
     gen.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint to load (default newest)")
     gen.add_argument("--cpu-devices", type=int, metavar="N",
                      help="simulate N devices on the CPU host (sets XLA_FLAGS before JAX starts)")
     gen.add_argument("overrides", nargs="*", metavar="mesh.*=value",
-                     help="the mesh to load onto, e.g. mesh.tensor=2 (default: the run's)")
+                     help="the mesh to decode on, e.g. mesh.tensor=2 (default: the run's)")
     explain = sub.add_parser("explain", help="print every parameter's shape, partition spec and bytes per device")
     _common(explain)
     explain.add_argument("--json", action="store_true", help="the same as JSON, with per-device totals")
@@ -136,24 +149,47 @@ def _tokenizer_train(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from shardlm.data.tokenizer import EOT
-    from shardlm.generate import sample_text
-    from shardlm.load import load_model
+    import json
 
-    if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-        raise ShardlmError("--max-tokens must be >= 1, and --temperature and --top-k >= 0")
+    from shardlm.generate import Generator, IncrementalText, encode_prompts, read_prompts_file
+    from shardlm.load import load_model
+    from shardlm.sampling import Sampling
+
+    if args.max_tokens < 1 or args.num_samples < 1 or args.batch_size < 1:
+        raise ShardlmError("--max-tokens, --num-samples and --batch-size must be >= 1")
+    if args.prompt is not None and args.prompts_file:
+        raise ShardlmError("--prompt and --prompts-file both give prompts; pass one of them")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checks its ranges
+    texts = read_prompts_file(args.prompts_file) if args.prompts_file else [args.prompt or ""]
     m = load_model(args.run_dir, step=args.step, overrides=args.overrides)
-    prompt = args.prompt or EOT  # no prompt: the model starts a new document
-    context, used = m.cfg.model.seq_len, len(m.tokenizer.encode(prompt))
-    if used >= context:
-        raise ShardlmError(f"--prompt is {used} tokens; the model's context is {context}: shorten it")
-    if args.max_tokens > context - used:
-        print(f"note: the context holds {context - used} new tokens after the prompt; generating that many",
-              file=sys.stderr)
-    text = sample_text(m.graphdef, m.state, m.mesh, m.tokenizer, prompt, n_samples=1, max_new=args.max_tokens,
-                       seq_len=m.cfg.model.seq_len, temperature=args.temperature, top_k=args.top_k,
-                       seed=args.seed)[0]
-    print(args.prompt + text)
+    prompts, notes = encode_prompts(m.tokenizer, texts, m.cfg.model.seq_len, args.max_tokens, args.truncate)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    gen = Generator(m.graphdef, m.state, m.mesh, eot_id=m.tokenizer.eot_id, use_cache=not args.no_cache,
+                    max_batch=args.batch_size)
+    rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # sample -> its prompt
+    stream = None
+    if len(rows) == 1 and not args.json:  # one sample: print tokens as they come
+        print(prompts[0].shown(m.tokenizer), end="", flush=True)
+        stream = IncrementalText(m.tokenizer, lambda piece: print(piece, end="", flush=True))
+    done = gen.generate([prompts[i].ids for i in rows], args.max_tokens, sampling, seed=args.seed,
+                        on_token=stream and (lambda _, token: stream.add(token)))
+    if stream:
+        stream.flush()
+        print()
+    for i, c in enumerate(done):
+        text = m.tokenizer.decode(c.ids)
+        if args.json:
+            print(json.dumps({"prompt": texts[rows[i]], "text": text, "new_tokens": len(c.ids),
+                              "tokens_per_s": round(c.tokens_per_s, 2), "stop": c.stop,
+                              "prompt_tokens": len(c.prompt_ids)}, ensure_ascii=False))
+        elif not stream:
+            print(f"=== sample {i + 1} of {len(done)} (prompt {rows[i] + 1}) ===\n{prompts[rows[i]].shown(m.tokenizer)}"
+                  f"{text}")
+    total, seconds = sum(len(c.ids) for c in done), max(c.seconds for c in done)
+    print(f"{total} tokens in {seconds:.2f} s ({total / max(seconds, 1e-9):.1f} tokens/s, "
+          f"{'KV cache' if gen.use_cache else 'no cache'}, mesh {' x '.join(f'{k} {v}' for k, v in m.mesh.shape.items())}"
+          f"; compiling took {gen.compile_s:.1f} s)", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from shardlm.errors import ShardlmError
 from shardlm.models.gpt import CACHE_AXES, LayerCache
 from shardlm.sampling import Sampling, next_tokens
 from shardlm.sharding import batch_sharding, logical_to_spec, replicated, use_mesh_rules
@@ -188,10 +189,102 @@ class Generator:
         return prefill_c, decode_c
 
 
+# --- prompts and text -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prompt:
+    text: str  # as given ("" = start a new document)
+    ids: list[int]  # what the model continues: the text's tokens, or their end when truncated
+    truncated: bool
+
+    def shown(self, tokenizer) -> str:
+        """The prompt as printed before its continuation: the text, or what was kept of it."""
+        return self.text if not self.truncated else "..." + tokenizer.decode(self.ids)
+
+
+def encode_prompts(tokenizer, texts: list[str], context: int, max_new: int, truncate: bool
+                   ) -> tuple[list[Prompt], list[str]]:
+    """Tokenize prompts for a model of `context` tokens; returns them and notes for the user. A prompt that leaves
+    no room for a new token is an error; with `truncate`, prompts keep their last `context - max_new` tokens (at
+    least one), so `max_new` tokens fit."""
+    prompts, short = [], 0
+    name = (lambda i: "the prompt") if len(texts) == 1 else (lambda i: f"prompt {i + 1}")
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(text) if text else [tokenizer.eot_id]  # nothing: the model starts a new document
+        keep = max(1, context - max_new)
+        if truncate and len(ids) > keep:
+            prompts.append(Prompt(text, ids[-keep:], True))
+            continue
+        if len(ids) >= context:
+            raise ShardlmError(f"{name(i)} is {len(ids)} tokens and the model's context is {context}: shorten it, "
+                               "or pass --truncate to keep its end")
+        short += len(ids) + max_new > context
+        prompts.append(Prompt(text, ids, False))
+    notes = []
+    cut = [p for p in prompts if p.truncated]
+    if cut:
+        notes.append(f"{'the prompt was' if len(texts) == 1 else f'{len(cut)} prompts were'} cut to the last "
+                     f"{max(1, context - max_new)} tokens (--truncate)")
+    if short:
+        room = context - len(prompts[0].ids)
+        notes.append(f"the context holds {room} new tokens after the prompt; generating that many" if len(texts) == 1
+                     else f"{short} prompts leave fewer than --max-tokens positions in the context; their samples "
+                          "stop at its end")
+    return prompts, notes
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """One prompt per non-empty line; in a .jsonl file each line is {"prompt": TEXT} (prompts with newlines)."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ShardlmError(f"--prompts-file {p} does not exist; pass a text file with one prompt per line")
+    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if p.suffix == ".jsonl":
+        texts = []
+        for n, line in enumerate(lines, 1):
+            try:
+                texts.append(json.loads(line)["prompt"])
+                assert isinstance(texts[-1], str)
+            except (ValueError, KeyError, TypeError, AssertionError):
+                raise ShardlmError(f'line {n} of {p} is not a JSON object with a "prompt" string') from None
+        lines = texts
+    if not lines:
+        raise ShardlmError(f"--prompts-file {p} holds no prompts")
+    return lines
+
+
+class IncrementalText:
+    """Turns tokens arriving one by one into text as soon as it is complete: a character whose UTF-8 bytes span
+    several tokens is held back until its last byte arrives (printing token by token would show U+FFFD)."""
+
+    def __init__(self, tokenizer, emit: Callable[[str], None]):
+        self.tokenizer, self.emit = tokenizer, emit
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self._send(text)
+
+    def flush(self) -> None:
+        self._send(self.tokenizer.decode(self.ids))
+
+    def _send(self, text: str) -> None:
+        if len(text) > self.sent:
+            self.emit(text[self.sent:])
+            self.sent = len(text)
+
+
 def sample_text(graphdef, state, mesh, tokenizer, prompt: str, n_samples: int, max_new: int,
                 sampling: Sampling = Sampling(), seed: int = 0) -> list[str]:
-    """`n_samples` continuations of `prompt` (at most context-1 tokens; its end is kept), for the end-of-run
-    samples of training."""
+    """`n_samples` continuations of `prompt` (its end is kept if it is too long), for the end-of-run samples of
+    training: the same compiled decoding as `shardlm generate`."""
     gen = Generator(graphdef, state, mesh, eot_id=tokenizer.eot_id)
-    ids = tokenizer.encode(prompt)[-(gen.context - 1):] or [tokenizer.eot_id]
-    return [tokenizer.decode(c.ids) for c in gen.generate([ids] * n_samples, max_new, sampling, seed=seed)]
+    [p], _ = encode_prompts(tokenizer, [prompt], gen.context, max_new, truncate=True)
+    return [tokenizer.decode(c.ids) for c in gen.generate([p.ids] * n_samples, max_new, sampling, seed=seed)]

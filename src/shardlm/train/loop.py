@@ -324,7 +324,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
         elif cfg.train.sample_tokens:  # unconditional samples: the prompt is the document separator
             model_graphdef, model_state = nnx.split(nnx.merge(ts.graphdef, ts.state)["model"])
             samples = sample_text(model_graphdef, model_state, mesh, tokenizer, EOT, n_samples=2,
-                                  max_new=cfg.train.sample_tokens, seq_len=seq, seed=cfg.seed)
+                                  max_new=cfg.train.sample_tokens, seed=cfg.seed)
             (run_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples) + "\n")
             _log("sample:\n" + samples[0].strip())
     written = [n for n in ("config.yaml", "metrics.jsonl", "tensorboard/", "loss.png", "samples.txt", "checkpoints/")
