@@ -121,9 +121,9 @@ def test_sharded_generation_equals_single_device(model, single_device_outputs, d
     _, _, cache = prefill(gen.params, jax.device_put(np.ones((rows, 16), np.int32), batch_sharding(mesh)), by_row,
                           by_row, jax.device_put(np.uint32(0), replicated(mesh)))
     k = cache[0].k
-    assert k.sharding.spec == P(("data", "fsdp"), None, "tensor", None)
-    assert k.addressable_shards[0].data.shape == (rows // gen.rows_multiple, CFG.seq_len,
-                                                  CFG.n_heads // mesh.shape["tensor"], CFG.d_model // CFG.n_heads)
+    assert k.sharding.spec == P(("data", "fsdp"), "tensor", None, None)  # [batch, heads, seq, head_dim]
+    assert k.addressable_shards[0].data.shape == (rows // gen.rows_multiple, CFG.n_heads // mesh.shape["tensor"],
+                                                  CFG.seq_len, CFG.d_model // CFG.n_heads)
 
 
 def test_a_sample_does_not_depend_on_its_batch(model):

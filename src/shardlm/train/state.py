@@ -123,6 +123,16 @@ def abstract_model(cfg: Config, mesh, vocab_size: int):
     return graphdef, _placed(abstract_state, shardings)
 
 
+def init_model(cfg: Config, mesh, vocab_size: int):
+    """(graphdef, state) of a freshly initialised model alone (no optimizer), each device computing its shards."""
+    graphdef, abstract = abstract_model(cfg, mesh, vocab_size)
+    build = model_factory(cfg, vocab_size, mesh.shape["tensor"])
+    with nnx.use_eager_sharding(False):
+        state = jax.jit(lambda: nnx.state(build(nnx.Rngs(params=cfg.seed))),
+                        out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
+    return graphdef, state
+
+
 def compile_init(cfg: Config, mesh, vocab_size: int):
     """(graphdef, compiled init, shardings): the init computes each device's shards of model + AdamW state."""
     build, graphdef, _, shardings = abstract_train_state(cfg, mesh, vocab_size)
