@@ -118,10 +118,15 @@ class CausalSelfAttention(nnx.Module):
             # the whole cache cost ~40% of a step. Sharded over batch, XLA all-gathers only the new rows' k and v
             # ([batch, heads, head_dim] per layer), never the cache.
             rows = jnp.arange(x.shape[0])
-            cache = LayerCache(*(constrain(c.at[rows, :, pos].set(n[:, 0]), *CACHE_AXES) for c, n in zip(cache, (k, v))))
+            cache = LayerCache(*(constrain(c.at[rows, :, pos].set(n[:, 0]), *CACHE_AXES)
+                                 for c, n in zip(cache, (k, v))))
             y = _attend_to_cache(q, cache, pos)
         y = constrain(y, "batch", "seq", "act_heads", "head_dim")
-        out = jnp.einsum("bthd,hde->bte", y, self.wo[...])
+        # [b, t, heads*head_dim] @ [heads*head_dim, embed]: both reshapes are free (row-major), and unlike an einsum
+        # over (h, d) this needs no transposed copy of wo when y comes from `_attend_to_cache` (12% of a decode
+        # step). heads stays the major half of the merged dimension, so a split over tensor carries over.
+        b, t, h, d = y.shape
+        out = y.reshape(b, t, h * d) @ self.wo[...].reshape(h * d, -1)
         return (out + self.out_bias[...] if self.out_bias is not None else out), cache
 
 
