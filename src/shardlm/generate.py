@@ -45,9 +45,11 @@ class Completion:
     ids: list[int]  # the generated tokens, without the end-of-text token
     stop: str  # "eot" (end-of-text token), "max_tokens", or "context" (the context is full)
     seconds: float  # from the start of the batch's prefill to this sample's last token
+    first_token_s: float  # from the start of the prefill to the first new token (time to first token)
 
     @property
     def tokens_per_s(self) -> float:
+        """End to end: new tokens over `seconds`, the prefill included."""
         return len(self.ids) / self.seconds if self.seconds > 0 else 0.0
 
 
@@ -76,6 +78,8 @@ class Generator:
                  on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
         """Continue each prompt (token ids, 1 to context-1 of them) by up to `max_new` tokens. Sample i's randomness
         is (seed, i, position). `on_token(i, token)` is called as each token reaches the host."""
+        if max_new < 1:
+            raise ValueError(f"max_new must be >= 1, not {max_new}")
         for ids in prompts:
             if not 0 < len(ids) < self.context:
                 raise ValueError(f"a prompt must hold 1 to {self.context - 1} tokens, not {len(ids)}")
@@ -99,7 +103,7 @@ class Generator:
         shard = lambda x, s: jax.device_put(x, s)  # noqa: E731
         args = (shard(tokens, batch_sharding(self.mesh)), shard(lengths, self.row_sharding),
                 shard(np.arange(first, first + rows, dtype=np.int32), self.row_sharding),
-                shard(np.uint32(seed), replicated(self.mesh)))
+                shard(np.uint32(seed % 2**32), replicated(self.mesh)))
 
         t0 = time.perf_counter()
         tok, pos, carry = prefill(self.params, *args)
@@ -113,6 +117,8 @@ class Generator:
                 nxt, pos, carry = decode(self.params, tok, pos, rows_arg, seed_arg, carry)
             ids = np.asarray(tok)
             now = time.perf_counter()
+            if step == 0:
+                first_token_s = now - t0
             for r in range(n):
                 if stops[r] is not None:
                     continue
@@ -130,7 +136,8 @@ class Generator:
             if all(s is not None for s in stops):
                 break
             tok = nxt
-        return [Completion(list(p), g, s, sec) for p, g, s, sec in zip(prompts, generated, stops, seconds)]
+        return [Completion(list(p), g, s, sec, first_token_s)
+                for p, g, s, sec in zip(prompts, generated, stops, seconds)]
 
     # --- compiled functions -----------------------------------------------------------------------------------
 
