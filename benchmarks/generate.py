@@ -5,7 +5,11 @@
     python benchmarks/generate.py --cpu-devices 8 mesh.tensor=4   # decoding on a simulated data 2 x tensor 4 mesh
     python benchmarks/generate.py --gpu model=gpt2-small          # on the accelerator
 
-Both decoders run the real `shardlm.generate.Generator` on a freshly initialised model (decoding speed does not
+Three decoders: `cached` and `naive` are the real `shardlm.generate.Generator` with and without the KV cache (the
+naive one re-runs the whole padded context every step but applies the output head at one position, as nanoGPT
+does); `seed 002` (batch 1 only, as in the seed) is seed 002's `generate_text` loop: the padded context built on
+the host, the whole model with the logits of every position, the token read back, every step.
+The Generator decoders run on a freshly initialised model (decoding speed does not
 depend on the weights' values) with the GPT-2 vocabulary size by default, greedily, with the end-of-text token
 disabled so that every row produces exactly --new-tokens tokens after a --prompt-tokens prompt; prompt plus new
 tokens fill the context. For each batch size the two decoders alternate --repeats times (the host is shared and
@@ -25,6 +29,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 
 def main() -> None:
@@ -44,7 +49,9 @@ def main() -> None:
 
         simulate_cpu_devices(args.cpu_devices or 1)
     import jax
+    import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
 
     from shardlm.config import load_config
     from shardlm.generate import Generator
@@ -68,6 +75,22 @@ def main() -> None:
     gens = {name: Generator(graphdef, state, mesh, eot_id=-1, use_cache=cached, max_batch=1024)
             for name, cached in (("cached", True), ("naive", False))}
 
+    def seed002_tokens_per_s(prompt: list[int]) -> tuple[float, list[int]]:
+        """Seed 002's loop (greedy here): per token, the padded context from the host through a jitted forward
+        that computes all positions' logits, then the token at the last position read back."""
+        model_step = jax.jit(lambda s, buf, i: jnp.argmax(nnx.merge(graphdef, s)(buf)[0, i]))
+        def one(tokens):
+            padded = np.zeros((1, context), np.int32)
+            padded[0, : len(tokens)] = tokens
+            return int(model_step(state, padded, len(tokens) - 1))
+        one(prompt)  # compile
+        out, t0 = [], 0.0
+        for i in range(new_tokens):
+            out.append(one(prompt + out))
+            if i == 0:
+                t0 = time.perf_counter()
+        return (new_tokens - 1) / (time.perf_counter() - t0), out
+
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = [rng.integers(0, args.vocab, prompt_tokens).tolist() for _ in range(batch)]
@@ -84,9 +107,15 @@ def main() -> None:
                 speeds[name].append(batch * (new_tokens - 1) / decode_s)
                 first[name].append(done[0].first_token_s)
                 outputs[name] = [c.ids for c in done]
+        if batch == 1:
+            runs = [seed002_tokens_per_s(prompts[0]) for _ in range(args.repeats)]
+            seed002 = statistics.median(r[0] for r in runs)
+            seed002_same = runs[0][1] == outputs["cached"][0]
         cached, naive = (statistics.median(speeds[n]) for n in ("cached", "naive"))
         results.append({"batch": batch, "cached_tokens_per_s": round(cached, 1), "naive_tokens_per_s": round(naive, 1),
                         "ratio": round(cached / naive, 1), "same_tokens": outputs["cached"] == outputs["naive"],
+                        **({"seed002_tokens_per_s": round(seed002, 1), "ratio_to_seed002": round(cached / seed002, 1),
+                            "seed002_same_tokens": seed002_same} if batch == 1 else {}),
                         "cached_first_token_ms": round(1e3 * statistics.median(first["cached"]), 1),
                         "naive_first_token_ms": round(1e3 * statistics.median(first["naive"]), 1),
                         "cached_runs": [round(s, 1) for s in speeds["cached"]],
@@ -108,6 +137,10 @@ def main() -> None:
         print(f"{r['batch']:>5}  {r['cached_tokens_per_s']:>12.1f}  {r['naive_tokens_per_s']:>11.1f}  "
               f"{r['ratio']:>5.1f}x  {r['cached_first_token_ms']:>14.1f} / {r['naive_first_token_ms']:<12.1f}  "
               f"{'yes' if r['same_tokens'] else 'NO'}")
+    for r in results:
+        if "seed002_tokens_per_s" in r:
+            print(f"batch {r['batch']}, seed 002's loop: {r['seed002_tokens_per_s']:.1f} tok/s; cached / seed 002 = "
+                  f"{r['ratio_to_seed002']:.1f}x; same tokens: {'yes' if r['seed002_same_tokens'] else 'NO'}")
 
 
 if __name__ == "__main__":

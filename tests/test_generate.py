@@ -53,7 +53,10 @@ def cached_vs_full(graphdef, state, mesh, tokens, lengths):
         model = nnx.merge(graphdef, state)
         with use_mesh_rules(mesh):
             full = model(tokens)
-            logits, cache = model.prefill(tokens[:, :width], model.init_cache(rows))
+            # The prefill sees each prompt right-padded with zeros, as in generation: the cache slots past a prompt
+            # hold garbage until decode overwrites them.
+            prompt = jnp.where(jnp.arange(width) < jnp.asarray(lengths)[:, None], tokens[:, :width], 0)
+            logits, cache = model.prefill(prompt, model.init_cache(rows))
             out = jnp.zeros_like(full).at[:, :width].set(logits)
 
             def step(carry, pos):  # pos [rows]: each row's next position; rows past the end recompute the last
@@ -153,9 +156,9 @@ def test_one_compile_per_prompt_length_bucket(model):
     greedy = Sampling(temperature=0)
     for prompt in ([1, 2, 3], [1] * 9, [2] * 16):  # all in the 16-token bucket
         gen.generate([prompt], 5, greedy)
-    assert len(gen._compiled) == 1
-    gen.generate([[3] * 17], 5, greedy)  # the 32-token bucket
-    assert [key[:2] for key in gen._compiled] == [(1, 16), (1, 32)]
+    assert len(gen._compiled) == 2  # one prefill, one decode step
+    gen.generate([[3] * 17], 5, greedy)  # the 32-token bucket: a second prefill, the same decode step
+    assert {key[:2] for key in gen._compiled} == {(1, 16), (1, 32), ("decode", 1)}
     assert [bucket(n, 48) for n in (1, 16, 17, 33, 47)] == [16, 16, 32, 48, 48]
 
 
@@ -168,9 +171,13 @@ def test_sampling_filters():
     assert kept(Sampling(1.0, top_k=0, top_p=0.76)) == [True, True, True, False]
     assert kept(Sampling(1.0, top_k=0, top_p=0.1)) == [True, False, False, False]  # the likeliest always stays
     scaled = np.asarray(filter_logits(logits, Sampling(0.5, top_k=0)))
-    np.testing.assert_allclose(scaled, np.asarray(logits) * 2, rtol=1e-6)
-    with pytest.raises(Exception, match="top-p"):
-        Sampling(top_p=0)
+    np.testing.assert_allclose(scaled, (np.asarray(logits) - np.log(0.5)) * 2, rtol=1e-6, atol=1e-6)
+    # A tiny temperature is greedy in effect, not NaN: the likeliest token keeps all the probability.
+    tiny = np.asarray(jax.nn.softmax(filter_logits(logits, Sampling(1e-30, top_k=0, top_p=0.9))))
+    assert tiny.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    for bad in (dict(top_p=0), dict(temperature=float("nan")), dict(temperature=-1), dict(top_k=-1)):
+        with pytest.raises(Exception, match="top-p"):
+            Sampling(**bad)
 
 
 def test_streamed_text_holds_back_split_characters():
@@ -251,5 +258,22 @@ def test_generate_prompt_errors_and_truncation(run_dir, capsys):
     assert err.count("\n") == 0 and "100 tokens and the model's context is 64" in err and "--truncate" in err
     [row] = gen_json(capsys, run_dir, "--prompt", long, "--truncate", "--max-tokens", "10", "--temperature", "0")
     assert row["prompt_tokens"] == 54 and row["new_tokens"] <= 10
+    # A prompt that fits is never cut, whatever --max-tokens asks (it stops at the end of the context instead).
+    [row] = gen_json(capsys, run_dir, "--prompt", "ROMEO:", "--truncate", "--max-tokens", "3000000000")
+    assert row["prompt_tokens"] == 6 and (row["stop"] == "eot" or row["new_tokens"] == 64 - 6)
     assert main(["generate", str(run_dir), "--prompt", "a", "--top-p", "1.5"]) == 2
     assert "top-p" in capsys.readouterr().err
+
+
+def test_prompts_file_errors_name_the_line(run_dir, capsys, tmp_path):
+    from shardlm.cli import main
+
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a"}\n\n\n{"text": "b"}\n')
+    notutf8 = tmp_path / "p.txt"
+    notutf8.write_bytes(b"ok\n\xff\xfe")
+    for path, fragment in ((bad, f"line 4 of {bad} is not a JSON object"), (notutf8, "is not UTF-8 text (byte 3)"),
+                           (tmp_path, "is not a file")):
+        assert main(["generate", str(run_dir), "--prompts-file", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and fragment in err, err

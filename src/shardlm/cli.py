@@ -150,6 +150,7 @@ def _tokenizer_train(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     import json
+    import time
 
     from shardlm.generate import Generator, IncrementalText, encode_prompts, read_prompts_file
     from shardlm.load import load_model
@@ -157,6 +158,8 @@ def _generate(args: argparse.Namespace) -> None:
 
     if args.max_tokens < 1 or args.num_samples < 1 or args.batch_size < 1:
         raise ShardlmError("--max-tokens, --num-samples and --batch-size must be >= 1")
+    if not 0 <= args.seed < 2**32:
+        raise ShardlmError(f"--seed {args.seed} is out of range; pass 0 to {2**32 - 1}")
     if args.prompt is not None and args.prompts_file:
         raise ShardlmError("--prompt and --prompts-file both give prompts; pass one of them")
     sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checks its ranges
@@ -172,8 +175,10 @@ def _generate(args: argparse.Namespace) -> None:
     if len(rows) == 1 and not args.json:  # one sample: print tokens as they come
         print(prompts[0].shown(m.tokenizer), end="", flush=True)
         stream = IncrementalText(m.tokenizer, lambda piece: print(piece, end="", flush=True))
+    t0, compile_before = time.perf_counter(), gen.compile_s
     done = gen.generate([prompts[i].ids for i in rows], args.max_tokens, sampling, seed=args.seed,
                         on_token=stream and (lambda _, token: stream.add(token)))
+    seconds = time.perf_counter() - t0 - (gen.compile_s - compile_before)  # all batches, compiles excluded
     if stream:
         stream.flush()
         print()
@@ -186,7 +191,7 @@ def _generate(args: argparse.Namespace) -> None:
         elif not stream:
             print(f"=== sample {i + 1} of {len(done)} (prompt {rows[i] + 1}) ===\n{prompts[rows[i]].shown(m.tokenizer)}"
                   f"{text}")
-    total, seconds = sum(len(c.ids) for c in done), max(c.seconds for c in done)
+    total = sum(len(c.ids) for c in done)
     print(f"{total} tokens in {seconds:.2f} s ({total / max(seconds, 1e-9):.1f} tokens/s, "
           f"{'KV cache' if gen.use_cache else 'no cache'}, mesh {' x '.join(f'{k} {v}' for k, v in m.mesh.shape.items())}"
           f"; compiling took {gen.compile_s:.1f} s)", file=sys.stderr)

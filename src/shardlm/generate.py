@@ -80,6 +80,7 @@ class Generator:
         is (seed, i, position). `on_token(i, token)` is called as each token reaches the host."""
         if max_new < 1:
             raise ValueError(f"max_new must be >= 1, not {max_new}")
+        max_new = min(max_new, self.context)  # no row can take more
         for ids in prompts:
             if not 0 < len(ids) < self.context:
                 raise ValueError(f"a prompt must hold 1 to {self.context - 1} tokens, not {len(ids)}")
@@ -142,7 +143,8 @@ class Generator:
     # --- compiled functions -----------------------------------------------------------------------------------
 
     def _compile(self, rows: int, width: int, sampling: Sampling):
-        """The (prefill, decode) executables for this batch shape and sampling, compiled ahead of time once."""
+        """The (prefill, decode) executables for this batch shape and sampling, compiled ahead of time once: a
+        prefill per prompt-length bucket, one decode step for all of them."""
         key = (rows, width, sampling)
         if key not in self._compiled:
             t = time.perf_counter()
@@ -156,19 +158,16 @@ class Generator:
         cache_s = NamedSharding(mesh, logical_to_spec(CACHE_AXES))
         carry_s = [LayerCache(cache_s, cache_s)] * self.n_layers if use_cache else tok_s
 
-        def last_logits(logits, at):  # [rows, T, vocab] at [rows] -> [rows, vocab]
-            return jnp.take_along_axis(logits, at[:, None, None], axis=1)[:, 0]
-
         model_of = lambda params: nnx.merge(graphdef, jax.tree.unflatten(self.params_def, params))  # noqa: E731
 
         def prefill(params, tokens, lengths, sample_rows, seed):
             model = model_of(params)
             with use_mesh_rules(mesh):
                 if use_cache:
-                    logits, carry = model.prefill(tokens, model.init_cache(rows))
+                    logits, carry = model.prefill(tokens, model.init_cache(rows), at=lengths - 1)
                 else:
-                    logits, carry = model(tokens), tokens
-            tok = next_tokens(last_logits(logits, lengths - 1), sampling, seed, sample_rows, lengths)
+                    logits, carry = model(tokens, at=lengths - 1), tokens
+            tok = next_tokens(logits[:, 0], sampling, seed, sample_rows, lengths)
             return tok, lengths, carry
 
         def decode(params, tok, pos, sample_rows, seed, carry):
@@ -177,11 +176,10 @@ class Generator:
             with use_mesh_rules(mesh):
                 if use_cache:
                     logits, carry = model.decode(tok[:, None], at, carry)
-                    logits = logits[:, 0]
                 else:  # write the token into the padded context and re-run all of it
                     carry = jnp.where(jnp.arange(context) == at[:, None], tok[:, None], carry)
-                    logits = last_logits(model(carry), at)
-            return next_tokens(logits, sampling, seed, sample_rows, at + 1), pos + 1, carry
+                    logits = model(carry, at=at)
+            return next_tokens(logits[:, 0], sampling, seed, sample_rows, at + 1), pos + 1, carry
 
         abstract = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)  # noqa: E731
         prompt_arg = abstract((rows, width), jnp.int32, tok_s)
@@ -189,11 +187,14 @@ class Generator:
         seed_arg = abstract((), jnp.uint32, replicated(mesh))
         prefill_args = (self.params, prompt_arg, row_arg, row_arg, seed_arg)
         prefill_c = jax.jit(prefill, out_shardings=(row_s, row_s, carry_s)).lower(*prefill_args).compile()
-        carry_arg = jax.tree.map(lambda a, s: abstract(a.shape, a.dtype, s),
-                                 jax.eval_shape(prefill, *prefill_args)[2], carry_s)
-        decode_c = jax.jit(decode, out_shardings=(row_s, row_s, carry_s), donate_argnums=5).lower(
-            self.params, row_arg, row_arg, row_arg, seed_arg, carry_arg).compile()
-        return prefill_c, decode_c
+        decode_key = ("decode", rows, sampling)  # the decode step's shapes do not depend on the prompt bucket
+        if decode_key not in self._compiled:
+            carry_arg = jax.tree.map(lambda a, s: abstract(a.shape, a.dtype, s),
+                                     jax.eval_shape(prefill, *prefill_args)[2], carry_s)
+            self._compiled[decode_key] = jax.jit(decode, out_shardings=(row_s, row_s, carry_s), donate_argnums=5
+                                                 ).lower(self.params, row_arg, row_arg, row_arg, seed_arg,
+                                                         carry_arg).compile()
+        return prefill_c, self._compiled[decode_key]
 
 
 # --- prompts and text -------------------------------------------------------------------------------------------
@@ -210,17 +211,23 @@ class Prompt:
         return self.text if not self.truncated else "..." + tokenizer.decode(self.ids)
 
 
+def truncated_length(context: int, max_new: int) -> int:
+    """What --truncate keeps of a prompt too long for the context: room for `max_new` new tokens, but never less
+    than half the context of prompt."""
+    return context - min(max_new, context // 2)
+
+
 def encode_prompts(tokenizer, texts: list[str], context: int, max_new: int, truncate: bool
                    ) -> tuple[list[Prompt], list[str]]:
     """Tokenize prompts for a model of `context` tokens; returns them and notes for the user. A prompt that leaves
-    no room for a new token is an error; with `truncate`, prompts keep their last `context - max_new` tokens (at
-    least one), so `max_new` tokens fit."""
+    no room for a new token (as long as the context or longer) is an error; with `truncate` such a prompt keeps its
+    last `truncated_length(context, max_new)` tokens instead. Prompts that fit are never cut."""
     prompts, short = [], 0
     name = (lambda i: "the prompt") if len(texts) == 1 else (lambda i: f"prompt {i + 1}")
+    keep = truncated_length(context, max_new)
     for i, text in enumerate(texts):
         ids = tokenizer.encode(text) if text else [tokenizer.eot_id]  # nothing: the model starts a new document
-        keep = max(1, context - max_new)
-        if truncate and len(ids) > keep:
+        if truncate and len(ids) >= context:
             prompts.append(Prompt(text, ids[-keep:], True))
             continue
         if len(ids) >= context:
@@ -232,7 +239,7 @@ def encode_prompts(tokenizer, texts: list[str], context: int, max_new: int, trun
     cut = [p for p in prompts if p.truncated]
     if cut:
         notes.append(f"{'the prompt was' if len(texts) == 1 else f'{len(cut)} prompts were'} cut to the last "
-                     f"{max(1, context - max_new)} tokens (--truncate)")
+                     f"{keep} tokens (--truncate)")
     if short:
         room = context - len(prompts[0].ids)
         notes.append(f"the context holds {room} new tokens after the prompt; generating that many" if len(texts) == 1
@@ -248,11 +255,15 @@ def read_prompts_file(path: str) -> list[str]:
 
     p = Path(path)
     if not p.is_file():
-        raise ShardlmError(f"--prompts-file {p} does not exist; pass a text file with one prompt per line")
-    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        raise ShardlmError(f"--prompts-file {p} is not a file; pass a text file with one prompt per line")
+    try:
+        numbered = [(n, line) for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    except UnicodeDecodeError as e:
+        raise ShardlmError(f"--prompts-file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    lines = [line for _, line in numbered]
     if p.suffix == ".jsonl":
         texts = []
-        for n, line in enumerate(lines, 1):
+        for n, line in numbered:
             try:
                 texts.append(json.loads(line)["prompt"])
                 assert isinstance(texts[-1], str)

@@ -6,6 +6,7 @@ batch padding a mesh needs, or on whether the KV cache is used.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,8 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        finite = math.isfinite(self.temperature)
+        if not (finite and self.temperature >= 0) or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ShardlmError(f"sampling needs temperature >= 0, top-k >= 0 and 0 < top-p <= 1; got temperature "
                                f"{self.temperature}, top-k {self.top_k}, top-p {self.top_p}")
 
@@ -32,9 +34,12 @@ class Sampling:
 
 
 def filter_logits(logits: jax.Array, s: Sampling) -> jax.Array:
-    """[batch, vocab] logits scaled by 1/temperature, with tokens outside the top-k and outside the top-p
+    """[batch, vocab] logits (less their maximum) scaled by 1/temperature, with tokens outside the top-k and outside the top-p
     nucleus set to -inf (the order of Hugging Face's and vLLM's samplers). Ties at a cut-off are kept."""
-    logits = logits.astype(jnp.float32) / s.temperature
+    logits = logits.astype(jnp.float32)
+    # Shifted so the likeliest token is at 0 before scaling: a tiny temperature then sends the others to -inf
+    # (greedy in effect) instead of every logit to +-inf and the probabilities to NaN.
+    logits = (logits - logits.max(axis=-1, keepdims=True)) / s.temperature
     if 0 < s.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, s.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)

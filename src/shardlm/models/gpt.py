@@ -179,9 +179,12 @@ class GPT(nnx.Module):
         self.ln_f = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, rngs)
         self.lm_head = None if cfg.tie_embeddings else _param(rngs, init, (cfg.d_model, padded_vocab), ("embed", "vocab"))
 
-    def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
-        """tokens [batch, seq] int32 -> logits [batch, seq, padded_vocab] float32. `rngs` enables dropout."""
-        return self._forward(tokens, rngs)[0]
+    def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None, *, at: jax.Array | None = None
+                 ) -> jax.Array:
+        """tokens [batch, seq] int32 -> logits [batch, seq, padded_vocab] float32. `rngs` enables dropout. With
+        `at` [batch], only the logits at position at[b] of each row: [batch, 1, padded_vocab] (the output head is
+        most of a small model's FLOPs, and all the positions' logits of a long batch are gigabytes)."""
+        return self._forward(tokens, rngs, at=at)[0]
 
     def init_cache(self, batch: int) -> list[LayerCache]:
         """An empty KV cache for `batch` rows and the whole context (shard it with `CACHE_AXES`)."""
@@ -190,21 +193,26 @@ class GPT(nnx.Module):
         shape = (batch, heads, self.wpe.shape[0], head_dim)
         return [LayerCache(jnp.zeros(shape, self.wte.dtype), jnp.zeros(shape, self.wte.dtype)) for _ in self.blocks]
 
-    def prefill(self, tokens: jax.Array, cache: list[LayerCache]) -> tuple[jax.Array, list[LayerCache]]:
-        """tokens [batch, T] at positions 0..T-1 -> (logits [batch, T, padded_vocab], cache holding them)."""
-        return self._forward(tokens, None, cache)
+    def prefill(self, tokens: jax.Array, cache: list[LayerCache], *, at: jax.Array | None = None
+                ) -> tuple[jax.Array, list[LayerCache]]:
+        """tokens [batch, T] at positions 0..T-1 -> (logits [batch, T, padded_vocab], cache holding them); with
+        `at` [batch], only each row's logits at position at[b] ([batch, 1, padded_vocab])."""
+        return self._forward(tokens, None, cache, at=at)
 
     def decode(self, tokens: jax.Array, pos: jax.Array, cache: list[LayerCache]
                ) -> tuple[jax.Array, list[LayerCache]]:
         """tokens [batch, 1], row b at position pos[b] (< seq_len) -> (logits [batch, 1, padded_vocab], cache)."""
         return self._forward(tokens, None, cache, pos)
 
-    def _forward(self, tokens, rngs, cache=None, pos=None):
+    def _forward(self, tokens, rngs, cache=None, pos=None, at=None):
         t = tokens.shape[1]
         # Gather FSDP shards of the table before the lookup (what FSDP does for every weight): a lookup into a
         # table split over the same axis as the batch is otherwise fully rematerialised by XLA's partitioner.
         wte = constrain(self.wte[...], "vocab", "act_embed")
-        positions = self.wpe[...][:t] if pos is None else self.wpe[...][pos][:, None]
+        if pos is None:
+            positions = self.wpe[...][:t]
+        else:  # a lookup per row: gather FSDP shards of the table first, as for wte
+            positions = constrain(self.wpe[...], "pos", "act_embed")[pos][:, None]
         x = wte[tokens] + positions
         x = constrain(self.dropout(x, deterministic=rngs is None, rngs=rngs), "batch", "seq", "act_embed")
         new_cache = None if cache is None else []
@@ -212,6 +220,8 @@ class GPT(nnx.Module):
             x, layer = block(x, rngs, None if cache is None else cache[i], pos)
             if cache is not None:
                 new_cache.append(layer)
+        if at is not None:  # one position per row reaches the head
+            x = jnp.take_along_axis(x, at[:, None, None], axis=1)
         x = self.ln_f(x)
         if self.lm_head is None:  # tied: contract with the table as stored; a `wte.T` operand made XLA:CPU copy
             logits = jnp.einsum("bte,ve->btv", x, wte)  # the transposed table (the whole table) every call
