@@ -154,6 +154,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     from shardlm.generate import Generator, IncrementalText, encode_prompts, read_prompts_file
     from shardlm.load import load_model
+    from shardlm.mesh import describe_mesh
     from shardlm.sampling import Sampling
 
     if args.max_tokens < 1 or args.num_samples < 1 or args.batch_size < 1:
@@ -193,8 +194,8 @@ def _generate(args: argparse.Namespace) -> None:
                   f"{text}")
     total = sum(len(c.ids) for c in done)
     print(f"{total} tokens in {seconds:.2f} s ({total / max(seconds, 1e-9):.1f} tokens/s, "
-          f"{'KV cache' if gen.use_cache else 'no cache'}, mesh {' x '.join(f'{k} {v}' for k, v in m.mesh.shape.items())}"
-          f"; compiling took {gen.compile_s:.1f} s)", file=sys.stderr)
+          f"{'KV cache' if gen.use_cache else 'no cache'}, mesh {describe_mesh(m.mesh)}; "
+          f"compiling took {gen.compile_s:.1f} s)", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -101,10 +101,10 @@ class Generator:
         for r, ids in enumerate(prompts + [prompts[0]] * (rows - n)):
             tokens[r, : len(ids)] = ids
         prefill, decode = self._compile(rows, width, sampling)
-        shard = lambda x, s: jax.device_put(x, s)  # noqa: E731
-        args = (shard(tokens, batch_sharding(self.mesh)), shard(lengths, self.row_sharding),
-                shard(np.arange(first, first + rows, dtype=np.int32), self.row_sharding),
-                shard(np.uint32(seed % 2**32), replicated(self.mesh)))
+        put = jax.device_put
+        args = (put(tokens, batch_sharding(self.mesh)), put(lengths, self.row_sharding),
+                put(np.arange(first, first + rows, dtype=np.int32), self.row_sharding),
+                put(np.uint32(seed % 2**32), replicated(self.mesh)))
 
         t0 = time.perf_counter()
         tok, pos, carry = prefill(self.params, *args)
