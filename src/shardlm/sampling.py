@@ -34,8 +34,8 @@ class Sampling:
 
 
 def filter_logits(logits: jax.Array, s: Sampling) -> jax.Array:
-    """[batch, vocab] logits (less their maximum) scaled by 1/temperature, with tokens outside the top-k and outside the top-p
-    nucleus set to -inf (the order of Hugging Face's and vLLM's samplers). Ties at a cut-off are kept."""
+    """[batch, vocab] logits (less their maximum) scaled by 1/temperature, with tokens outside the top-k and outside
+    the top-p nucleus set to -inf (the order of Hugging Face's and vLLM's samplers). Ties at a cut-off are kept."""
     logits = logits.astype(jnp.float32)
     # Shifted so the likeliest token is at 0 before scaling: a tiny temperature then sends the others to -inf
     # (greedy in effect) instead of every logit to +-inf and the probabilities to NaN.
