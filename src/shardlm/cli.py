@@ -6,6 +6,10 @@
                      [--top-p P] [--seed S] [--num-samples M] [--json] [--truncate] [--no-cache] [--step N]
                      [--cpu-devices N] [mesh.*=value ...]
     shardlm explain [--config FILE] [--cpu-devices N] [--json] [key=value ...]
+    shardlm plan [--devices N] [--config FILE] [--memory BYTES] [--json] [cost-model options] [key=value ...]
+    shardlm bench --strategies LIST [--config FILE] [--cpu-devices N] [--steps N] [--json] [--plot FILE.png]
+                  [key=value ...]
+    shardlm profile [--config FILE] [--cpu-devices N] [--steps N] [--out DIR] [key=value ...]
     shardlm data prepare INPUT... --tokenizer T --out DIR [--val INPUT...] [--val-fraction F] [--force]
     shardlm tokenizer train INPUT... --vocab-size N --out PATH [--force]
 
@@ -68,6 +72,40 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     _common(explain)
     explain.add_argument("--json", action="store_true", help="the same as JSON, with per-device totals")
 
+    plan = sub.add_parser("plan", help="compile the train step for every data/fsdp/tensor split of N devices "
+                                       "(nothing runs) and rank them by memory and estimated step time")
+    plan.add_argument("--devices", type=int, metavar="N",
+                      help="devices to plan for (simulated on the CPU host; default: the devices JAX sees)")
+    plan.add_argument("--config", metavar="FILE", help="YAML config file (overrides apply on top)")
+    plan.add_argument("--memory", metavar="BYTES", default="80GB",
+                      help="memory per device, e.g. 80GB, 24GiB, 16e9 (default 80GB, an H100)")
+    plan.add_argument("--peak-tflops", type=float, default=494.5, metavar="T",
+                      help="peak FLOP/s per device for the cost model (default 494.5: H100 SXM float32 as TF32)")
+    plan.add_argument("--intra-node-gbs", type=float, default=450, metavar="GB/s",
+                      help="link bandwidth per device within a node, one direction (default 450: NVLink 4)")
+    plan.add_argument("--inter-node-gbs", type=float, default=50, metavar="GB/s",
+                      help="bandwidth per device between nodes (default 50: 400 Gb/s InfiniBand)")
+    plan.add_argument("--devices-per-node", type=int, default=8, metavar="K", help="default 8")
+    plan.add_argument("--latency-us", type=float, default=10, metavar="US", help="per collective (default 10)")
+    plan.add_argument("--json", action="store_true", help="a JSON list, one object per strategy, ranked")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model=gpt2-small")
+
+    bench = sub.add_parser("bench", help="run strategies on the local (or simulated) devices, interleaved: step "
+                                         "time, tokens/s, TFLOP/s per device, MFU")
+    _common(bench)
+    bench.add_argument("--strategies", required=True, metavar="LIST",
+                       help="comma-separated, as `shardlm plan` names them: e.g. dp8,fsdp8,tp4+dp2,fsdp4+tp2")
+    bench.add_argument("--steps", type=int, default=10, metavar="N", help="timed steps per strategy (default 10)")
+    bench.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps after compiling (default 2)")
+    bench.add_argument("--json", action="store_true", help="the results as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of tokens/s and MFU")
+    prof = sub.add_parser("profile", help="capture a jax.profiler trace of a few train steps after warm-up, with "
+                                          "named scopes per layer and per step")
+    _common(prof)
+    prof.add_argument("--steps", type=int, default=3, metavar="N", help="steps to trace (default 3)")
+    prof.add_argument("--warmup", type=int, default=2, metavar="N", help="untraced steps first (default 2)")
+    prof.add_argument("--out", metavar="DIR", help="where the trace goes (default runs/<name>-profile)")
+
     data = sub.add_parser("data", help="prepare token files for training")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser(
@@ -98,7 +136,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                            help="train on at most this much text (default: all of it)")
     _reading_options(tok_train)
     tok_train.add_argument("--force", action="store_true", help="replace PATH if it exists")
-    return parser, {"train": train, "explain": explain, "generate": gen}
+    return parser, {"train": train, "explain": explain, "generate": gen, "plan": plan, "bench": bench,
+                    "profile": prof}
 
 
 def _reading_options(p: argparse.ArgumentParser) -> None:
@@ -198,17 +237,103 @@ def _generate(args: argparse.Namespace) -> None:
           f"compiling took {gen.compile_s:.1f} s)", file=sys.stderr)
 
 
+def parse_bytes(text: str) -> float:
+    """'80GB' -> 80e9, '24GiB' -> 24 * 2**30, '16e9' -> 16e9."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", text.lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ShardlmError(f"--memory {text!r} is not a size; write e.g. 80GB, 24GiB or 16e9")
+    unit = (m.group(2) or "b").rstrip("b") or "b"
+    scale = {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    return float(m.group(1)) * scale[unit]
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import json
+
+    from shardlm.config import load_config
+    from shardlm.perf.costmodel import Hardware
+    from shardlm.perf.planner import format_plan, plan, report_progress
+
+    memory = parse_bytes(args.memory)
+    for flag, value in (("--peak-tflops", args.peak_tflops), ("--intra-node-gbs", args.intra_node_gbs),
+                        ("--inter-node-gbs", args.inter_node_gbs), ("--devices-per-node", args.devices_per_node)):
+        if value <= 0:
+            raise ShardlmError(f"{flag} must be positive, got {value}")
+    if args.latency_us < 0:
+        raise ShardlmError(f"--latency-us must be >= 0, got {args.latency_us}")
+    cfg = load_config(args.config, args.overrides)
+    hw = Hardware(peak_flops=args.peak_tflops * 1e12, memory_bytes=memory, intra_node_bw=args.intra_node_gbs * 1e9,
+                  inter_node_bw=args.inter_node_gbs * 1e9, devices_per_node=args.devices_per_node,
+                  latency_s=args.latency_us * 1e-6,
+                  name="H100 SXM" if (args.peak_tflops, args.intra_node_gbs, args.inter_node_gbs) == (494.5, 450, 50)
+                  else "custom")
+    p = plan(cfg, args.devices, hw, log=report_progress)
+    print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
+    report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    import json
+
+    import jax
+
+    from shardlm.config import load_config
+    from shardlm.perf.bench import bench, format_bench, plot_bench
+    from shardlm.perf.strategies import parse_strategies
+
+    if args.steps < 1 or args.warmup < 0:
+        raise ShardlmError("--steps must be >= 1 and --warmup >= 0")
+    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+        raise ShardlmError(f"--plot {args.plot}: name a .png (or .svg, .pdf) file")
+    cfg = load_config(args.config, args.overrides)
+    strategies = parse_strategies(args.strategies, jax.device_count())
+    result = bench(cfg, strategies, steps=args.steps, warmup=args.warmup, log=_to_stderr)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_bench(result, cfg))
+    if args.plot:
+        plot_bench(result, cfg, args.plot)
+        print(f"chart written to {args.plot}", file=sys.stderr)
+
+
+def _profile(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from shardlm.config import load_config
+    from shardlm.perf.profile import format_profile, profile
+
+    if args.steps < 1 or args.warmup < 0:
+        raise ShardlmError("--steps must be >= 1 and --warmup >= 0")
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out) if args.out else Path("runs") / f"{cfg.name}-profile"
+    if out.exists() and not out.is_dir():
+        raise ShardlmError(f"--out {out} is a file; pass a directory")
+    print(format_profile(profile(cfg, out, steps=args.steps, warmup=args.warmup, log=_to_stderr)))
+
+
 def _run(args: argparse.Namespace) -> None:
     if args.command == "data":
         return _data_prepare(args)
     if args.command == "tokenizer":
         return _tokenizer_train(args)
+    if args.command == "plan":
+        if args.devices is not None:
+            from shardlm.mesh import simulate_cpu_devices
+            from shardlm.perf.planner import skip_code_generation
+
+            simulate_cpu_devices(args.devices)
+            skip_code_generation()
+        return _plan(args)
     if args.cpu_devices is not None:
         from shardlm.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(args.cpu_devices)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "bench":
+        return _bench(args)
+    if args.command == "profile":
+        return _profile(args)
     from shardlm.config import load_config
 
     if args.command == "train":
@@ -235,14 +360,17 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "explain":
         from shardlm.sharding.explain import explain
         from shardlm.mesh import mesh_from_config
-        from shardlm.train.loop import load_data
+        from shardlm.train.loop import tokenizer_vocab
         from shardlm.train.state import create_train_state
 
         mesh = mesh_from_config(cfg.mesh)
-        # Data messages go to stderr: stdout is the table (or JSON).
-        vocab = cfg.model.vocab_size or load_data(cfg, log=lambda m: print(m, file=sys.stderr)).tokenizer.vocab_size
+        vocab = tokenizer_vocab(cfg, log=_to_stderr)  # stdout is the table (or JSON)
         ex = explain(create_train_state(cfg, mesh, vocab).state, mesh)
         print(ex.to_json() if args.json else ex)
+
+
+def _to_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

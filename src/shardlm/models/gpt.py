@@ -208,27 +208,30 @@ class GPT(nnx.Module):
         t = tokens.shape[1]
         # Gather FSDP shards of the table before the lookup (what FSDP does for every weight): a lookup into a
         # table split over the same axis as the batch is otherwise fully rematerialised by XLA's partitioner.
-        wte = constrain(self.wte[...], "vocab", "act_embed")
-        if pos is None:
-            positions = self.wpe[...][:t]
-        else:  # a lookup per row: gather FSDP shards of the table first, as for wte
-            positions = constrain(self.wpe[...], "pos", "act_embed")[pos][:, None]
-        x = wte[tokens] + positions
-        x = constrain(self.dropout(x, deterministic=rngs is None, rngs=rngs), "batch", "seq", "act_embed")
+        with jax.named_scope("embed"):
+            wte = constrain(self.wte[...], "vocab", "act_embed")
+            if pos is None:
+                positions = self.wpe[...][:t]
+            else:  # a lookup per row: gather FSDP shards of the table first, as for wte
+                positions = constrain(self.wpe[...], "pos", "act_embed")[pos][:, None]
+            x = wte[tokens] + positions
+            x = constrain(self.dropout(x, deterministic=rngs is None, rngs=rngs), "batch", "seq", "act_embed")
         new_cache = None if cache is None else []
         for i, block in enumerate(self.blocks):
-            x, layer = block(x, rngs, None if cache is None else cache[i], pos)
+            with jax.named_scope(f"layer{i}"):  # names the layer's ops in profiles and HLO (`shardlm profile`)
+                x, layer = block(x, rngs, None if cache is None else cache[i], pos)
             if cache is not None:
                 new_cache.append(layer)
         if at is not None:  # one position per row reaches the head
             x = jnp.take_along_axis(x, at[:, None, None], axis=1)
-        x = self.ln_f(x)
-        if self.lm_head is None:  # tied: contract with the table as stored; a `wte.T` operand made XLA:CPU copy
-            logits = jnp.einsum("bte,ve->btv", x, wte)  # the transposed table (the whole table) every call
-        else:
-            logits = x @ self.lm_head[...]
-        logits = constrain(logits, "batch", "seq", "act_vocab")
-        if self.padded_vocab != self.vocab_size:
-            is_real = jnp.arange(self.padded_vocab) < self.vocab_size
-            logits = jnp.where(is_real, logits, -jnp.inf)
+        with jax.named_scope("head"):
+            x = self.ln_f(x)
+            if self.lm_head is None:  # tied: contract with the table as stored; a `wte.T` operand made XLA:CPU
+                logits = jnp.einsum("bte,ve->btv", x, wte)  # copy the transposed table (all of it) every call
+            else:
+                logits = x @ self.lm_head[...]
+            logits = constrain(logits, "batch", "seq", "act_vocab")
+            if self.padded_vocab != self.vocab_size:
+                is_real = jnp.arange(self.padded_vocab) < self.vocab_size
+                logits = jnp.where(is_real, logits, -jnp.inf)
         return logits, new_cache

@@ -71,6 +71,12 @@ def load_data(cfg: Config, progress: bool = False, log=None) -> PreparedData:
     return data
 
 
+def tokenizer_vocab(cfg: Config, log=None) -> int:
+    """The vocabulary the model is built for: `model.vocab_size`, else the data's tokenizer's (preparing the data
+    first if it is text that was never prepared)."""
+    return cfg.model.vocab_size or load_data(cfg, log=log).tokenizer.vocab_size
+
+
 def _log(msg: str) -> None:
     tqdm.write(msg)
 

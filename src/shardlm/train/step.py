@@ -19,6 +19,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, dropout: bool):
     graphdef = train_state.graphdef
+    param_shardings = train_state.shardings["model"]
     base_key = jax.random.key(seed)
 
     def step(state, batch):
@@ -30,12 +31,19 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, drop
         def loss_fn(model):
             # Built inside the differentiated function: NNX refuses RNG state created at another trace level.
             rngs = nnx.Rngs(dropout=dropout_key) if dropout else None
-            return cross_entropy(model(batch[:, :-1], rngs=rngs), batch[:, 1:])
+            logits = model(batch[:, :-1], rngs=rngs)
+            with jax.named_scope("loss"):
+                return cross_entropy(logits, batch[:, 1:])
 
         with use_mesh_rules(mesh):
             loss, grads = nnx.value_and_grad(loss_fn)(model)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(step_index)}
-        optimizer.update(model, grads)
+        # Each gradient sharded like its parameter, before anything reads it: left to propagation, XLA all-reduced
+        # FSDP's full gradients (to take the norm of the whole tensor on every device) and sliced them afterwards,
+        # twice the traffic of the reduce-scatter this constraint allows (`shardlm plan` counts it from the HLO).
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        with jax.named_scope("optimizer"):
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(step_index)}
+            optimizer.update(model, grads)
         return nnx.state(objects), metrics
 
     return jax.jit(
@@ -63,3 +71,20 @@ def make_eval_step(train_state, mesh, batch_sharding, token_bytes):
                 "bytes": jnp.sum(nbytes)}
 
     return jax.jit(step, in_shardings=(train_state.shardings, batch_sharding), out_shardings=replicated(mesh))
+
+
+def train_step_for(cfg, train_state, mesh):
+    """The jitted train step exactly as `shardlm train` builds it for `cfg` (plan, bench and profile use it)."""
+    from shardlm.sharding import batch_sharding
+    from shardlm.train.state import make_schedule
+
+    return make_train_step(train_state, mesh, batch_sharding(mesh), make_schedule(cfg), cfg.seed,
+                           cfg.model.dropout > 0)
+
+
+def batch_struct(cfg, mesh) -> jax.ShapeDtypeStruct:
+    """Shape, dtype and sharding of one global batch of `cfg`: [batch_size, seq_len + 1] int32."""
+    from shardlm.sharding import batch_sharding
+
+    return jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
+                                sharding=batch_sharding(mesh))

@@ -1,0 +1,164 @@
+"""`shardlm bench`: run strategies on the local (or simulated) devices and measure them against each other.
+
+Every strategy gets its own mesh over all the devices, a state initialised from the same seed and the same batches
+(random tokens: this times the train step, not the data pipeline; `benchmarks/data_pipeline.py` does that). All
+states are built and compiled first, then the strategies take turns, one step each per round, in an order that
+rotates every round, so that drift of a shared, noisy machine falls on every strategy alike. Reported per
+strategy: median step time, tokens/s, model TFLOP/s per device and MFU (convention and peak in
+`shardlm.perf.flops`), and the loss after the last step, equal across strategies up to float rounding, since they
+compute the same training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+from shardlm.config import Config
+from shardlm.perf.strategies import Strategy
+
+
+@dataclasses.dataclass
+class BenchResult:
+    strategy: Strategy
+    step_times: list[float]
+    tokens_per_step: int
+    model_flops_per_step: float
+    peak_flops: float  # per device
+    compile_s: float
+    final_loss: float
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.step_times)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops_per_step / self.step_s / self.strategy.devices / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_device * 1e12 / self.peak_flops
+
+    def to_dict(self) -> dict:
+        return {"name": self.strategy.name, "mesh": self.strategy.mesh, "step_s": self.step_s,
+                "step_s_min": min(self.step_times), "step_s_max": max(self.step_times), "steps": len(self.step_times),
+                "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device, "mfu": self.mfu,
+                "compile_s": self.compile_s, "final_loss": self.final_loss}
+
+
+@dataclasses.dataclass
+class Bench:
+    results: list[BenchResult]
+    peak_label: str
+    device_kind: str
+    n_devices: int
+
+    def to_dict(self) -> dict:
+        return {"device": self.device_kind, "devices": self.n_devices, "peak_source": self.peak_label,
+                "strategies": [r.to_dict() for r in self.results]}
+
+
+def bench(cfg: Config, strategies: list[Strategy], steps: int = 10, warmup: int = 2, log=None) -> Bench:
+    import jax
+    import numpy as np
+
+    from shardlm.mesh import make_mesh
+    from shardlm.models.gpt import padded_vocab_size
+    from shardlm.perf.flops import device_peak, flops_per_token
+    from shardlm.perf.strategies import rejection
+    from shardlm.errors import ShardlmError
+    from shardlm.sharding import batch_sharding
+    from shardlm.train.loop import tokenizer_vocab
+    from shardlm.train.state import create_train_state
+    from shardlm.train.step import train_step_for
+
+    log = log or (lambda m: None)
+    devices = jax.devices()
+    for s in strategies:
+        why = rejection(cfg, s)
+        if why:
+            raise ShardlmError(f"strategy {s.name}: {why}")
+    vocab = tokenizer_vocab(cfg, log=log)
+    b, t = cfg.train.batch_size, cfg.model.seq_len
+    rng = np.random.default_rng(cfg.seed)
+    host_batches = [rng.integers(0, vocab, (b, t + 1), dtype=np.int32) for _ in range(4)]
+    runs = []
+    for s in strategies:
+        mesh = make_mesh(s.data, s.fsdp, s.tensor, devices=devices[:s.devices])
+        ts = create_train_state(cfg, mesh, vocab)
+        batches = [jax.device_put(hb, batch_sharding(mesh)) for hb in host_batches]
+        t0 = time.perf_counter()
+        step = train_step_for(cfg, ts, mesh).lower(ts.state, batches[0]).compile()
+        compile_s = time.perf_counter() - t0
+        state = ts.state
+        for i in range(warmup):
+            state, metrics = step(state, batches[i % len(batches)])
+        jax.block_until_ready(metrics if warmup else state)
+        log(f"{s.name}: compiled in {compile_s:.1f} s")
+        runs.append({"s": s, "step": step, "state": state, "batches": batches, "times": [], "compile_s": compile_s,
+                     "loss": float("nan")})
+    for r in range(steps):
+        for k in range(len(runs)):
+            run = runs[(k + r) % len(runs)]  # rotate who goes first
+            i = (warmup + r) % len(run["batches"])
+            t0 = time.perf_counter()
+            run["state"], metrics = run["step"](run["state"], run["batches"][i])
+            jax.block_until_ready(metrics)
+            run["times"].append(time.perf_counter() - t0)
+            run["loss"] = float(metrics["loss"])
+        log(f"round {r + 1}/{steps}")
+    peak, label = device_peak(devices)
+    results = [BenchResult(run["s"], run["times"], b * t,
+                           flops_per_token(cfg.model, padded_vocab_size(vocab, run["s"].tensor)) * b * t, peak,
+                           run["compile_s"], run["loss"]) for run in runs]
+    return Bench(results, label, devices[0].device_kind, len(devices))
+
+
+def format_bench(bench: Bench, cfg: Config) -> str:
+    m, t = cfg.model, cfg.train
+    base = bench.results[0].tokens_per_s
+    lines = [f"bench on {bench.n_devices} x {bench.device_kind}: model {m.preset} ({m.n_layers} layers, d_model "
+             f"{m.d_model}), global batch {t.batch_size} x {m.seq_len} tokens, "
+             f"{len(bench.results[0].step_times)} interleaved steps per strategy (median)", ""]
+    head = (f"{'strategy':<16} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>7} {'vs first':>8} "
+            f"{'compile s':>9} {'loss':>8}")
+    lines += [head, "-" * len(head)]
+    for r in bench.results:
+        lines.append(f"{r.strategy.name:<16} {r.step_s * 1e3:>9.1f} {r.tokens_per_s:>10.0f} "
+                     f"{r.tflops_per_device:>11.4f} {r.mfu:>7.1%} {r.tokens_per_s / base:>7.2f}x "
+                     f"{r.compile_s:>9.1f} {r.final_loss:>8.4f}")
+    lines += ["", f"MFU against {bench.results[0].peak_flops / 1e12:.3f} TFLOP/s per device ({bench.peak_label}); "
+              "FLOPs = 6 N_matmul + 12 L T d per token"]
+    if bench.device_kind.lower().startswith("cpu") and bench.n_devices > 1:
+        lines.append("simulated CPU devices share the host's cores: the ratios measure sharding overhead, not "
+                     "speed-up")
+    return "\n".join(lines)
+
+
+def plot_bench(bench: Bench, cfg: Config, path) -> None:
+    """A bar chart: tokens/s and MFU per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.strategy.name for r in bench.results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(7, 1.3 * len(names) + 4), 3.8))
+    for ax, values, title, fmt in ((ax1, [r.tokens_per_s for r in bench.results], "tokens/s", "{:.0f}"),
+                                   (ax2, [100 * r.mfu for r in bench.results], "MFU (%)", "{:.1f}")):
+        bars = ax.bar(names, values, color="#4C72B0")
+        ax.set_title(title)
+        ax.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize=8)
+        ax.tick_params(axis="x", rotation=30)
+        ax.margins(y=0.15)
+    fig.suptitle(f"{cfg.model.preset}, batch {cfg.train.batch_size} x {cfg.model.seq_len}, {bench.n_devices} x "
+                 f"{bench.device_kind}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

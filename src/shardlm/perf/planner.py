@@ -1,0 +1,261 @@
+"""`shardlm plan`: what every strategy costs before anything runs.
+
+For each assignment of N devices to (data, fsdp, tensor) that the config allows, the real train step (the one
+`shardlm train` runs: model, AdamW, loss, gradient clipping) is lowered and compiled against N devices, and read:
+
+- bytes per device: parameters and optimizer state from the shardings of the state (exactly what each device
+  holds); gradients, sharded like the parameters once reduced; temporaries and the peak from XLA's memory analysis
+  of the compiled step (peak = arguments + outputs - donated aliases + temporaries);
+- the collectives per step, from the compiled HLO (`shardlm.perf.hlo`);
+- FLOPs per device per step, from XLA's cost analysis;
+- an estimated step time from `shardlm.perf.costmodel`.
+
+Nothing is executed and no array is allocated: the state is abstract (shapes and shardings). On a CPU host the N
+devices are simulated (`--xla_force_host_platform_device_count`), so 64 or 256 work on a laptop; the compiled
+program is XLA:CPU's, whose partitioning is the accelerators' but whose buffer scheduling is its own, so the
+temporaries are indicative (within tens of percent of a GPU's), not exact.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import sys
+import time
+
+from shardlm.config import Config
+from shardlm.errors import ShardlmError
+from shardlm.perf import hlo
+from shardlm.perf.costmodel import Estimate, Hardware, estimate
+from shardlm.perf.strategies import Strategy, all_strategies, rejection
+
+
+@dataclasses.dataclass
+class StrategyPlan:
+    strategy: Strategy
+    params: int  # bytes per device
+    optimizer: int
+    gradients: int
+    temporaries: int
+    peak: int
+    collectives: list[hlo.CollectiveOp]
+    flops_per_device: float
+    model_flops: float  # per step, all devices: 6 N_matmul + 12 L T d per token (`shardlm.perf.flops`)
+    est: Estimate
+    fits: bool
+    compile_s: float
+    rank: int = 0
+
+    @property
+    def flops(self) -> float:
+        """FLOPs per step summed over devices: above `model_flops` where a strategy repeats work on every device
+        (tensor parallelism repeats the norms and the embedding; XLA may recompute)."""
+        return self.flops_per_device * self.strategy.devices
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "name": self.strategy.name,
+            "mesh": self.strategy.mesh,
+            "bytes_per_device": {"params": self.params, "optimizer": self.optimizer, "gradients": self.gradients,
+                                 "temporaries": self.temporaries, "peak": self.peak, "total": self.peak},
+            "collectives": hlo.summarize(self.collectives),
+            "comm_bytes_per_device": round(self.est.traffic_bytes),
+            "inter_node_bytes_per_device": round(self.est.inter_node_bytes),
+            "flops": self.flops,
+            "flops_per_device": self.flops_per_device,
+            "model_flops": self.model_flops,
+            "fits": self.fits,
+            "est_step_s": self.est.step_s,
+            "est_compute_s": self.est.compute_s,
+            "est_comm_s": self.est.comm_s,
+            "overrides": self.strategy.overrides(),
+        }
+
+
+@dataclasses.dataclass
+class Plan:
+    cfg: Config
+    n_devices: int
+    hardware: Hardware
+    strategies: list[StrategyPlan]  # ranked
+    rejected: list[tuple[Strategy, str]]
+    param_count: int
+    wall_s: float
+
+    @property
+    def best(self) -> StrategyPlan | None:
+        return self.strategies[0] if self.strategies and self.strategies[0].fits else None
+
+    def to_list(self) -> list[dict]:
+        return [s.to_dict() for s in self.strategies]
+
+
+def _shard_bytes(tree) -> int:
+    import math
+
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    return total
+
+
+def _lower(cfg: Config, strategy: Strategy, vocab: int, devices):
+    """(lowered train step, param bytes/device, optimizer bytes/device, param count) for one strategy."""
+    from shardlm.mesh import make_mesh
+    from shardlm.train.state import TrainState, abstract_train_state
+    from shardlm.train.step import batch_struct, train_step_for
+
+    mesh = make_mesh(strategy.data, strategy.fsdp, strategy.tensor, devices=devices[:strategy.devices])
+    _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
+    step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
+    lowered = step.lower(abstract, batch_struct(cfg, mesh))
+    import jax
+
+    count = sum(leaf.size for leaf in jax.tree.leaves(abstract["model"]))
+    return lowered, _shard_bytes(abstract["model"]), _shard_bytes(abstract["optimizer"]), count
+
+
+def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware = Hardware(), *, vocab_size: int | None = None,
+         workers: int | None = None, log=None) -> Plan:
+    """Compile the train step of `cfg` for every strategy over `n_devices` (default: all devices JAX sees) and
+    rank them. JAX must already see that many devices (the CLI's `--devices` simulates them on a CPU host)."""
+    import jax
+
+    from shardlm.perf.flops import flops_per_token
+    from shardlm.models.gpt import padded_vocab_size
+    from shardlm.train.loop import tokenizer_vocab
+
+    t0 = time.perf_counter()
+    devices = jax.devices()
+    n = n_devices or len(devices)
+    if n > len(devices):
+        raise ShardlmError(f"planning for {n} devices needs JAX to see {n}, but it sees {len(devices)}; run "
+                           f"`shardlm plan --devices {n}` (it simulates them on the CPU) or set XLA_FLAGS="
+                           f"--xla_force_host_platform_device_count={n} before JAX starts")
+    log = log or (lambda m: None)
+    vocab = vocab_size or tokenizer_vocab(cfg, log=log)
+    candidates, rejected = [], []
+    for s in all_strategies(n):
+        why = rejection(cfg, s)
+        (rejected.append((s, why)) if why else candidates.append(s))
+    if not candidates:
+        raise ShardlmError(f"no assignment of {n} devices to data x fsdp x tensor suits this config: "
+                           + "; ".join(f"{s.name}: {why}" for s, why in rejected[:3]))
+
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    results: list[StrategyPlan] = []
+    workers = workers or max(1, min(4, os.cpu_count() or 1))
+    param_count = 0
+
+    def compile_one(lowered):
+        c0 = time.perf_counter()
+        compiled = lowered.compile()
+        return compiled, time.perf_counter() - c0
+
+    # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering.
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        pending = []
+        for s in candidates:
+            lowered, p_bytes, o_bytes, param_count = _lower(cfg, s, vocab, devices)
+            pending.append((s, p_bytes, o_bytes, pool.submit(compile_one, lowered)))
+        for i, (s, p_bytes, o_bytes, future) in enumerate(pending, 1):
+            compiled, compile_s = future.result()
+            mem = compiled.memory_analysis()
+            ops = hlo.collectives(compiled.as_text(), s.devices)
+            flops = hlo.compiled_flops(compiled)
+            peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                    + mem.temp_size_in_bytes)
+            est = estimate(flops, ops, s.devices, hardware)
+            results.append(StrategyPlan(
+                s, p_bytes, o_bytes, p_bytes, mem.temp_size_in_bytes, peak, ops, flops,
+                flops_per_token(cfg.model, padded_vocab_size(vocab, s.tensor)) * tokens, est,
+                peak <= hardware.memory_bytes, compile_s))
+            log(f"[{i}/{len(candidates)}] {s.name}: compiled in {compile_s:.1f} s")
+            del compiled
+    results.sort(key=lambda r: (not r.fits, r.est.step_s if r.fits else r.peak))
+    for rank, r in enumerate(results, 1):
+        r.rank = rank
+    return Plan(cfg, n, hardware, results, rejected, param_count, time.perf_counter() - t0)
+
+
+def _short_collectives(ops: list[hlo.CollectiveOp]) -> str:
+    from shardlm.sharding.explain import fmt_bytes
+
+    abbrev = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+              "collective-permute": "CP"}
+    return " ".join(f"{abbrev[c['kind']]} {c['count']}x {fmt_bytes(c['bytes'])}" for c in hlo.summarize(ops)) or "none"
+
+
+def format_plan(p: Plan) -> str:
+    from shardlm.sharding.explain import fmt_bytes
+
+    m, t = p.cfg.model, p.cfg.train
+    lines = [
+        f"plan for {p.n_devices} devices: model {m.preset} ({p.param_count / 1e6:.1f}M parameters, {m.n_layers} "
+        f"layers, d_model {m.d_model}, {m.n_heads} heads), global batch {t.batch_size} x {m.seq_len} tokens, "
+        "float32, AdamW",
+        f"cost model ({p.hardware.describe()}); memory {fmt_bytes(p.hardware.memory_bytes)} per device",
+        "",
+    ]
+    head = (f"{'rank':>4}  {'strategy':<16} {'params':>10} {'optimizer':>10} {'grads':>10} {'temps':>10} "
+            f"{'peak':>10}  {'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} {'est step':>9}  collectives per step")
+    lines += [head, "-" * len(head)]
+    for r in p.strategies:
+        lines.append(
+            f"{r.rank:>4}  {r.strategy.name:<16} {fmt_bytes(r.params):>10} {fmt_bytes(r.optimizer):>10} "
+            f"{fmt_bytes(r.gradients):>10} {fmt_bytes(r.temporaries):>10} {fmt_bytes(r.peak):>10}  "
+            f"{'yes' if r.fits else 'NO':<4} {r.flops_per_device / 1e12:>9.3f} {fmt_bytes(r.est.traffic_bytes):>10} "
+            f"{_format_seconds(r.est.step_s):>9}  {_short_collectives(r.collectives)}")
+    lines.append("")
+    lines.append("bytes are per device; comm/dev is what one device sends per step (ring algorithms); est step = "
+                 "compute at peak + collectives at link bandwidth (`shardlm.perf.costmodel`)")
+    for s, why in p.rejected:
+        lines.append(f"not possible: {s.name}: {why}")
+    lines.append("")
+    lines.append(recommendation(p))
+    return "\n".join(lines)
+
+
+def _format_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def recommendation(p: Plan) -> str:
+    from shardlm.sharding.explain import fmt_bytes
+
+    best = p.best
+    if best is None:
+        low = min(p.strategies, key=lambda r: r.peak)
+        return (f"no strategy fits in {fmt_bytes(p.hardware.memory_bytes)} per device; the smallest peak is "
+                f"{low.strategy.name} at {fmt_bytes(low.peak)}: lower train.batch_size or model.seq_len, use more "
+                "devices, or pass --memory for a larger device")
+    text = (f"recommended: {best.strategy.name} (est {_format_seconds(best.est.step_s)} per step: "
+            f"{_format_seconds(best.est.compute_s)} compute + {_format_seconds(best.est.comm_s)} communication; "
+            f"peak {fmt_bytes(best.peak)} of {fmt_bytes(p.hardware.memory_bytes)})")
+    nxt = next((r for r in p.strategies[1:] if r.fits), None)
+    if nxt:
+        text += (f"; next {nxt.strategy.name} at {_format_seconds(nxt.est.step_s)} "
+                 f"({nxt.est.step_s / best.est.step_s:.2f}x)")
+    no_fit = [r.strategy.name for r in p.strategies if not r.fits]
+    if no_fit:
+        text += f"; too large for the memory: {', '.join(no_fit)}"
+    text += f"\ntrain with it: shardlm train {' '.join(best.strategy.overrides())} ..."
+    return text
+
+
+def report_progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def skip_code_generation() -> None:
+    """Planning never runs the programs it compiles: ask XLA:CPU for cheap machine code (LLVM at -O0). The HLO
+    passes, partitioning and buffer assignment, which are all a plan reads, are unchanged. Before JAX starts."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+        if flag.split("=")[0] not in flags:
+            flags += " " + flag
+    os.environ["XLA_FLAGS"] = flags.strip()

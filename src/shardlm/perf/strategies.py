@@ -1,0 +1,117 @@
+"""Strategies: assignments of N devices to the mesh axes (data, fsdp, tensor), their names, and which ones a
+config allows.
+
+A strategy is three degrees whose product is the device count. Its name lists the axes used, with their degrees:
+`dp8`, `fsdp8`, `tp8`, `fsdp4+tp2`, `dp2+fsdp2+tp2`; one device is `single`. `parse_strategy` reads those names
+(a degree may be left out on one axis to mean "the rest": `fsdp+tp2`), long axis names (`data4+tensor2`) and the
+`DxFxT` form (`2x2x2`), so the names `shardlm plan` prints are what `shardlm bench --strategies` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from shardlm.errors import ShardlmError
+from shardlm.mesh import MESH_AXES, resolve_degrees
+
+_SHORT = {"data": "dp", "fsdp": "fsdp", "tensor": "tp"}
+_ALIASES = {"dp": "data", "data": "data", "fsdp": "fsdp", "tp": "tensor", "tensor": "tensor"}
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Strategy:
+    data: int
+    fsdp: int
+    tensor: int
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+    @property
+    def name(self) -> str:
+        parts = [f"{_SHORT[a]}{d}" for a, d in self.mesh.items() if d > 1]
+        return "+".join(parts) or "single"
+
+    def overrides(self) -> list[str]:
+        """The `key=value` overrides that train with this strategy."""
+        return [f"mesh.{a}={d}" for a, d in self.mesh.items()]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def all_strategies(n_devices: int) -> list[Strategy]:
+    """Every (data, fsdp, tensor) with data * fsdp * tensor = n_devices."""
+    out = []
+    for d in range(1, n_devices + 1):
+        if n_devices % d:
+            continue
+        for f in range(1, n_devices // d + 1):
+            if (n_devices // d) % f == 0:
+                out.append(Strategy(d, f, n_devices // d // f))
+    return out
+
+
+def parse_strategy(text: str, n_devices: int) -> Strategy:
+    """'fsdp4+tp2', 'dp', 'data2+tensor4', '2x2x2' or 'single' -> a Strategy over `n_devices`."""
+    t = text.strip().lower()
+    if t in ("single", "1") and n_devices == 1:
+        return Strategy(1, 1, 1)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", t)
+    if m:
+        degrees = {"data": int(m.group(1)), "fsdp": int(m.group(2)), "tensor": int(m.group(3))}
+    else:
+        degrees = {}
+        for part in t.split("+"):
+            p = re.fullmatch(r"(dp|data|fsdp|tp|tensor)(\d*)", part.strip())
+            if not p or _ALIASES[p.group(1)] in degrees:
+                raise ShardlmError(
+                    f"strategy '{text}' is not understood; write axes with degrees joined by '+', e.g. dp8, fsdp8, "
+                    "fsdp4+tp2, dp2+fsdp2+tp2 (a missing degree means the rest), or DATAxFSDPxTENSOR such as 2x2x2")
+            degrees[_ALIASES[p.group(1)]] = int(p.group(2)) if p.group(2) else -1
+    for axis in MESH_AXES:
+        degrees.setdefault(axis, 1)
+    if 0 in degrees.values():
+        raise ShardlmError(f"strategy '{text}' has a degree of 0; degrees are positive")
+    try:
+        d, f, tp = resolve_degrees(degrees["data"], degrees["fsdp"], degrees["tensor"], n_devices)
+    except ShardlmError as e:
+        raise ShardlmError(f"strategy '{text}': {e}") from None
+    return Strategy(d, f, tp)
+
+
+def parse_strategies(text: str, n_devices: int) -> list[Strategy]:
+    """A comma-separated list of strategy names, duplicates dropped (in order)."""
+    out = []
+    for part in text.split(","):
+        if part.strip():
+            s = parse_strategy(part, n_devices)
+            if s not in out:
+                out.append(s)
+    if not out:
+        raise ShardlmError("--strategies is empty; give names such as dp8,fsdp8,tp8,fsdp4+tp2")
+    return out
+
+
+def rejection(cfg, strategy: Strategy) -> str | None:
+    """Why `cfg` cannot train with `strategy` (a mesh degree that does not divide a dimension, or the batch), or
+    None. Shapes only: nothing is compiled."""
+    from shardlm.mesh import make_mesh
+    from shardlm.train.loop import check_batch
+    from shardlm.train.state import check_shardable
+
+    import jax
+
+    mesh = make_mesh(strategy.data, strategy.fsdp, strategy.tensor, devices=jax.devices()[:strategy.devices])
+    try:
+        check_shardable(cfg, mesh)
+        check_batch(cfg, mesh)
+    except ShardlmError as e:
+        return str(e)
+    return None
