@@ -250,6 +250,7 @@ def parse_bytes(text: str) -> float:
 
 
 def _plan(args: argparse.Namespace) -> None:
+    import dataclasses
     import json
 
     from shardlm.config import load_config
@@ -264,11 +265,13 @@ def _plan(args: argparse.Namespace) -> None:
     if args.latency_us < 0:
         raise ShardlmError(f"--latency-us must be >= 0, got {args.latency_us}")
     cfg = load_config(args.config, args.overrides)
+    if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
+        print("note: plan tries every mesh; the mesh.* overrides are ignored", file=sys.stderr)
     hw = Hardware(peak_flops=args.peak_tflops * 1e12, memory_bytes=memory, intra_node_bw=args.intra_node_gbs * 1e9,
                   inter_node_bw=args.inter_node_gbs * 1e9, devices_per_node=args.devices_per_node,
-                  latency_s=args.latency_us * 1e-6,
-                  name="H100 SXM" if (args.peak_tflops, args.intra_node_gbs, args.inter_node_gbs) == (494.5, 450, 50)
-                  else "custom")
+                  latency_s=args.latency_us * 1e-6)
+    if dataclasses.replace(hw, memory_bytes=Hardware().memory_bytes) != Hardware():
+        hw = dataclasses.replace(hw, name="custom")
     p = plan(cfg, args.devices, hw, log=report_progress)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s")
@@ -285,8 +288,13 @@ def _bench(args: argparse.Namespace) -> None:
 
     if args.steps < 1 or args.warmup < 0:
         raise ShardlmError("--steps must be >= 1 and --warmup >= 0")
-    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
-        raise ShardlmError(f"--plot {args.plot}: name a .png (or .svg, .pdf) file")
+    if args.plot:
+        from pathlib import Path
+
+        if not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+            raise ShardlmError(f"--plot {args.plot}: name a .png (or .svg, .pdf) file")
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise ShardlmError(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
     cfg = load_config(args.config, args.overrides)
     strategies = parse_strategies(args.strategies, jax.device_count())
     result = bench(cfg, strategies, steps=args.steps, warmup=args.warmup, log=_to_stderr)
@@ -317,6 +325,8 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "tokenizer":
         return _tokenizer_train(args)
     if args.command == "plan":
+        if args.devices is not None and args.devices < 1:
+            raise ShardlmError(f"--devices must be at least 1, got {args.devices}")
         if args.devices is not None:
             from shardlm.mesh import simulate_cpu_devices
             from shardlm.perf.planner import skip_code_generation

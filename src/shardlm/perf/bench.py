@@ -3,7 +3,9 @@
 Every strategy gets its own mesh over all the devices, a state initialised from the same seed and the same batches
 (random tokens: this times the train step, not the data pipeline; `benchmarks/data_pipeline.py` does that). All
 states are built and compiled first, then the strategies take turns, one step each per round, in an order that
-rotates every round, so that drift of a shared, noisy machine falls on every strategy alike. Reported per
+rotates every round, so that drift of a shared, noisy machine falls on every strategy alike. Every strategy's
+state and program stay on the devices for the whole run: benchmarking K strategies needs K times the memory of
+one (a model near the limit is benched one strategy per call). Reported per
 strategy: median step time, tokens/s, model TFLOP/s per device and MFU (convention and peak in
 `shardlm.perf.flops`), and the loss after the last step, equal across strategies up to float rounding, since they
 compute the same training run.
@@ -66,13 +68,27 @@ class Bench:
 
 def bench(cfg: Config, strategies: list[Strategy], steps: int = 10, warmup: int = 2, log=None) -> Bench:
     import jax
+
+    from shardlm.errors import ShardlmError
+
+    try:
+        return _bench(cfg, strategies, steps, warmup, log)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ShardlmError(f"the devices ran out of memory holding {len(strategies)} strategies' states at once; "
+                           "bench fewer strategies per call (one, for a model near the memory limit)") from None
+
+
+def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log) -> Bench:
+    import jax
     import numpy as np
 
     from shardlm.mesh import make_mesh
     from shardlm.models.gpt import padded_vocab_size
     from shardlm.perf.flops import device_peak, flops_per_token
-    from shardlm.perf.strategies import rejection
     from shardlm.errors import ShardlmError
+    from shardlm.perf.strategies import rejection
     from shardlm.sharding import batch_sharding
     from shardlm.train.loop import tokenizer_vocab
     from shardlm.train.state import create_train_state

@@ -10,6 +10,11 @@
 - bandwidth is the per-device link bandwidth in one direction: `intra_node_bw` when every group of the collective
   sits within one node, `inter_node_bw` when a group spans nodes. Devices are numbered in mesh order (the tensor
   axis innermost), `devices_per_node` consecutive devices to a node, as `jax.make_mesh` lays out a GPU cluster.
+- latency is paid once per collective *as XLA:GPU issues them*: the compiled program read here is XLA:CPU's,
+  which leaves independent collectives separate (FSDP's per-weight all-gathers, per-gradient reduce-scatters),
+  while XLA:GPU's combiners merge those of the same kind and device groups into ops of up to 30 MiB. So the
+  collectives at the same level of the dependency chain (`CollectiveOp.level`), kind and groups are charged one
+  latency per started 30 MiB; a chain of dependent ones (tensor parallelism's per-layer all-reduces) pays each.
 - No overlap of compute and communication is assumed, so the estimate leans pessimistic for strategies whose
   collectives XLA can hide behind compute (FSDP's weight all-gathers), and optimistic in assuming peak FLOP/s.
   It ranks strategies; it does not promise a step time. `shardlm bench` measures the real one.
@@ -71,15 +76,31 @@ class Estimate:
         return self.compute_s + self.comm_s
 
 
+COMBINE_BYTES = 30 * 2**20  # XLA:GPU's default combine threshold for all-reduce, all-gather and reduce-scatter
+
+
+def issued(ops: list[CollectiveOp]) -> int:
+    """How many collectives XLA:GPU would issue per step after combining independent ones (see the docstring)."""
+    batches: dict[tuple, int] = {}
+    for op in ops:
+        if op.kind == "collective-permute" or op.kind == "all-to-all":
+            batches[(op.name,)] = op.times
+            continue
+        key = (op.kind, str(op.groups), op.level, op.times)
+        batches[key] = batches.get(key, 0) + op.bytes
+    return sum(v if len(k) == 1 else max(1, -(-v // COMBINE_BYTES)) * k[3] for k, v in batches.items())
+
+
 def estimate(flops_per_device: float, ops: list[CollectiveOp], n_devices: int, hw: Hardware) -> Estimate:
     comm = traffic = inter = 0.0
     for op in ops:
-        n = op.group_size if op.kind != "collective-permute" else 2
+        n = 2 if op.kind == "collective-permute" else op.group_size or n_devices  # unknown groups: the whole mesh
         sent = traffic_factor(op.kind, n) * op.bytes * op.times
         if sent == 0:
             continue
         across = crosses_nodes(op, hw.devices_per_node, n_devices)
-        comm += sent / (hw.inter_node_bw if across else hw.intra_node_bw) + hw.latency_s * op.times
+        comm += sent / (hw.inter_node_bw if across else hw.intra_node_bw)
         traffic += sent
         inter += sent if across else 0.0
+    comm += hw.latency_s * issued([op for op in ops if op.kind == "collective-permute" or op.group_size != 1])
     return Estimate(flops_per_device / hw.peak_flops, comm, traffic, inter)

@@ -8,11 +8,10 @@ program one device runs, so every number here is per device.
   collective-permute's operand. What crosses a link depends on the algorithm and the group size; that is the cost
   model's business (`shardlm.perf.costmodel`), so the group of every collective is kept.
 - A collective inside a `while` loop (a `lax.scan`) is counted once per iteration when XLA knows the trip count.
-- XLA:CPU has no ReduceScatterCreator pass: the partitioner's "all-reduce, then keep my 1/n slice" stays an
-  all-reduce there, while XLA:GPU and XLA:TPU rewrite it to a reduce-scatter. An all-reduce whose every use keeps
-  only a 1/n slice of it (n = its group size) is therefore reported as the reduce-scatter the accelerator runs
-  (`as_reduce_scatter=True`, the default), so that a plan compiled on a CPU host counts FSDP's gradient traffic as
-  a GPU would.
+- XLA:CPU lacks two passes XLA:GPU and XLA:TPU run after partitioning: ReduceScatterCreator (the partitioner's
+  "all-reduce, then keep my 1/n slice" becomes a reduce-scatter) and AllReduceReassociate (a sum of all-reduces
+  becomes the all-reduce of a sum). With `as_accelerators_run=True` (the default) both are applied to the counts
+  (`_AcceleratorRewrites`), so that a plan compiled on a CPU host counts FSDP's gradient traffic as a GPU would.
 """
 
 from __future__ import annotations
@@ -43,6 +42,9 @@ class CollectiveOp:
     groups: list[list[int]] | None  # device positions (in the mesh's device order) of each group; None: unknown
     times: int = 1  # executions per step (trip count of enclosing loops)
     op_name: str = ""  # the JAX source scope, e.g. jit(step)/transpose(jvp(layer3))/dot_general
+    # Collectives on the longest chain of data dependencies before this one: collectives at the same level of the
+    # same kind and groups depend on no one another, so XLA:GPU's combiners may issue them as one.
+    level: int = 0
 
     @property
     def group_size(self) -> int:
@@ -158,14 +160,37 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
     return {comp: times(comp) for comp in {i.computation for i in instructions}}
 
 
-def collectives(hlo_text: str, n_devices: int, *, as_reduce_scatter: bool = True) -> list[CollectiveOp]:
+def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = True) -> list[CollectiveOp]:
     """Every collective of a compiled program (sync or async `-start` form), with its bytes and device groups."""
     instructions = _parse(hlo_text)
     users: dict[str, list[_Instruction]] = defaultdict(list)
+    opcode = {}
     for ins in instructions:
+        opcode[ins.name] = ins.opcode
         for op in ins.operands:
             users[op].append(ins)
+
+    def by_kind(name: str) -> str | None:
+        kind = opcode.get(name, "").removesuffix("-start")
+        return kind if kind in KINDS else None
     times = _trip_counts(instructions)
+    # Levels: collectives passed on the longest chain of data before each instruction. Instructions are listed
+    # operands first, so one pass does it. Scalars add no level: XLA:CPU packs the gradient norm's partial sums
+    # into the gradients' all-reduces, which would otherwise chain every gradient's reduction to the previous one.
+    level: dict[str, int] = {}
+    by_name = {ins.name: ins for ins in instructions}
+
+    def passes_collective(name: str) -> bool:
+        ins = by_name.get(name)
+        if ins is None or ins.shape.startswith("(") or array_bytes(ins.shape) <= 8:
+            return False
+        return by_kind(name) is not None or (ins.opcode == "get-tuple-element" and by_kind(ins.operands[0]) is not None)
+
+    for ins in instructions:
+        operands = ins.operands
+        if by_kind(ins.name) is not None:  # a scalar riding in a combined collective does not order it
+            operands = [o for o in operands if o in by_name and array_bytes(by_name[o].shape) > 8] or operands
+        level[ins.name] = max((level.get(o, 0) + passes_collective(o) for o in operands), default=0)
     out = []
     for ins in instructions:
         kind = ins.opcode.removesuffix("-start")
@@ -179,11 +204,13 @@ def collectives(hlo_text: str, n_devices: int, *, as_reduce_scatter: bool = True
             half = arrays[len(arrays) // 2:] if kind == "all-gather" else arrays[:1]
             nbytes = array_bytes(" ".join(f"{d}[{s}]" for d, s in half))
         groups = parse_groups(ins.attrs, n_devices)
+        if kind == "reduce-scatter":  # the operand, of which each device keeps 1/n
+            nbytes *= len(groups[0]) if groups else n_devices
         op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
         op = CollectiveOp(kind, ins.name, nbytes, groups, times.get(ins.computation, 1),
-                          op_name.group(1) if op_name else "")
+                          op_name.group(1) if op_name else "", level[ins.name])
         out.append(op)
-    if as_reduce_scatter:
+    if as_accelerators_run:
         out = _AcceleratorRewrites(instructions, users, out).run()
     return out
 
@@ -223,76 +250,87 @@ class _AcceleratorRewrites:
             return [ar]
         return [u for u in self.users.get(ar.name, []) if u.opcode == "get-tuple-element"]
 
-    def _partner(self, a: str, b: str) -> bool:
-        """Both all-reduced, over the same groups, the same size: their sum can be one all-reduce."""
-        oa, ob = self.origin.get(a), self.origin.get(b)
-        return (oa is not None and ob is not None and a != b
-                and self.all_reduces[oa].groups == self.all_reduces[ob].groups
-                and array_bytes(self.by_name[a].shape) == array_bytes(self.by_name[b].shape))
+    def _called(self, fusion: _Instruction) -> str | None:
+        m = re.search(r"calls=%([\w.\-]+)", fusion.attrs)
+        return m.group(1) if m else None
 
     def _param(self, fusion: _Instruction, slot: int) -> str | None:
-        called = re.search(r"calls=%([\w.\-]+)", fusion.attrs)
-        if not called:
-            return None
-        return next((i.name for i in self.body[called.group(1)]
+        return next((i.name for i in self.body[self._called(fusion) or ""]
                      if i.opcode == "parameter" and i.args.strip() == str(slot)), None)
+
+    def _in(self, comp: str, name: str) -> _Instruction | None:
+        return next((i for i in self.body[comp] if i.name == name), None)
+
+    def _pure_add(self, ins: _Instruction) -> bool:
+        """An add, or a fusion that is nothing but one."""
+        if ins.opcode == "add":
+            return True
+        body = [i for i in self.body[self._called(ins) or ""] if i.opcode != "parameter"]
+        return ins.opcode == "fusion" and len(body) == 1 and body[0].opcode == "add"
+
+    def _adds(self, use: _Instruction, value: str) -> list[_Instruction]:
+        """Inside fusion `use`, the reads of `value`'s parameter (all of them, to qualify, are adds)."""
+        comp = self._called(use) or ""
+        reads = []
+        for slot in (k for k, o in enumerate(use.operands) if o == value):
+            reads += self.inner_users.get((comp, self._param(use, slot)), [])
+        return reads
+
+    def _sum_partner(self, use: _Instruction, value: str) -> str | None:
+        """The value `use` adds `value` to, if adding is all it does with it: add(value, w) (or a fusion that is
+        only that add) gives w; in a larger fusion, every read of value's parameter must be an add with the same
+        other parameter, whose value is returned."""
+        if self._pure_add(use):
+            others = [o for o in use.operands if o != value]
+            return others[0] if len(use.operands) == 2 and len(others) == 1 else None
+        if use.opcode != "fusion":
+            return None
+        comp, partners = self._called(use) or "", set()
+        reads = self._adds(use, value)
+        if not reads or any(r.opcode != "add" or len(r.operands) != 2 for r in reads):
+            return None
+        for r in reads:
+            q = [self._in(comp, o) for o in r.operands]
+            if any(i is None or i.opcode != "parameter" for i in q):
+                return None
+            partners |= {use.operands[int(i.args.strip())] for i in q} - {value}
+        return partners.pop() if len(partners) == 1 else None
+
+    def _partner(self, a: str, b: str) -> bool:
+        """a and b are all-reduced over the same groups, are the same size, and every use of each adds it to the
+        other: then one all-reduce of their sum does (AllReduceReassociate needs the add to be their only user)."""
+        oa, ob = self.origin.get(a), self.origin.get(b)
+        if (oa is None or ob is None or a == b or self.all_reduces[oa].groups != self.all_reduces[ob].groups
+                or array_bytes(self.by_name[a].shape) != array_bytes(self.by_name[b].shape)):
+            return False
+        ua, ub = self.users.get(a, []), self.users.get(b, [])
+        if not ua or {u.name for u in ua} != {u.name for u in ub}:
+            return False
+        return all(self._sum_partner(u, a) == b and self._sum_partner(u, b) == a for u in ua)
 
     def _slices(self, reads: list[_Instruction], size: int, n: int) -> bool:
         return bool(reads) and all(r.opcode == "dynamic-slice" and sum(_array_sizes(r.shape)) * n == size
                                    for r in reads)
 
     def keeps_slice(self, use: _Instruction, value: _Instruction, n: int) -> bool:
-        """`use` keeps only a 1/n slice of `value` (after adding a partner all-reduced value, maybe)."""
+        """`use` keeps only a 1/n slice of `value`, maybe after adding a partner all-reduced value to it."""
         size = sum(_array_sizes(value.shape))
         if use.opcode == "dynamic-slice":
             return sum(_array_sizes(use.shape)) * n == size
-        if use.opcode in ("add", "fusion") and self._summed(use, value):
-            after = self.users.get(use.name, [])
-            return bool(after) and all(self.keeps_slice(u, use, n) for u in after)
-        if use.opcode != "fusion":
-            return False
-        comp = re.search(r"calls=%([\w.\-]+)", use.attrs).group(1)
-        slots = [k for k, o in enumerate(use.operands) if o == value.name]
-        for slot in slots:
-            param = self._param(use, slot)
-            reads = self.inner_users.get((comp, param), [])
-            plain = [r for r in reads if r.opcode != "add"]
-            for r in reads:
-                if r.opcode != "add":
-                    continue
-                # add(param, other param) inside the fusion: fine if the other is a partner and the sum is sliced
-                others = [use.operands[int(self.by_name_in(comp, o).args.strip())] for o in r.operands
-                          if o != param and self.by_name_in(comp, o) is not None
-                          and self.by_name_in(comp, o).opcode == "parameter"]
-                if len(others) != 1 or not self._partner(value.name, others[0]):
-                    return False
-                if not self._slices(self.inner_users.get((comp, r.name), []), size, n):
-                    return False
-                self.pairs.append((value.name, others[0]))
-            if plain and not self._slices(plain, size, n):
-                return False
-        return bool(slots)
-
-    def by_name_in(self, comp: str, name: str) -> _Instruction | None:
-        return next((i for i in self.body[comp] if i.name == name), None)
-
-    def _summed(self, ins: _Instruction, value: _Instruction) -> bool:
-        """`ins` is add(value, partner) (or a fusion that is nothing but that add)."""
-        if ins.opcode == "fusion":
-            called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
-            body = [i for i in self.body[called.group(1)] if i.opcode != "parameter"] if called else []
-            if len(body) != 1 or body[0].opcode != "add":
-                return False
-        elif ins.opcode != "add":
-            return False
-        others = [o for o in ins.operands if o != value.name]
-        if len(ins.operands) != 2 or len(others) != 1 or not self._partner(value.name, others[0]):
-            return False
-        self.pairs.append((value.name, others[0]))
-        return True
+        partner = self._sum_partner(use, value.name)
+        if partner is not None and self._partner(value.name, partner):
+            self.pairs.append((value.name, partner))
+            if self._pure_add(use):
+                after = self.users.get(use.name, [])
+                return bool(after) and all(self.keeps_slice(u, use, n) for u in after)
+            comp = self._called(use)
+            return all(self._slices(self.inner_users.get((comp, r.name), []), size, n)
+                       for r in self._adds(use, value.name))
+        return use.opcode == "fusion" and self._slices(self._adds(use, value.name), size, n)
 
     def run(self) -> list[CollectiveOp]:
-        scattered: dict[str, int] = defaultdict(int)
+        scattered: dict[str, int] = defaultdict(int)  # all-reduce -> bytes of its elements that are sliced
+        scattered_values = set()
         for name, op in self.all_reduces.items():
             n = len(op.groups[0])
             for value in self.elements(self.by_name[name]):
@@ -300,10 +338,12 @@ class _AcceleratorRewrites:
                 uses = self.users.get(value.name, [])
                 if n > 1 and nbytes > 8 and uses and all(self.keeps_slice(u, value, n) for u in uses):
                     scattered[name] += nbytes
-                else:  # an add of partners that is not sliced afterwards is still reassociated
+                    scattered_values.add(value.name)
+                else:  # a sum of partners that is not sliced afterwards is still one all-reduce
                     for u in uses:
-                        if u.opcode in ("add", "fusion"):
-                            self._summed(u, value)
+                        partner = self._sum_partner(u, value.name)
+                        if partner is not None and self._partner(value.name, partner):
+                            self.pairs.append((value.name, partner))
         dropped: dict[str, int] = defaultdict(int)  # bytes of the second value of each summed pair, not sent
         gone = set()
         for a, b in self.pairs:
@@ -311,10 +351,12 @@ class _AcceleratorRewrites:
                 continue
             second = max(a, b)  # either one; deterministic
             gone.add(second)
-            dropped[self.origin[second]] += array_bytes(self.by_name[second].shape)
-            if second in self._scattered_values(scattered):
-                scattered[self.origin[second]] -= array_bytes(self.by_name[second].shape)
+            nbytes = array_bytes(self.by_name[second].shape)
+            dropped[self.origin[second]] += nbytes
+            if second in scattered_values:
+                scattered[self.origin[second]] -= nbytes
         result = []
+        leftovers: dict[tuple, CollectiveOp] = {}
         for op in self.ops:
             if op.name not in self.all_reduces:
                 result.append(op)
@@ -323,12 +365,20 @@ class _AcceleratorRewrites:
             rs = min(scattered.get(op.name, 0), total)
             if rs > 0:
                 result.append(dataclasses.replace(op, kind="reduce-scatter", bytes=rs))
-            if total - rs > 0:
-                result.append(dataclasses.replace(op, bytes=total - rs))
+            if total - rs <= 0:
+                continue
+            if rs == 0:
+                result.append(dataclasses.replace(op, bytes=total))
+                continue
+            # What stays an all-reduce of a split combined all-reduce (the norm's partial sums riding along with
+            # each gradient) is combined again, per group and loop, as XLA's AllReduceCombiner does after the split.
+            key = (str(op.groups), op.times)
+            if key in leftovers:
+                leftovers[key].bytes += total - rs
+            else:
+                leftovers[key] = dataclasses.replace(op, bytes=total - rs)
+                result.append(leftovers[key])
         return result
-
-    def _scattered_values(self, scattered) -> set[str]:
-        return {v.name for name in scattered for v in self.elements(self.by_name[name])}
 
 
 def summarize(ops: list[CollectiveOp]) -> list[dict]:

@@ -27,7 +27,7 @@ import time
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
-from shardlm.perf.costmodel import Estimate, Hardware, estimate
+from shardlm.perf.costmodel import Estimate, Hardware, estimate, issued
 from shardlm.perf.strategies import Strategy, all_strategies, rejection
 
 
@@ -36,13 +36,13 @@ class StrategyPlan:
     strategy: Strategy
     params: int  # bytes per device
     optimizer: int
-    gradients: int
+    gradients: int  # once reduced, sharded like the parameters; these buffers are part of `temporaries`
     temporaries: int
-    peak: int
+    peak: int  # arguments + outputs - donated aliases + temporaries: everything the step holds at its peak
     collectives: list[hlo.CollectiveOp]
     flops_per_device: float
     model_flops: float  # per step, all devices: 6 N_matmul + 12 L T d per token (`shardlm.perf.flops`)
-    est: Estimate
+    est: Estimate | None  # set by `rank`, for a given hardware
     fits: bool
     compile_s: float
     rank: int = 0
@@ -61,6 +61,7 @@ class StrategyPlan:
             "bytes_per_device": {"params": self.params, "optimizer": self.optimizer, "gradients": self.gradients,
                                  "temporaries": self.temporaries, "peak": self.peak, "total": self.peak},
             "collectives": hlo.summarize(self.collectives),
+            "issued_collectives": issued(self.collectives),
             "comm_bytes_per_device": round(self.est.traffic_bytes),
             "inter_node_bytes_per_device": round(self.est.inter_node_bytes),
             "flops": self.flops,
@@ -81,7 +82,7 @@ class Plan:
     hardware: Hardware
     strategies: list[StrategyPlan]  # ranked
     rejected: list[tuple[Strategy, str]]
-    param_count: int
+    param_count: int  # of the model with the least vocabulary padding
     wall_s: float
 
     @property
@@ -90,6 +91,11 @@ class Plan:
 
     def to_list(self) -> list[dict]:
         return [s.to_dict() for s in self.strategies]
+
+    def rerank(self, hardware: Hardware) -> "Plan":
+        """The same compiled facts estimated and ranked for other hardware (no compiling)."""
+        ranked = rank_strategies(self.strategies, hardware)
+        return dataclasses.replace(self, hardware=hardware, strategies=ranked)
 
 
 def _shard_bytes(tree) -> int:
@@ -160,26 +166,37 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware = Hardwar
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending = []
         for s in candidates:
-            lowered, p_bytes, o_bytes, param_count = _lower(cfg, s, vocab, devices)
+            lowered, p_bytes, o_bytes, count = _lower(cfg, s, vocab, devices)
+            param_count = min(param_count or count, count)  # the vocabulary pads least without tensor parallelism
             pending.append((s, p_bytes, o_bytes, pool.submit(compile_one, lowered)))
-        for i, (s, p_bytes, o_bytes, future) in enumerate(pending, 1):
+        for i in range(len(pending)):
+            s, p_bytes, o_bytes, future = pending[i]
+            pending[i] = None  # drop the executable once read: 64 devices' worth of programs add up
             compiled, compile_s = future.result()
             mem = compiled.memory_analysis()
             ops = hlo.collectives(compiled.as_text(), s.devices)
             flops = hlo.compiled_flops(compiled)
             peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                     + mem.temp_size_in_bytes)
-            est = estimate(flops, ops, s.devices, hardware)
             results.append(StrategyPlan(
                 s, p_bytes, o_bytes, p_bytes, mem.temp_size_in_bytes, peak, ops, flops,
-                flops_per_token(cfg.model, padded_vocab_size(vocab, s.tensor)) * tokens, est,
-                peak <= hardware.memory_bytes, compile_s))
-            log(f"[{i}/{len(candidates)}] {s.name}: compiled in {compile_s:.1f} s")
-            del compiled
-    results.sort(key=lambda r: (not r.fits, r.est.step_s if r.fits else r.peak))
-    for rank, r in enumerate(results, 1):
-        r.rank = rank
-    return Plan(cfg, n, hardware, results, rejected, param_count, time.perf_counter() - t0)
+                flops_per_token(cfg.model, padded_vocab_size(vocab, s.tensor)) * tokens, None, False, compile_s))
+            log(f"[{i + 1}/{len(candidates)}] {s.name}: compiled in {compile_s:.1f} s")
+            del compiled, future
+    return Plan(cfg, n, hardware, rank_strategies(results, hardware), rejected, param_count,
+                time.perf_counter() - t0)
+
+
+def rank_strategies(results: list[StrategyPlan], hardware: Hardware) -> list[StrategyPlan]:
+    """Estimate every strategy's step on `hardware` and order them: those that fit its memory by estimated step
+    time, then the rest by peak memory. Cheap: re-rank a plan for other hardware without compiling again."""
+    for r in results:
+        r.est = estimate(r.flops_per_device, r.collectives, r.strategy.devices, hardware)
+        r.fits = r.peak <= hardware.memory_bytes
+    ordered = sorted(results, key=lambda r: (not r.fits, r.est.step_s if r.fits else r.peak))
+    for i, r in enumerate(ordered, 1):
+        r.rank = i
+    return ordered
 
 
 def _short_collectives(ops: list[hlo.CollectiveOp]) -> str:
@@ -198,10 +215,11 @@ def format_plan(p: Plan) -> str:
         f"plan for {p.n_devices} devices: model {m.preset} ({p.param_count / 1e6:.1f}M parameters, {m.n_layers} "
         f"layers, d_model {m.d_model}, {m.n_heads} heads), global batch {t.batch_size} x {m.seq_len} tokens, "
         "float32, AdamW",
-        f"cost model ({p.hardware.describe()}); memory {fmt_bytes(p.hardware.memory_bytes)} per device",
+        f"cost model ({p.hardware.describe()}); memory {p.hardware.memory_bytes / 1e9:g} GB "
+        f"({fmt_bytes(p.hardware.memory_bytes)}) per device",
         "",
     ]
-    head = (f"{'rank':>4}  {'strategy':<16} {'params':>10} {'optimizer':>10} {'grads':>10} {'temps':>10} "
+    head = (f"{'rank':>4}  {'strategy':<16} {'params':>10} {'optimizer':>10} {'grads*':>10} {'temps':>10} "
             f"{'peak':>10}  {'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} {'est step':>9}  collectives per step")
     lines += [head, "-" * len(head)]
     for r in p.strategies:
@@ -211,8 +229,10 @@ def format_plan(p: Plan) -> str:
             f"{'yes' if r.fits else 'NO':<4} {r.flops_per_device / 1e12:>9.3f} {fmt_bytes(r.est.traffic_bytes):>10} "
             f"{_format_seconds(r.est.step_s):>9}  {_short_collectives(r.collectives)}")
     lines.append("")
-    lines.append("bytes are per device; comm/dev is what one device sends per step (ring algorithms); est step = "
-                 "compute at peak + collectives at link bandwidth (`shardlm.perf.costmodel`)")
+    lines.append("bytes are per device; peak = params + optimizer + temps (activations, gradients, gathered "
+                 "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps")
+    lines.append("comm/dev = what one device sends per step (ring algorithms); est step = compute at peak + "
+                 "collectives at link bandwidth + latency (`shardlm.perf.costmodel`)")
     for s, why in p.rejected:
         lines.append(f"not possible: {s.name}: {why}")
     lines.append("")
@@ -221,7 +241,9 @@ def format_plan(p: Plan) -> str:
 
 
 def _format_seconds(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def recommendation(p: Plan) -> str:
@@ -237,7 +259,7 @@ def recommendation(p: Plan) -> str:
             f"{_format_seconds(best.est.compute_s)} compute + {_format_seconds(best.est.comm_s)} communication; "
             f"peak {fmt_bytes(best.peak)} of {fmt_bytes(p.hardware.memory_bytes)})")
     nxt = next((r for r in p.strategies[1:] if r.fits), None)
-    if nxt:
+    if nxt and best.est.step_s > 0:
         text += (f"; next {nxt.strategy.name} at {_format_seconds(nxt.est.step_s)} "
                  f"({nxt.est.step_s / best.est.step_s:.2f}x)")
     no_fit = [r.strategy.name for r in p.strategies if not r.fits]

@@ -126,7 +126,7 @@ def format_profile(p: Profile) -> str:
     lines = [f"traced {p.steps} steps after warm-up: median {sorted(p.step_s)[len(p.step_s) // 2] * 1e3:.1f} ms "
              "per step (wall)"]
     if p.scopes:
-        total = sum(s.total_s for s in p.scopes) + p.unscoped_s
+        total = max(sum(s.total_s for s in p.scopes) + p.unscoped_s, 1e-12)
         lines += ["", "device time per step by named scope (mean over devices):",
                   f"{'scope':<12} {'forward ms':>11} {'backward ms':>12} {'total ms':>9} {'share':>7}"]
         for s in p.scopes:

@@ -1,0 +1,340 @@
+"""`shardlm plan / bench / profile`: memory, collectives and FLOPs read from compiled steps, the cost model, and the
+commands. The compiled-program facts are checked against what the strategies must do (FSDP holds 1/8 of the state,
+DP all-reduces exactly the gradients, Megatron TP's MLP needs one all-reduce)."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardlm.config import load_config
+from shardlm.perf import hlo
+from shardlm.perf.costmodel import Hardware, estimate, issued, traffic_factor
+from shardlm.perf.planner import _lower, plan
+from shardlm.perf.strategies import Strategy, all_strategies, parse_strategies, parse_strategy
+
+from conftest import MICRO
+from test_cli import assert_one_line_error, shardlm
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def plan8():
+    cfg = load_config(None, MICRO + [f"model.vocab_size={VOCAB}"])
+    return plan(cfg, 8)
+
+
+def by_name(p, name):
+    return next(r for r in p.strategies if r.strategy.name == name)
+
+
+def kind_bytes(r, kind):
+    return sum(c["bytes"] for c in hlo.summarize(r.collectives) if c["kind"] == kind)
+
+
+def test_plan_enumerates_every_split_the_model_allows(plan8):
+    names = {r.strategy.name for r in plan8.strategies}
+    # 4 heads: tensor 8 cannot split them; every other (data, fsdp, tensor) with product 8 can.
+    expected = {s.name for s in all_strategies(8) if s.tensor <= 4}
+    assert names == expected and len(names) == 9
+    assert [s.name for s, _ in plan8.rejected] == ["tp8"]
+    assert "split 8 ways over mesh.tensor" in plan8.rejected[0][1]
+    assert [r.rank for r in plan8.strategies] == list(range(1, 10))
+    fitting = [r.est.step_s for r in plan8.strategies if r.fits]
+    assert fitting == sorted(fitting)
+
+
+def test_fsdp8_holds_an_eighth_of_dp8s_parameters_and_optimizer_state(plan8):
+    dp, fsdp = by_name(plan8, "dp8"), by_name(plan8, "fsdp8")
+    ratio = (fsdp.params + fsdp.optimizer) / (dp.params + dp.optimizer)
+    assert abs(ratio - 1 / 8) / (1 / 8) < 0.02, ratio
+    assert dp.params == plan8.param_count * 4  # float32, replicated
+    # the compiled peak holds at least the state, and the analysis saw temporaries (activations, gradients)
+    for r in (dp, fsdp):
+        assert r.peak >= r.params + r.optimizer and r.temporaries > 0
+
+
+def test_dp_all_reduces_exactly_the_gradients(plan8):
+    dp = by_name(plan8, "dp8")
+    grad_bytes = plan8.param_count * 4
+    assert {c["kind"] for c in hlo.summarize(dp.collectives)} == {"all-reduce"}
+    assert abs(kind_bytes(dp, "all-reduce") - grad_bytes) / grad_bytes < 0.05
+
+
+def test_tied_embedding_gradients_are_one_all_reduce_as_on_accelerators():
+    """XLA:CPU all-reduces the tied embedding's two gradients (lookup, output head) separately and adds them;
+    XLA:GPU/TPU reassociate that into one all-reduce of the sum, and so does the count."""
+    cfg = load_config(None, MICRO + [f"model.vocab_size={VOCAB}"])
+    lowered, *_ = _lower(cfg, Strategy(8, 1, 1), VOCAB, jax.devices())
+    text = lowered.compile().as_text()
+    raw = sum(op.bytes for op in hlo.collectives(text, 8, as_accelerators_run=False))
+    counted = sum(op.bytes for op in hlo.collectives(text, 8))
+    assert raw - counted == VOCAB * cfg.model.d_model * 4  # one copy of the embedding table's gradient
+
+
+def test_fsdp_reduce_scatters_gradients_and_gathers_weights(plan8):
+    """The gradients are constrained to the parameters' shardings, so FSDP sends each gradient once as a
+    reduce-scatter (not a full all-reduce), and gathers every weight for the forward and backward."""
+    fsdp = by_name(plan8, "fsdp8")
+    grad_bytes = plan8.param_count * 4
+    assert abs(kind_bytes(fsdp, "reduce-scatter") - grad_bytes) / grad_bytes < 0.05
+    assert kind_bytes(fsdp, "all-reduce") < 0.01 * grad_bytes  # scalars only (the gradient norm's partial sums)
+    assert kind_bytes(fsdp, "all-gather") >= grad_bytes
+    assert all(op.group_size == 8 for op in fsdp.collectives)
+
+
+def test_latency_counts_combinable_collectives_once(plan8):
+    """Independent collectives (FSDP's weight gathers, its gradient reduce-scatters) are one issue each once XLA:GPU
+    combines them; tensor parallelism's activation all-reduces depend on one another and are issued one by one."""
+    n_layers = load_config(None, MICRO).model.n_layers
+    fsdp, tp = by_name(plan8, "fsdp8"), by_name(plan8, "dp2+tp4")
+    assert len(fsdp.collectives) > 10 * n_layers and issued(fsdp.collectives) <= 4
+    assert issued(tp.collectives) >= 4 * n_layers  # two per layer forward, two backward, in sequence
+    assert by_name(plan8, "dp8").to_dict()["issued_collectives"] == 1
+
+
+def test_flops_and_estimate_are_consistent(plan8):
+    hw = plan8.hardware
+    for r in plan8.strategies:
+        # the compiled step does at least the model's FLOPs, and not wildly more (recompute, repeated norms)
+        assert 0.9 * r.model_flops < r.flops < 1.6 * r.model_flops, (r.strategy.name, r.flops, r.model_flops)
+        assert r.est.compute_s == pytest.approx(r.flops_per_device / hw.peak_flops)
+        assert r.est.step_s == pytest.approx(r.est.compute_s + r.est.comm_s)
+    assert by_name(plan8, "dp8").to_dict()["est_step_s"] > 0
+
+
+def test_rank_follows_memory_and_hardware(plan8):
+    from shardlm.perf.planner import recommendation
+
+    smallest = min(r.peak for r in plan8.strategies)
+    tight = plan8.rerank(Hardware(memory_bytes=smallest))
+    assert tight.best is not None and tight.best.peak == smallest
+    assert all(not r.fits for r in tight.strategies if r.peak > smallest)
+    assert recommendation(tight).startswith(f"recommended: {tight.best.strategy.name}")
+    none_fit = plan8.rerank(Hardware(memory_bytes=1))
+    assert none_fit.best is None and not any(r.fits for r in none_fit.strategies)
+    assert [r.peak for r in none_fit.strategies] == sorted(r.peak for r in none_fit.strategies)
+    assert recommendation(none_fit).startswith("no strategy fits")
+    plan8.rerank(plan8.hardware)  # leave the shared fixture as it was
+
+
+def test_plan_for_one_device():
+    cfg = load_config(None, MICRO + [f"model.vocab_size={VOCAB}"])
+    (single,) = plan(cfg, 1).strategies
+    assert single.strategy.name == "single" and single.collectives == [] and single.est.comm_s == 0
+    assert single.params == single.gradients and single.optimizer >= 2 * single.params
+
+
+def test_tp_mlp_forward_is_one_all_reduce():
+    """Seed 000's Megatron MLP: column-parallel in, row-parallel out, x replicated over tensor: the forward needs
+    exactly one all-reduce (or an all-gather + reduce-scatter pair) over the tensor group, of the block's output."""
+    from shardlm.mesh import make_mesh
+    from shardlm.models.gpt import MLP
+    from shardlm.sharding import constrain, state_shardings, use_mesh_rules
+
+    cfg = load_config(None, MICRO).model
+    mesh = make_mesh(2, 1, 4)
+    with nnx.use_eager_sharding(False):  # the rule table places parameters, as in `train.state`
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MLP(cfg, nnx.Rngs(0))))
+        shardings = state_shardings(abstract, mesh)
+        state = jax.jit(lambda: nnx.state(MLP(cfg, nnx.Rngs(0))), out_shardings=shardings)()
+    x_sharding = NamedSharding(mesh, P(("data", "fsdp"), None, None))
+    x = jax.device_put(jnp.ones((8, cfg.seq_len, cfg.d_model)), x_sharding)
+
+    def forward(state, x):
+        with use_mesh_rules(mesh):
+            return constrain(nnx.merge(graphdef, state)(x), "batch", "seq", "act_embed")
+
+    compiled = jax.jit(forward, out_shardings=x_sharding).lower(state, x).compile()
+    for emulate in (False, True):
+        ops = hlo.collectives(compiled.as_text(), mesh.size, as_accelerators_run=emulate)
+        kinds = sorted(op.kind for op in ops)
+        assert kinds in (["all-reduce"], ["all-gather", "reduce-scatter"]), kinds
+        assert all(op.group_size == 4 and op.groups == [[0, 1, 2, 3], [4, 5, 6, 7]] for op in ops)
+    (op,) = ops
+    assert op.bytes == 4 * cfg.seq_len * cfg.d_model * 4  # this device's 4 rows of the block's output, float32
+
+
+def test_collectives_inside_a_loop_count_once_per_iteration():
+    from shardlm.mesh import make_mesh
+
+    mesh = make_mesh(8, 1, 1)
+    spec = NamedSharding(mesh, P("data"))
+
+    def f(x):
+        def body(carry, _):
+            return carry + jax.lax.with_sharding_constraint(carry.sum(0, keepdims=True), NamedSharding(mesh, P())), None
+
+        return jax.lax.scan(body, x, None, length=5)[0]
+
+    compiled = jax.jit(f, in_shardings=spec, out_shardings=spec).lower(jnp.ones((8, 16))).compile()
+    (c,) = hlo.summarize(hlo.collectives(compiled.as_text(), 8))
+    assert c["kind"] == "all-reduce" and c["count"] == 5 and c["bytes"] == 5 * 16 * 4
+
+
+@pytest.mark.parametrize("attrs, groups", [
+    ("replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups={}, to_apply=%add", [list(range(8))]),
+    ("replica_groups=[4,2]<=[8], dimensions={0}", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ("replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, use_global_device_ids=true",
+     [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true",
+     [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}",
+     [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("source_target_pairs={{0,1},{1,0}}, channel_id=1", [[0, 1], [1, 0]]),
+])
+def test_replica_group_spellings(attrs, groups):
+    assert hlo.parse_groups(attrs, 8) == groups
+
+
+SYNTHETIC = """HloModule m
+
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (p: f32[16,8], q: f32[16,8]) -> f32[16,8] {
+  %p = f32[16,8]{1,0} parameter(0)
+  %q = f32[16,8]{1,0} parameter(1)
+  %a = f32[16,8]{1,0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+  %e = f32[16,8]{1,0} exponential(%SOURCE)
+  %b = f32[16,8]{1,0} all-reduce(%e), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+  %r = f32[2,8]{1,0} reduce-scatter(%q), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%sum
+  ROOT %c = f32[16,8]{1,0} add(%a, %b)
+}
+"""
+
+
+@pytest.mark.parametrize("source, all_reduced", [("q", 512), ("a", 1024)])
+def test_all_reduces_are_reassociated_only_when_the_add_is_their_only_use(source, all_reduced):
+    """add(all-reduce(p), all-reduce(exp(q))) is one all-reduce of a sum; with b = all-reduce(exp(a)) the first
+    all-reduce has another use, and both are sent."""
+    ops = hlo.collectives(SYNTHETIC.replace("SOURCE", source), 8)
+    assert kind_bytes_of(ops, "all-reduce") == all_reduced
+    assert kind_bytes_of(ops, "reduce-scatter") == 16 * 8 * 4  # a real reduce-scatter counts its whole operand
+    assert [op.level for op in ops if op.kind == "all-reduce"] == ([0] if source == "q" else [0, 1])
+
+
+def kind_bytes_of(ops, kind):
+    return sum(op.bytes for op in ops if op.kind == kind)
+
+
+def test_unknown_groups_cost_the_whole_mesh():
+    op = hlo.CollectiveOp("all-reduce", "x", 1_000_000, None)
+    est = estimate(0.0, [op], 8, Hardware(intra_node_bw=1e9, latency_s=0, devices_per_node=8))
+    assert est.traffic_bytes == pytest.approx(2 * 7 / 8 * 1e6) and est.comm_s == pytest.approx(1.75e-3)
+
+
+def test_bytes_of_hlo_shapes():
+    assert hlo.array_bytes("f32[4,32]{1,0}") == 512
+    assert hlo.array_bytes("(f32[], bf16[8]{0}, /*index=2*/s32[2,3]{1,0})") == 4 + 16 + 24
+    assert hlo.array_bytes("pred[10]") == 10
+
+
+def test_cost_model_by_hand():
+    hw = Hardware(peak_flops=1e12, intra_node_bw=100e9, inter_node_bw=10e9, devices_per_node=4, latency_s=1e-5)
+    within = hlo.CollectiveOp("all-reduce", "a", 1_000_000, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    across = hlo.CollectiveOp("all-gather", "b", 1_000_000, [[0, 4], [1, 5], [2, 6], [3, 7]], times=2)
+    est = estimate(2e9, [within, across], 8, hw)
+    assert est.compute_s == pytest.approx(2e-3)
+    sent_within = 2 * 3 / 4 * 1e6
+    sent_across = 2 * (1 / 2 * 1e6)
+    assert est.comm_s == pytest.approx(sent_within / 100e9 + 1e-5 + sent_across / 10e9 + 2e-5)
+    assert est.traffic_bytes == pytest.approx(sent_within + sent_across)
+    assert est.inter_node_bytes == pytest.approx(sent_across)
+    assert traffic_factor("reduce-scatter", 8) == pytest.approx(7 / 8) and traffic_factor("all-reduce", 1) == 0
+
+
+def test_strategy_names_round_trip():
+    for n in (1, 8, 12):
+        for s in all_strategies(n):
+            assert parse_strategy(s.name, n) == s
+            assert math.prod(s.mesh.values()) == n
+    assert parse_strategy("fsdp+tp2", 8) == Strategy(1, 4, 2)
+    assert parse_strategy("2x2x2", 8) == Strategy(2, 2, 2)
+    assert parse_strategy("data4+tensor2", 8) == Strategy(4, 1, 2)
+    assert parse_strategies("dp8, fsdp8,dp8", 8) == [Strategy(8, 1, 1), Strategy(1, 8, 1)]
+
+
+@pytest.mark.parametrize("text, fragment", [("dp3", "uses 3 devices but 8"), ("pp8", "not understood"),
+                                            ("dp+fsdp", "at most one degree may be -1"), ("tp0", "degree of 0")])
+def test_bad_strategy_names(text, fragment):
+    from shardlm.errors import ShardlmError
+
+    with pytest.raises(ShardlmError, match=fragment):
+        parse_strategy(text, 8)
+
+
+def test_plan_cli_simulates_more_devices_than_the_host_and_emits_json():
+    """16 devices from a process of its own (this one has 8); the JSON the issue asks for."""
+    proc = shardlm("plan", "--devices", "16", "--json", "--memory", "2GB", *MICRO, f"model.vocab_size={VOCAB}")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    # tensor in {1, 2, 4} (4 heads); data x fsdp divides the batch of 16
+    assert len(rows) == 12 and {math.prod(r["mesh"].values()) for r in rows} == {16}
+    for r in rows:
+        assert set(r) >= {"mesh", "bytes_per_device", "collectives", "flops", "fits", "est_step_s"}
+        assert set(r["bytes_per_device"]) >= {"params", "optimizer", "total"}
+        assert r["fits"] is True and r["est_step_s"] > 0 and r["flops"] > 0
+        assert all(set(c) == {"kind", "count", "bytes"} for c in r["collectives"])
+    fsdp16 = next(r for r in rows if r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1})
+    dp16 = next(r for r in rows if r["mesh"] == {"data": 16, "fsdp": 1, "tensor": 1})
+    assert dp16["bytes_per_device"]["params"] == 16 * fsdp16["bytes_per_device"]["params"]
+    assert [r["rank"] for r in rows] == list(range(1, 13))
+    assert "planned 12 strategies" in proc.stderr
+
+
+def test_plan_and_bench_cli_errors(tmp_path):
+    assert_one_line_error(shardlm("plan", "--devices", "8", "--memory", "lots", *MICRO), "--memory 'lots'")
+    assert_one_line_error(shardlm("plan", "--devices", "8", "--peak-tflops", "0", *MICRO), "--peak-tflops")
+    assert_one_line_error(shardlm("plan", "--devices", "0", *MICRO), "--devices must be at least 1")
+    assert_one_line_error(shardlm("bench", "--cpu-devices", "8", "--strategies", "dp8", "--plot",
+                                  str(tmp_path / "missing" / "b.png"), *MICRO), "does not exist")
+    assert_one_line_error(shardlm("bench", "--cpu-devices", "8", "--strategies", "dp3", *MICRO),
+                          "uses 3 devices but 8")
+
+
+def test_bench_cli_table_json_and_chart(tmp_path):
+    chart = tmp_path / "bench.png"
+    proc = shardlm("bench", "--cpu-devices", "8", "--strategies", "dp8,fsdp4+tp2", "--steps", "2", "--json",
+                   "--plot", str(chart), *MICRO, f"model.vocab_size={VOCAB}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["devices"] == 8 and [s["name"] for s in out["strategies"]] == ["dp8", "fsdp4+tp2"]
+    for s in out["strategies"]:
+        assert s["steps"] == 2 and s["step_s"] > 0 and 0 < s["mfu"] and s["tokens_per_s"] > 0
+        assert s["tokens_per_s"] == pytest.approx(16 * 32 / s["step_s"])
+    # the same run on two meshes: the same loss after the same steps
+    a, b = (s["final_loss"] for s in out["strategies"])
+    assert abs(a - b) < 1e-4 * abs(a)
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cli_rejects_a_strategy_the_model_cannot_take():
+    proc = shardlm("bench", "--cpu-devices", "8", "--strategies", "dp8,tp8", *MICRO)
+    assert_one_line_error(proc, "strategy tp8:")
+
+
+def test_profile_cli_traces_with_named_scopes(tmp_path):
+    out = tmp_path / "prof"
+    proc = shardlm("profile", "--cpu-devices", "2", "--steps", "2", "--out", str(out), *MICRO, "mesh.fsdp=2",
+                   f"model.vocab_size={VOCAB}")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()}
+    for scope in ("embed", "layer0", "layer1", "head", "loss", "optimizer"):
+        assert scope in rows, proc.stdout
+        assert float(rows[scope][-2]) > 0  # total ms
+    assert float(rows["layer0"][2]) > 0  # backward ms of a layer: the transpose ops carry the scope too
+    assert list(out.glob("plugins/profile/*/*.xplane.pb"))  # for TensorBoard / XProf
+    (perfetto,) = out.glob("plugins/profile/*/perfetto_trace.json.gz")  # the file the summary was read from
+    assert str(perfetto) in proc.stdout
+    assert f"tensorboard --logdir {out}" in proc.stdout and "ui.perfetto.dev" in proc.stdout
