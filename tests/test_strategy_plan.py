@@ -338,3 +338,13 @@ def test_profile_cli_traces_with_named_scopes(tmp_path):
     (perfetto,) = out.glob("plugins/profile/*/perfetto_trace.json.gz")  # the file the summary was read from
     assert str(perfetto) in proc.stdout
     assert f"tensorboard --logdir {out}" in proc.stdout and "ui.perfetto.dev" in proc.stdout
+
+
+def test_profile_attributes_merged_ops_to_the_model_scope():
+    from shardlm.perf.profile import _scope
+
+    assert _scope("jit(step)/jvp(layer3)/dot_general") == ("layer3", False)
+    assert _scope("jit(step)/transpose(jvp(layer3))/dot_general") == ("layer3", True)
+    assert _scope("jit(step)/(optimizer/reduce_sum:transpose(jvp(layer2))/reduce_sum)") == ("layer2", True)
+    assert _scope("jit(step)/optimizer/mul") == ("optimizer", False)
+    assert _scope("jit(step)/copy") is None

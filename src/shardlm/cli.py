@@ -104,7 +104,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     _common(prof)
     prof.add_argument("--steps", type=int, default=3, metavar="N", help="steps to trace (default 3)")
     prof.add_argument("--warmup", type=int, default=2, metavar="N", help="untraced steps first (default 2)")
-    prof.add_argument("--out", metavar="DIR", help="where the trace goes (default runs/<name>-profile)")
+    prof.add_argument("--out", metavar="DIR", help="where the trace goes (default runs/profile-<name or preset>)")
 
     data = sub.add_parser("data", help="prepare token files for training")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -250,7 +250,6 @@ def parse_bytes(text: str) -> float:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    import dataclasses
     import json
 
     from shardlm.config import load_config
@@ -269,9 +268,9 @@ def _plan(args: argparse.Namespace) -> None:
         print("note: plan tries every mesh; the mesh.* overrides are ignored", file=sys.stderr)
     hw = Hardware(peak_flops=args.peak_tflops * 1e12, memory_bytes=memory, intra_node_bw=args.intra_node_gbs * 1e9,
                   inter_node_bw=args.inter_node_gbs * 1e9, devices_per_node=args.devices_per_node,
-                  latency_s=args.latency_us * 1e-6)
-    if dataclasses.replace(hw, memory_bytes=Hardware().memory_bytes) != Hardware():
-        hw = dataclasses.replace(hw, name="custom")
+                  latency_s=args.latency_us * 1e-6,
+                  name="H100 SXM" if (args.peak_tflops, args.intra_node_gbs, args.inter_node_gbs,
+                                      args.devices_per_node, args.latency_us) == (494.5, 450, 50, 8, 10) else "custom")
     p = plan(cfg, args.devices, hw, log=report_progress)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s")
@@ -313,7 +312,8 @@ def _profile(args: argparse.Namespace) -> None:
     if args.steps < 1 or args.warmup < 0:
         raise ShardlmError("--steps must be >= 1 and --warmup >= 0")
     cfg = load_config(args.config, args.overrides)
-    out = Path(args.out) if args.out else Path("runs") / f"{cfg.name}-profile"
+    # Traces accumulate under DIR/plugins/profile/<time>/, which TensorBoard and XProf list as separate runs.
+    out = Path(args.out) if args.out else Path("runs") / f"profile-{cfg.name or cfg.model.preset}"
     if out.exists() and not out.is_dir():
         raise ShardlmError(f"--out {out} is a file; pass a directory")
     print(format_profile(profile(cfg, out, steps=args.steps, warmup=args.warmup, log=_to_stderr)))

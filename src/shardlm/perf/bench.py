@@ -80,16 +80,26 @@ def bench(cfg: Config, strategies: list[Strategy], steps: int = 10, warmup: int 
                            "bench fewer strategies per call (one, for a model near the memory limit)") from None
 
 
-def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log) -> Bench:
+def random_batches(cfg: Config, vocab: int, mesh, n: int) -> list:
+    """`n` global batches of uniformly random tokens, the same for every mesh (seeded by `cfg.seed`), placed."""
     import jax
     import numpy as np
+
+    from shardlm.sharding import batch_sharding
+
+    rng = np.random.default_rng(cfg.seed)
+    shape = (cfg.train.batch_size, cfg.model.seq_len + 1)
+    return [jax.device_put(rng.integers(0, vocab, shape, dtype=np.int32), batch_sharding(mesh)) for _ in range(n)]
+
+
+def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log) -> Bench:
+    import jax
 
     from shardlm.mesh import make_mesh
     from shardlm.models.gpt import padded_vocab_size
     from shardlm.perf.flops import device_peak, flops_per_token
     from shardlm.errors import ShardlmError
     from shardlm.perf.strategies import rejection
-    from shardlm.sharding import batch_sharding
     from shardlm.train.loop import tokenizer_vocab
     from shardlm.train.state import create_train_state
     from shardlm.train.step import train_step_for
@@ -102,13 +112,11 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
             raise ShardlmError(f"strategy {s.name}: {why}")
     vocab = tokenizer_vocab(cfg, log=log)
     b, t = cfg.train.batch_size, cfg.model.seq_len
-    rng = np.random.default_rng(cfg.seed)
-    host_batches = [rng.integers(0, vocab, (b, t + 1), dtype=np.int32) for _ in range(4)]
     runs = []
     for s in strategies:
         mesh = make_mesh(s.data, s.fsdp, s.tensor, devices=devices[:s.devices])
         ts = create_train_state(cfg, mesh, vocab)
-        batches = [jax.device_put(hb, batch_sharding(mesh)) for hb in host_batches]
+        batches = random_batches(cfg, vocab, mesh, 4)
         t0 = time.perf_counter()
         step = train_step_for(cfg, ts, mesh).lower(ts.state, batches[0]).compile()
         compile_s = time.perf_counter() - t0

@@ -111,6 +111,8 @@ def _shard_bytes(tree) -> int:
 
 def _lower(cfg: Config, strategy: Strategy, vocab: int, devices):
     """(lowered train step, param bytes/device, optimizer bytes/device, param count) for one strategy."""
+    import jax
+
     from shardlm.mesh import make_mesh
     from shardlm.train.state import TrainState, abstract_train_state
     from shardlm.train.step import batch_struct, train_step_for
@@ -119,8 +121,6 @@ def _lower(cfg: Config, strategy: Strategy, vocab: int, devices):
     _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
     step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
     lowered = step.lower(abstract, batch_struct(cfg, mesh))
-    import jax
-
     count = sum(leaf.size for leaf in jax.tree.leaves(abstract["model"]))
     return lowered, _shard_bytes(abstract["model"]), _shard_bytes(abstract["optimizer"]), count
 

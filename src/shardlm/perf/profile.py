@@ -49,6 +49,19 @@ def _scope_order(name: str) -> tuple:
     return (1, int(m.group(1))) if m else (order.get(name, 5), 0)
 
 
+def _scope(op_name: str) -> tuple[str, bool] | None:
+    """(scope, is backward) of an op. XLA joins the names of ops it merged with ':' (a gradient's reduction and
+    the optimizer's partial norm in one fused op: `(optimizer/reduce_sum:transpose(jvp(layer2))/reduce_sum)`); a
+    model scope then wins over `loss` and `optimizer`, whose share in such an op is the small part."""
+    found = []
+    for part in op_name.split(":"):
+        m = _SCOPE.search(part)
+        if m:
+            found.append((m.group(1), "transpose(" in part))
+    model = [f for f in found if f[0] not in ("loss", "optimizer")]
+    return (model or found or [None])[0]
+
+
 def summarize_trace(trace_file: Path, hlo_text: str, module: str, steps: int, n_devices: int
                     ) -> tuple[list[ScopeTime], float]:
     """Device time per named scope per step, from the Perfetto trace's op events joined with the HLO metadata."""
@@ -63,13 +76,12 @@ def summarize_trace(trace_file: Path, hlo_text: str, module: str, steps: int, n_
         args = e.get("args") or {}
         if e.get("ph") != "X" or "hlo_op" not in args or not str(args.get("hlo_module", "")).startswith(module):
             continue
-        op_name = scope_of.get(args["hlo_op"], "")
         seconds = float(e.get("dur", 0)) * 1e-6
-        m = _SCOPE.search(op_name)
-        if not m:
+        found = _scope(scope_of.get(args["hlo_op"], ""))
+        if found is None:
             unscoped += seconds
             continue
-        (bwd if "transpose(" in op_name else fwd)[m.group(1)] += seconds
+        (bwd if found[1] else fwd)[found[0]] += seconds
     per = 1.0 / (steps * n_devices)
     names = sorted(set(fwd) | set(bwd), key=_scope_order)
     return [ScopeTime(n, fwd[n] * per, bwd[n] * per) for n in names], unscoped * per
@@ -77,10 +89,9 @@ def summarize_trace(trace_file: Path, hlo_text: str, module: str, steps: int, n_
 
 def profile(cfg: Config, log_dir: str | Path, steps: int = 3, warmup: int = 2, log=None) -> Profile:
     import jax
-    import numpy as np
 
     from shardlm.mesh import mesh_from_config
-    from shardlm.sharding import batch_sharding
+    from shardlm.perf.bench import random_batches
     from shardlm.train.loop import check_batch, tokenizer_vocab
     from shardlm.train.state import create_train_state
     from shardlm.train.step import train_step_for
@@ -90,9 +101,7 @@ def profile(cfg: Config, log_dir: str | Path, steps: int = 3, warmup: int = 2, l
     check_batch(cfg, mesh)
     vocab = tokenizer_vocab(cfg, log=log)
     ts = create_train_state(cfg, mesh, vocab)
-    rng = np.random.default_rng(cfg.seed)
-    batches = [jax.device_put(rng.integers(0, vocab, (cfg.train.batch_size, cfg.model.seq_len + 1), dtype=np.int32),
-                              batch_sharding(mesh)) for _ in range(2)]
+    batches = random_batches(cfg, vocab, mesh, 2)
     compiled = train_step_for(cfg, ts, mesh).lower(ts.state, batches[0]).compile()
     state = ts.state
     for i in range(warmup):
