@@ -104,7 +104,7 @@ def test_flops_and_estimate_are_consistent(plan8):
         # the compiled step does at least the model's FLOPs, and not wildly more (recompute, repeated norms)
         assert 0.9 * r.model_flops < r.flops < 1.6 * r.model_flops, (r.strategy.name, r.flops, r.model_flops)
         assert r.est.compute_s == pytest.approx(r.flops_per_device / hw.peak_flops)
-        assert r.est.step_s == pytest.approx(r.est.compute_s + r.est.comm_s)
+        assert r.est.comm_s > 0
     assert by_name(plan8, "dp8").to_dict()["est_step_s"] > 0
 
 
@@ -114,20 +114,23 @@ def test_rank_follows_memory_and_hardware(plan8):
     smallest = min(r.peak for r in plan8.strategies)
     tight = plan8.rerank(Hardware(memory_bytes=smallest))
     assert tight.best is not None and tight.best.peak == smallest
-    assert all(not r.fits for r in tight.strategies if r.peak > smallest)
+    assert [r.fits for r in tight.strategies] == sorted((r.fits for r in tight.strategies), reverse=True)
+    assert plan8.best is not None and plan8.best.fits  # the plan itself is left as it was
     assert recommendation(tight).startswith(f"recommended: {tight.best.strategy.name}")
     none_fit = plan8.rerank(Hardware(memory_bytes=1))
     assert none_fit.best is None and not any(r.fits for r in none_fit.strategies)
     assert [r.peak for r in none_fit.strategies] == sorted(r.peak for r in none_fit.strategies)
     assert recommendation(none_fit).startswith("no strategy fits")
-    plan8.rerank(plan8.hardware)  # leave the shared fixture as it was
+    assert all(r.fits for r in plan8.strategies)  # MICRO fits in 80 GB: reranking did not touch plan8
 
 
 def test_plan_for_one_device():
     cfg = load_config(None, MICRO + [f"model.vocab_size={VOCAB}"])
-    (single,) = plan(cfg, 1).strategies
+    p1 = plan(cfg, 1)
+    (single,) = p1.strategies
     assert single.strategy.name == "single" and single.collectives == [] and single.est.comm_s == 0
-    assert single.params == single.gradients and single.optimizer >= 2 * single.params
+    assert single.params == 4 * p1.param_count and single.optimizer >= 2 * single.params  # AdamW: mu and nu
+    assert single.peak >= single.params + single.optimizer + single.gradients  # gradients live in temporaries
 
 
 def test_tp_mlp_forward_is_one_all_reduce():
@@ -151,13 +154,14 @@ def test_tp_mlp_forward_is_one_all_reduce():
             return constrain(nnx.merge(graphdef, state)(x), "batch", "seq", "act_embed")
 
     compiled = jax.jit(forward, out_shardings=x_sharding).lower(state, x).compile()
+    output_bytes = 4 * cfg.seq_len * cfg.d_model * 4  # this device's 4 rows of the block's output, float32
     for emulate in (False, True):
         ops = hlo.collectives(compiled.as_text(), mesh.size, as_accelerators_run=emulate)
         kinds = sorted(op.kind for op in ops)
         assert kinds in (["all-reduce"], ["all-gather", "reduce-scatter"]), kinds
-        assert all(op.group_size == 4 and op.groups == [[0, 1, 2, 3], [4, 5, 6, 7]] for op in ops)
-    (op,) = ops
-    assert op.bytes == 4 * cfg.seq_len * cfg.d_model * 4  # this device's 4 rows of the block's output, float32
+        assert all(op.groups == [[0, 1, 2, 3], [4, 5, 6, 7]] for op in ops)  # the tensor groups
+        # an all-reduce of the output, or a reduce-scatter of it and an all-gather of the scattered result
+        assert all(op.bytes == output_bytes for op in ops), [(op.kind, op.bytes) for op in ops]
 
 
 def test_collectives_inside_a_loop_count_once_per_iteration():

@@ -76,6 +76,9 @@ def bench(cfg: Config, strategies: list[Strategy], steps: int = 10, warmup: int 
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
+        if len(strategies) == 1:
+            raise ShardlmError(f"the devices ran out of memory running {strategies[0].name}; it does not fit "
+                               "this config (`shardlm plan` shows each strategy's peak)") from None
         raise ShardlmError(f"the devices ran out of memory holding {len(strategies)} strategies' states at once; "
                            "bench fewer strategies per call (one, for a model near the memory limit)") from None
 

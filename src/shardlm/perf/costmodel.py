@@ -83,6 +83,8 @@ def issued(ops: list[CollectiveOp]) -> int:
     """How many collectives XLA:GPU would issue per step after combining independent ones (see the docstring)."""
     batches: dict[tuple, int] = {}
     for op in ops:
+        if op.group_size == 1 and op.kind != "collective-permute":
+            continue  # a group of one device sends nothing
         if op.kind == "collective-permute" or op.kind == "all-to-all":
             batches[(op.name,)] = op.times
             continue
@@ -102,5 +104,5 @@ def estimate(flops_per_device: float, ops: list[CollectiveOp], n_devices: int, h
         comm += sent / (hw.inter_node_bw if across else hw.intra_node_bw)
         traffic += sent
         inter += sent if across else 0.0
-    comm += hw.latency_s * issued([op for op in ops if op.kind == "collective-permute" or op.group_size != 1])
+    comm += hw.latency_s * issued(ops)
     return Estimate(flops_per_device / hw.peak_flops, comm, traffic, inter)

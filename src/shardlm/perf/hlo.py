@@ -161,7 +161,8 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
 
 
 def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = True) -> list[CollectiveOp]:
-    """Every collective of a compiled program (sync or async `-start` form), with its bytes and device groups."""
+    """Every collective of a compiled program (sync or async `-start` form), with its bytes and device groups.
+    The accelerator rewrites look at sync all-reduces, the only kind XLA:CPU emits."""
     instructions = _parse(hlo_text)
     users: dict[str, list[_Instruction]] = defaultdict(list)
     opcode = {}
@@ -181,10 +182,14 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
     by_name = {ins.name: ins for ins in instructions}
 
     def passes_collective(name: str) -> bool:
+        """`name` is a collective's (non-scalar) result: the collective, an element of a combined one, or the
+        `-done` of an async one."""
         ins = by_name.get(name)
         if ins is None or ins.shape.startswith("(") or array_bytes(ins.shape) <= 8:
             return False
-        return by_kind(name) is not None or (ins.opcode == "get-tuple-element" and by_kind(ins.operands[0]) is not None)
+        if ins.opcode.endswith("-done") or by_kind(name) is not None:
+            return True
+        return ins.opcode == "get-tuple-element" and by_kind(ins.operands[0]) is not None
 
     for ins in instructions:
         operands = ins.operands
@@ -372,7 +377,7 @@ class _AcceleratorRewrites:
                 continue
             # What stays an all-reduce of a split combined all-reduce (the norm's partial sums riding along with
             # each gradient) is combined again, per group and loop, as XLA's AllReduceCombiner does after the split.
-            key = (str(op.groups), op.times)
+            key = (str(op.groups), op.times, op.level)
             if key in leftovers:
                 leftovers[key].bytes += total - rs
             else:

@@ -94,7 +94,7 @@ class Plan:
 
     def rerank(self, hardware: Hardware) -> "Plan":
         """The same compiled facts estimated and ranked for other hardware (no compiling)."""
-        ranked = rank_strategies(self.strategies, hardware)
+        ranked = rank_strategies([dataclasses.replace(r) for r in self.strategies], hardware)
         return dataclasses.replace(self, hardware=hardware, strategies=ranked)
 
 
