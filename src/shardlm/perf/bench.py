@@ -95,6 +95,26 @@ def random_batches(cfg: Config, vocab: int, mesh, n: int) -> list:
     return [jax.device_put(rng.integers(0, vocab, shape, dtype=np.int32), batch_sharding(mesh)) for _ in range(n)]
 
 
+def warmed_up_step(cfg: Config, mesh, vocab: int, n_batches: int, warmup: int):
+    """(compiled train step, its state after `warmup` steps, `n_batches` random batches, compile seconds): the
+    real step of `cfg` on `mesh`, ready to time (bench) or trace (profile)."""
+    import jax
+
+    from shardlm.train.state import create_train_state
+    from shardlm.train.step import train_step_for
+
+    ts = create_train_state(cfg, mesh, vocab)
+    batches = random_batches(cfg, vocab, mesh, n_batches)
+    t0 = time.perf_counter()
+    step = train_step_for(cfg, ts, mesh).lower(ts.state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    state = ts.state
+    for i in range(warmup):
+        state, metrics = step(state, batches[i % n_batches])
+    jax.block_until_ready(state)
+    return step, state, batches, compile_s
+
+
 def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log) -> Bench:
     import jax
 
@@ -104,8 +124,6 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
     from shardlm.errors import ShardlmError
     from shardlm.perf.strategies import rejection
     from shardlm.train.loop import tokenizer_vocab
-    from shardlm.train.state import create_train_state
-    from shardlm.train.step import train_step_for
 
     log = log or (lambda m: None)
     devices = jax.devices()
@@ -118,15 +136,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
     runs = []
     for s in strategies:
         mesh = make_mesh(s.data, s.fsdp, s.tensor, devices=devices[:s.devices])
-        ts = create_train_state(cfg, mesh, vocab)
-        batches = random_batches(cfg, vocab, mesh, 4)
-        t0 = time.perf_counter()
-        step = train_step_for(cfg, ts, mesh).lower(ts.state, batches[0]).compile()
-        compile_s = time.perf_counter() - t0
-        state = ts.state
-        for i in range(warmup):
-            state, metrics = step(state, batches[i % len(batches)])
-        jax.block_until_ready(metrics if warmup else state)
+        step, state, batches, compile_s = warmed_up_step(cfg, mesh, vocab, 4, warmup)
         log(f"{s.name}: compiled in {compile_s:.1f} s")
         runs.append({"s": s, "step": step, "state": state, "batches": batches, "times": [], "compile_s": compile_s,
                      "loss": float("nan")})

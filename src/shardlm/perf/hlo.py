@@ -141,6 +141,11 @@ def _parse(hlo_text: str) -> list[_Instruction]:
     return instructions
 
 
+def _op_name(ins: _Instruction) -> str:
+    m = re.search(r'op_name="([^"]*)"', ins.attrs)
+    return m.group(1) if m else ""
+
+
 def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
     """Executions per step of each computation reached through `while` loops with a known trip count."""
     parent: dict[str, tuple[str, int]] = {}
@@ -211,12 +216,11 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
         groups = parse_groups(ins.attrs, n_devices)
         if kind == "reduce-scatter":  # the operand, of which each device keeps 1/n
             nbytes *= len(groups[0]) if groups else n_devices
-        op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
-        op = CollectiveOp(kind, ins.name, nbytes, groups, times.get(ins.computation, 1),
-                          op_name.group(1) if op_name else "", level[ins.name])
+        op = CollectiveOp(kind, ins.name, nbytes, groups, times.get(ins.computation, 1), _op_name(ins),
+                          level[ins.name])
         out.append(op)
     if as_accelerators_run:
-        out = _AcceleratorRewrites(instructions, users, out).run()
+        out = _AcceleratorRewrites(instructions, by_name, users, out).run()
     return out
 
 
@@ -233,8 +237,9 @@ class _AcceleratorRewrites:
     stay all-reduces.
     """
 
-    def __init__(self, instructions: list[_Instruction], users, ops: list[CollectiveOp]):
-        self.by_name = {i.name: i for i in instructions}
+    def __init__(self, instructions: list[_Instruction], by_name: dict[str, _Instruction], users,
+                 ops: list[CollectiveOp]):
+        self.by_name = by_name
         self.users = users
         self.body: dict[str, list[_Instruction]] = defaultdict(list)
         self.inner_users: dict[tuple[str, str], list[_Instruction]] = defaultdict(list)
@@ -406,9 +411,4 @@ def compiled_flops(compiled) -> float:
 
 def op_scopes(hlo_text: str) -> dict[str, str]:
     """{instruction name: the JAX scope it came from (metadata op_name)}: joins profiler events to named scopes."""
-    out = {}
-    for line in hlo_text.splitlines():
-        m = re.match(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=.*?op_name="([^"]*)"', line)
-        if m:
-            out[m.group(1)] = m.group(2)
-    return out
+    return {ins.name: name for ins in _parse(hlo_text) if (name := _op_name(ins))}

@@ -91,23 +91,14 @@ def profile(cfg: Config, log_dir: str | Path, steps: int = 3, warmup: int = 2, l
     import jax
 
     from shardlm.mesh import mesh_from_config
-    from shardlm.perf.bench import random_batches
+    from shardlm.perf.bench import warmed_up_step
     from shardlm.train.loop import check_batch, tokenizer_vocab
-    from shardlm.train.state import create_train_state
-    from shardlm.train.step import train_step_for
 
     log = log or (lambda m: None)
     mesh = mesh_from_config(cfg.mesh)
     check_batch(cfg, mesh)
     vocab = tokenizer_vocab(cfg, log=log)
-    ts = create_train_state(cfg, mesh, vocab)
-    batches = random_batches(cfg, vocab, mesh, 2)
-    compiled = train_step_for(cfg, ts, mesh).lower(ts.state, batches[0]).compile()
-    state = ts.state
-    for i in range(warmup):
-        state, metrics = compiled(state, batches[i % 2])
-    if warmup:
-        jax.block_until_ready(metrics)
+    compiled, state, batches, _ = warmed_up_step(cfg, mesh, vocab, 2, warmup)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     before = set(log_dir.glob("plugins/profile/*"))
