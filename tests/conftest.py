@@ -2,8 +2,11 @@
 
 import os
 
+# The memory-minimising scheduler too, as `shardlm plan` compiles (see `shardlm.perf.planner.MEMORY_SCHEDULER_FLAG`):
+# the tests read temporaries the way a plan does.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Data prepared on the fly (the built-in corpus, test text) goes to a per-session cache, shared with the CLI
@@ -50,8 +53,8 @@ def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None):
     from shardlm.data.loader import BatchLoader
     from shardlm.mesh import make_mesh
     from shardlm.sharding import batch_sharding
-    from shardlm.train.state import create_train_state, make_schedule
-    from shardlm.train.step import make_train_step
+    from shardlm.train.state import create_train_state
+    from shardlm.train.step import train_step_for
 
     cfg = load_config(None, overrides)
     n = int(np.prod([d for d in degrees]))
@@ -60,7 +63,7 @@ def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None):
     bsh = batch_sharding(mesh)
     tokens = structured_tokens(40_000, vocab) if tokens is None else tokens
     loader = BatchLoader(tokens, cfg.model.seq_len, cfg.train.batch_size, bsh, seed=cfg.seed, shuffle=True)
-    step = make_train_step(ts, mesh, bsh, make_schedule(cfg), cfg.seed, cfg.model.dropout > 0)
+    step = train_step_for(cfg, ts, mesh)
     losses = []
     for i in range(steps or cfg.train.steps):
         ts.state, metrics = step(ts.state, loader.get(i))

@@ -21,12 +21,12 @@ EXPECTED_LOGICAL = {
     "ln_f/scale": ("embed",),
     "ln_f/bias": ("embed",),
     "attn/wq": ("embed", "heads", "head_dim"),
-    "attn/wk": ("embed", "heads", "head_dim"),
-    "attn/wv": ("embed", "heads", "head_dim"),
+    "attn/wk": ("embed", "kv_heads", "head_dim"),
+    "attn/wv": ("embed", "kv_heads", "head_dim"),
     "attn/wo": ("heads", "head_dim", "embed"),
     "attn/q_bias": ("heads", "head_dim"),
-    "attn/k_bias": ("heads", "head_dim"),
-    "attn/v_bias": ("heads", "head_dim"),
+    "attn/k_bias": ("kv_heads", "head_dim"),
+    "attn/v_bias": ("kv_heads", "head_dim"),
     "attn/out_bias": ("embed",),
     "mlp/w_in": ("embed", "mlp"),
     "mlp/w_out": ("mlp", "embed"),
@@ -134,7 +134,7 @@ def test_indivisible_degree_fails_before_compile_naming_the_parameter():
         create_train_state(cfg, make_mesh(1, 1, 8), 500)
     msg = str(e.value)
     assert msg.startswith("parameter model/blocks/0/attn/")
-    assert "its 'heads' dimension (size 4) is split 8 ways over mesh.tensor" in msg
+    assert "heads' dimension (size 4) is split 8 ways over mesh.tensor" in msg
     assert "choose mesh.tensor dividing 4" in msg
     assert "\n" not in msg
 

@@ -14,6 +14,7 @@ _LAZY = {
     "make_named_mesh": "shardlm.mesh",
     "simulate_cpu_devices": "shardlm.mesh",
     "GPT": "shardlm.models.gpt",
+    "Llama": "shardlm.models.llama",
     "LOGICAL_AXIS_RULES": "shardlm.sharding.rules",
     "Plan": "shardlm.sharding.plan",
     "shard": "shardlm.sharding.foreign",

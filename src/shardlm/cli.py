@@ -79,8 +79,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     plan.add_argument("--config", metavar="FILE", help="YAML config file (overrides apply on top)")
     plan.add_argument("--memory", metavar="BYTES", default="80GB",
                       help="memory per device, e.g. 80GB, 24GiB, 16e9 (default 80GB, an H100)")
-    plan.add_argument("--peak-tflops", type=float, default=494.5, metavar="T",
-                      help="peak FLOP/s per device for the cost model (default 494.5: H100 SXM float32 as TF32)")
+    plan.add_argument("--strategies", metavar="LIST",
+                      help="only these strategies, comma-separated as plan names them (e.g. fsdp8,fsdp4+tp2)")
+    plan.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                      help="peak FLOP/s per device for the cost model (default: H100 SXM dense for model.dtype, "
+                           "494.5 float32 as TF32, 989 bfloat16)")
     plan.add_argument("--intra-node-gbs", type=float, default=450, metavar="GB/s",
                       help="link bandwidth per device within a node, one direction (default 450: NVLink 4)")
     plan.add_argument("--inter-node-gbs", type=float, default=50, metavar="GB/s",
@@ -254,10 +257,13 @@ def _plan(args: argparse.Namespace) -> None:
 
     from shardlm.config import load_config
     from shardlm.perf.costmodel import Hardware
+    from shardlm.perf.flops import table_peak
     from shardlm.perf.planner import format_plan, plan, report_progress
+    from shardlm.perf.strategies import parse_strategies
 
     memory = parse_bytes(args.memory)
-    for flag, value in (("--peak-tflops", args.peak_tflops), ("--intra-node-gbs", args.intra_node_gbs),
+    given_peak = 1 if args.peak_tflops is None else args.peak_tflops
+    for flag, value in (("--peak-tflops", given_peak), ("--intra-node-gbs", args.intra_node_gbs),
                         ("--inter-node-gbs", args.inter_node_gbs), ("--devices-per-node", args.devices_per_node)):
         if value <= 0:
             raise ShardlmError(f"{flag} must be positive, got {value}")
@@ -265,13 +271,20 @@ def _plan(args: argparse.Namespace) -> None:
         raise ShardlmError(f"--latency-us must be >= 0, got {args.latency_us}")
     cfg = load_config(args.config, args.overrides)
     if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
-        print("note: plan tries every mesh; the mesh.* overrides are ignored", file=sys.stderr)
-    hw = Hardware(peak_flops=args.peak_tflops * 1e12, memory_bytes=memory, intra_node_bw=args.intra_node_gbs * 1e9,
+        print("note: plan tries every mesh (or --strategies); the mesh.* overrides are ignored", file=sys.stderr)
+    h100 = table_peak("NVIDIA H100 80GB HBM3", cfg.model.dtype) / 1e12
+    peak = h100 if args.peak_tflops is None else args.peak_tflops
+    hw = Hardware(peak_flops=peak * 1e12, memory_bytes=memory, intra_node_bw=args.intra_node_gbs * 1e9,
                   inter_node_bw=args.inter_node_gbs * 1e9, devices_per_node=args.devices_per_node,
                   latency_s=args.latency_us * 1e-6,
-                  name="H100 SXM" if (args.peak_tflops, args.intra_node_gbs, args.inter_node_gbs,
-                                      args.devices_per_node, args.latency_us) == (494.5, 450, 50, 8, 10) else "custom")
-    p = plan(cfg, args.devices, hw, log=report_progress)
+                  name="H100 SXM" if (peak, args.intra_node_gbs, args.inter_node_gbs, args.devices_per_node,
+                                      args.latency_us) == (h100, 450, 50, 8, 10) else "custom")
+    strategies = None
+    if args.strategies is not None:
+        import jax
+
+        strategies = parse_strategies(args.strategies, args.devices or jax.device_count())
+    p = plan(cfg, args.devices, hw, strategies=strategies, log=report_progress)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s")
 
@@ -329,10 +342,10 @@ def _run(args: argparse.Namespace) -> None:
             raise ShardlmError(f"--devices must be at least 1, got {args.devices}")
         if args.devices is not None:
             from shardlm.mesh import simulate_cpu_devices
-            from shardlm.perf.planner import skip_code_generation
+            from shardlm.perf.planner import planning_flags
 
             simulate_cpu_devices(args.devices)
-            skip_code_generation()
+            planning_flags()
         return _plan(args)
     if args.cpu_devices is not None:
         from shardlm.mesh import simulate_cpu_devices

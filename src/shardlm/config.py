@@ -25,8 +25,11 @@ from shardlm.errors import ShardlmError
 @dataclasses.dataclass
 class ModelConfig:
     preset: str = "tiny"
+    family: str = "gpt"  # "gpt" (GPT-2: LayerNorm, learned positions, GELU) or "llama" (RMSNorm, RoPE, SwiGLU, GQA)
     n_layers: int = 4
     n_heads: int = 4
+    # Key/value heads (grouped-query attention; 1 = multi-query). 0 = n_heads. Llama family only.
+    n_kv_heads: int = 0
     d_model: int = 128
     d_mlp: int = 512
     seq_len: int = 128
@@ -35,7 +38,16 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True
     use_bias: bool = True
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5  # the epsilon of LayerNorm (gpt) or RMSNorm (llama)
+    rope_theta: float = 10000.0  # rotary embedding base (llama)
+    # Compute dtype of matmuls and activations; norms, softmax and the loss stay float32 whatever it is.
+    dtype: str = "float32"
+    param_dtype: str = "float32"  # the master weights (and so the gradients and AdamW moments)
+    # Rematerialise each block in the backward pass: none | full | dots_saveable | dots_with_no_batch_dims_saveable
+    remat: str = "none"
+    # jax.nn.dot_product_attention implementation: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes, else XLA) | xla
+    # | cudnn
+    attention: str = "auto"
 
 
 @dataclasses.dataclass
@@ -65,6 +77,9 @@ class DataConfig:
 class TrainConfig:
     steps: int = 500
     batch_size: int = 32  # global, in sequences
+    # Microbatches per step: the global batch is split into grad_accum slices, run one after another inside the
+    # jitted step (a scan) and their gradients averaged: the same update, 1/grad_accum of the activation memory.
+    grad_accum: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -101,6 +116,15 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def describe(cfg: Config) -> str:
+    """One line on the model and its memory levers, for logs and reports."""
+    m, t = cfg.model, cfg.train
+    heads = f"{m.n_heads} heads" + (f" / {m.n_kv_heads} kv heads" if m.n_kv_heads not in (0, m.n_heads) else "")
+    text = (f"{m.preset} ({m.family}, {m.n_layers} layers, d_model {m.d_model}, {heads}), compute {m.dtype}, "
+            f"weights {m.param_dtype}, remat {m.remat}")
+    return text + (f", {t.grad_accum} microbatches per step" if t.grad_accum > 1 else "")
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)}
@@ -267,6 +291,36 @@ def _in_range(key: str, value: float, lo: float, hi: float) -> None:
         raise ShardlmError(f"{key} must be in [{lo}, {hi}), got {value}")
 
 
+def _one_of(key: str, value: str, allowed, hint: str = "") -> None:
+    if value not in allowed:
+        raise ShardlmError(f"{key}={value!r} is not one of: {', '.join(allowed)}{hint}")
+
+
+def _check_model_kinds(m: ModelConfig) -> None:
+    """Family, head layout, dtypes and the remat/attention choices."""
+    from shardlm.models.layers import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES
+
+    _one_of("model.family", m.family, ("gpt", "llama"))
+    _one_of("model.dtype", m.dtype, DTYPES, " (float16 would need loss scaling: use bfloat16)")
+    _one_of("model.param_dtype", m.param_dtype, DTYPES)
+    _one_of("model.remat", m.remat, REMAT_POLICIES)
+    _one_of("model.attention", m.attention, ATTENTION_IMPLS)
+    _positive("model.rope_theta", m.rope_theta)
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_kv_heads < 0 or m.n_heads % kv:
+        raise ShardlmError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (each kv head "
+                           "serves a group of query heads; 1 = multi-query, 0 = one per query head)")
+    if m.family == "gpt" and kv != m.n_heads:
+        raise ShardlmError("model.n_kv_heads applies to the llama family; GPT has one kv head per query head: "
+                           "drop it, or use model=llama-tiny (or another llama preset)")
+    if m.family == "llama":
+        if m.use_bias:
+            raise ShardlmError("the llama family has no biases: set model.use_bias=false (llama presets do)")
+        if (m.d_model // m.n_heads) % 2:
+            raise ShardlmError(f"rotary embeddings need an even head size, not d_model / n_heads = "
+                               f"{m.d_model // m.n_heads}; change model.d_model or model.n_heads")
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need no devices. Mesh/shape divisibility is checked against the mesh in `shardlm.mesh`."""
     m, t, d = cfg.model, cfg.train, cfg.data
@@ -278,11 +332,15 @@ def validate(cfg: Config) -> None:
         raise ShardlmError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a head count dividing it"
         )
+    _check_model_kinds(m)
     _in_range("model.dropout", m.dropout, 0.0, 1.0)
     _positive("model.layer_norm_eps", m.layer_norm_eps)
     _in_range("seed", cfg.seed, 0, 2**32)
-    for key in ("steps", "batch_size", "lr", "log_interval", "eval_interval", "eval_batches"):
+    for key in ("steps", "batch_size", "grad_accum", "lr", "log_interval", "eval_interval", "eval_batches"):
         _positive(f"train.{key}", getattr(t, key))
+    if t.batch_size % t.grad_accum:
+        raise ShardlmError(f"train.batch_size={t.batch_size} does not split into train.grad_accum={t.grad_accum} "
+                           "equal microbatches; use a grad_accum dividing the batch size")
     for key in ("warmup_steps", "sample_tokens", "weight_decay", "grad_clip"):
         _in_range(f"train.{key}", getattr(t, key), 0, math.inf)
     _in_range("train.beta1", t.beta1, 0.0, 1.0)

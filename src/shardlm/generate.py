@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardlm.errors import ShardlmError
-from shardlm.models.gpt import CACHE_AXES, LayerCache
+from shardlm.models.layers import CACHE_AXES, LayerCache
 from shardlm.sampling import Sampling, next_tokens
 from shardlm.sharding import batch_sharding, logical_to_spec, replicated, use_mesh_rules
 
@@ -67,7 +67,7 @@ class Generator:
         self.params, self.params_def = jax.tree.flatten(state)
         self.eot_id, self.use_cache = eot_id, use_cache
         model = nnx.merge(graphdef, state)
-        self.context, self.n_layers = model.wpe.shape[0], len(model.blocks)
+        self.context, self.n_layers = model.context, len(model.blocks)
         self.rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]  # the batch dimension is split over both
         self.max_batch = max(self.rows_multiple, max_batch // self.rows_multiple * self.rows_multiple)
         self.row_sharding = NamedSharding(mesh, logical_to_spec(("batch",)))

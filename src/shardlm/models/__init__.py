@@ -1,5 +1,9 @@
-"""Models: pure math with logical axis names. `presets` holds the size presets."""
+"""Models: pure math with logical axis names. `presets` holds the size presets; `layers` what families share."""
 
-from shardlm.models.gpt import GPT, padded_vocab_size
+from shardlm.models.gpt import GPT
+from shardlm.models.layers import CausalLM, padded_vocab_size
+from shardlm.models.llama import Llama
 
-__all__ = ["GPT", "padded_vocab_size"]
+FAMILIES: dict[str, type[CausalLM]] = {"gpt": GPT, "llama": Llama}
+
+__all__ = ["FAMILIES", "GPT", "CausalLM", "Llama", "padded_vocab_size"]

@@ -1,7 +1,11 @@
-"""Model size presets. GPT-2 sizes follow the GPT-2 paper (context 1024, 4x MLP)."""
+"""Model size presets. GPT-2 sizes follow the GPT-2 paper (context 1024, 4x MLP). Llama sizes follow the shapes of
+published Llama-style models (SwiGLU hidden ~8/3 d_model or more, grouped-query attention, no biases); the counts
+are for a 32,000-token vocabulary (Llama 2's), tied, and move by d_model x vocabulary with the tokenizer."""
 
 from shardlm.config import ModelConfig
 from shardlm.errors import ShardlmError
+
+_LLAMA = dict(family="llama", use_bias=False, tie_embeddings=True)
 
 _PRESETS: dict[str, dict] = {
     # Trains visibly in a few CPU minutes on the built-in corpus.
@@ -12,6 +16,15 @@ _PRESETS: dict[str, dict] = {
     "gpt2-medium": dict(n_layers=24, n_heads=16, d_model=1024, d_mlp=4096, seq_len=1024),  # 350M
     "gpt2-large": dict(n_layers=36, n_heads=20, d_model=1280, d_mlp=5120, seq_len=1024),  # 774M
     "gpt2-xl": dict(n_layers=48, n_heads=25, d_model=1600, d_mlp=6400, seq_len=1024),  # 1.5B
+    # The same scales as tiny and small, Llama-style, with 2 kv heads.
+    "llama-tiny": dict(_LLAMA, n_layers=4, n_heads=4, n_kv_heads=2, d_model=128, d_mlp=384, seq_len=128),
+    "llama-small": dict(_LLAMA, n_layers=6, n_heads=6, n_kv_heads=2, d_model=384, d_mlp=1024, seq_len=256),
+    # GPT-2 small's and medium's depth and width, Llama-style; 4 kv heads, so tensor degrees 2 and 4 divide them.
+    "llama-125m": dict(_LLAMA, n_layers=12, n_heads=12, n_kv_heads=4, d_model=768, d_mlp=3072, seq_len=2048),
+    "llama-350m": dict(_LLAMA, n_layers=24, n_heads=16, n_kv_heads=4, d_model=1024, d_mlp=3584, seq_len=2048),
+    # Llama 3.2 1B's shape (16 layers, 32 query and 8 kv heads, SwiGLU 8192): 1.04B (1.24B with its 128k vocabulary).
+    "llama-1b": dict(_LLAMA, n_layers=16, n_heads=32, n_kv_heads=8, d_model=2048, d_mlp=8192, seq_len=2048,
+                     rope_theta=500000.0),
 }
 
 PRESET_NAMES = tuple(_PRESETS)

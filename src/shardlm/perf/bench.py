@@ -119,8 +119,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
     import jax
 
     from shardlm.mesh import make_mesh
-    from shardlm.models.gpt import padded_vocab_size
-    from shardlm.perf.flops import device_peak, flops_per_token
+    from shardlm.perf.flops import device_peak, model_flops_per_step
     from shardlm.errors import ShardlmError
     from shardlm.perf.strategies import rejection
     from shardlm.train.loop import tokenizer_vocab
@@ -150,9 +149,8 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
             run["times"].append(time.perf_counter() - t0)
             run["loss"] = float(metrics["loss"])
         log(f"round {r + 1}/{steps}")
-    peak, label = device_peak(devices)
-    results = [BenchResult(run["s"], run["times"], b * t,
-                           flops_per_token(cfg.model, padded_vocab_size(vocab, run["s"].tensor)) * b * t, peak,
+    peak, label = device_peak(devices, cfg.model.dtype)
+    results = [BenchResult(run["s"], run["times"], b * t, model_flops_per_step(cfg, vocab, run["s"].tensor), peak,
                            run["compile_s"], run["loss"]) for run in runs]
     return Bench(results, label, devices[0].device_kind, len(devices))
 

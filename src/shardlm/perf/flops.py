@@ -2,9 +2,10 @@
 
 Convention (PaLM appendix B, as in nanoGPT's `estimate_mfu`):
     FLOPs per token = 6 * N_matmul + 12 * n_layers * seq_len * d_model
-- N_matmul counts the weights that take part in matrix multiplies: the attention and MLP weights of every block
-  and the output head (d_model x padded vocabulary, counted once even when tied to the embedding). The embedding
-  lookups, biases and LayerNorms do no matmul and are left out. The factor 6 is 2 (multiply-add) x 3 (forward,
+- N_matmul counts the weights that take part in matrix multiplies: the attention weights (q, k, v, o; k and v
+  narrower under grouped-query attention) and MLP weights (two matrices, three for SwiGLU) of every block, and the
+  output head (d_model x padded vocabulary, counted once even when tied to the embedding). The embedding lookups,
+  biases and norms do no matmul and are left out. The factor 6 is 2 (multiply-add) x 3 (forward,
   and backward for activations and for weights).
 - 12 * L * T * d is attention's QK^T and AV, forward and backward, *not* halved for causal masking.
 MFU = achieved model FLOP/s per device / peak FLOP/s per device. The peak comes from a table of known
@@ -24,11 +25,21 @@ from shardlm.config import ModelConfig
 
 def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
     d, f, L = cfg.d_model, cfg.d_mlp, cfg.n_layers
-    return L * (4 * d * d + 2 * d * f) + d * padded_vocab
+    kv_width = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)  # grouped-query k and v are narrower
+    mlp_matrices = 3 if cfg.family == "llama" else 2  # SwiGLU: gate, up, down; GPT: in, out
+    return L * (2 * d * d + 2 * d * kv_width + mlp_matrices * d * f) + d * padded_vocab
 
 
 def flops_per_token(cfg: ModelConfig, padded_vocab: int) -> int:
     return 6 * matmul_params(cfg, padded_vocab) + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
+
+
+def model_flops_per_step(cfg, vocab_size: int, tensor_degree: int) -> int:
+    """Model FLOPs of one train step of `cfg` (a full Config): per token, times the global batch's tokens."""
+    from shardlm.models import padded_vocab_size
+
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    return flops_per_token(cfg.model, padded_vocab_size(vocab_size, tensor_degree)) * tokens
 
 
 # Dense peak FLOP/s per device, matched in order against `device.device_kind` (first match wins). float32 matmuls

@@ -7,8 +7,8 @@ Model code names the axes of every parameter and of a few activations with logic
 - DP (data=N): only `batch` is split; parameters are replicated.
 - FSDP / ZeRO-3 (fsdp=N): `batch` is split over fsdp too, and every parameter's `embed` dimension is split over
   fsdp, so parameters, gradients and AdamW moments are all 1/N per device; XLA all-gathers weights per layer.
-- Megatron TP (tensor=N): attention heads, the MLP hidden dimension and the vocabulary are split over tensor
-  (column-parallel in, row-parallel out, one all-reduce per attention or MLP half of a block).
+- Megatron TP (tensor=N): attention heads (query and key/value), the MLP hidden dimension and the vocabulary are
+  split over tensor (column-parallel in, row-parallel out, one all-reduce per attention or MLP half of a block).
 - Hybrids: the product of the above.
 
 Parameters and activations differ in one name: a parameter's `embed` dimension is FSDP-sharded, while the
@@ -38,12 +38,14 @@ LOGICAL_AXIS_RULES: Rules = (
     ("seq", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
     # parameters
     ("embed", "fsdp"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),  # grouped-query attention's key/value heads: the tensor degree must divide them too
     ("mlp", ("tensor", "fsdp")),  # an MLP bias: split over both
     ("mlp", "tensor"),  # an MLP weight, whose embed dimension already took fsdp
     ("head_dim", "fsdp"),  # an attention bias [heads, head_dim]: FSDP has no embed dimension to use

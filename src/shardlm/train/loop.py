@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from shardlm.config import Config
+from shardlm.config import Config, describe
 from shardlm.data.loader import BatchLoader
 from shardlm.data.prepare import PreparedData, training_data
 from shardlm.data.tokenizer import EOT
@@ -44,8 +44,8 @@ from shardlm.train.preemption import StopOnSignal
 from shardlm.train.rundir import (CONFIG_FILE, FINISHED_MARKER, RunStart, check_vocab_padding, claim,
                                   default_run_dir, plan_start, unreadable)
 from shardlm.train.state import (TrainState, abstract_train_state, check_shardable, create_train_state,
-                                 effective_warmup, make_schedule, vocab_sizes)
-from shardlm.train.step import make_eval_step, make_train_step
+                                 effective_warmup, vocab_sizes)
+from shardlm.train.step import make_eval_step, train_step_for
 
 
 def check_batch(cfg: Config, mesh) -> None:
@@ -54,6 +54,12 @@ def check_batch(cfg: Config, mesh) -> None:
         raise ShardlmError(
             f"train.batch_size={cfg.train.batch_size} is split over data x fsdp = {dp} devices, which does not "
             f"divide it; use a multiple of {dp}"
+        )
+    k = cfg.train.grad_accum
+    if (cfg.train.batch_size // k) % dp:
+        raise ShardlmError(
+            f"train.grad_accum={k} microbatches of {cfg.train.batch_size // k} sequences do not split over data x "
+            f"fsdp = {dp} devices; use a train.batch_size that is a multiple of {k * dp}, or a smaller grad_accum"
         )
     if cfg.train.batch_size % jax.process_count():
         raise ShardlmError(f"train.batch_size must be a multiple of the {jax.process_count()} processes")
@@ -184,13 +190,12 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     ex = explain_state(ts.state, mesh)
     if explain:
         _log(format_explanation(ex))
-    _log(f"model: {cfg.model.preset} | {ex.param_count:,} parameters | per device: params "
+    _log(f"model: {describe(cfg)} | {ex.param_count:,} parameters | per device: params "
          f"{fmt_bytes(ex.max_param_bytes)}, optimizer {fmt_bytes(ex.max_opt_bytes)}")
     warmup = effective_warmup(cfg)
     if warmup != cfg.train.warmup_steps:
         _log(f"note: train.warmup_steps={cfg.train.warmup_steps} would leave no decay in {cfg.train.steps} steps; "
              f"warming up over {warmup} steps instead")
-    schedule = make_schedule(cfg)
 
     claim(run_dir, start)
     (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
@@ -201,13 +206,13 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
 
     t0 = time.perf_counter()
     first = next(batches)
-    step_fn = make_train_step(ts, mesh, bsh, schedule, cfg.seed, cfg.model.dropout > 0)
+    step_fn = train_step_for(cfg, ts, mesh)
     step_fn = step_fn.lower(ts.state, first).compile()
     eval_fn = make_eval_step(ts, mesh, bsh, tokenizer.token_bytes()).lower(ts.state, first).compile()
     compile_s = time.perf_counter() - t0
 
     n_dev = mesh.devices.size
-    peak, peak_label = device_peak(list(mesh.devices.flat))
+    peak, peak_label = device_peak(list(mesh.devices.flat), cfg.model.dtype)
     fpt = flops_per_token(cfg.model, vocab[1])
     _log(f"compiled in {compile_s:.1f}s | {fpt / 1e6:.1f} MFLOP/token (6N + 12LTd) | peak "
          f"{peak / 1e12:.3f} TFLOP/s per device ({peak_label})")

@@ -16,7 +16,8 @@ import optax
 from flax import nnx
 
 from shardlm.config import Config
-from shardlm.models.gpt import GPT, padded_vocab_size
+from shardlm.errors import ShardlmError
+from shardlm.models import FAMILIES, padded_vocab_size
 from shardlm.sharding.rules import path_str
 from shardlm.sharding import state_shardings
 
@@ -62,7 +63,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 @dataclasses.dataclass
 class TrainState:
-    """The split form of {"model": GPT, "optimizer": nnx.Optimizer} that the jitted step consumes and returns."""
+    """The split form of {"model": a CausalLM, "optimizer": nnx.Optimizer} that the jitted step consumes and returns."""
 
     graphdef: Any
     state: Any  # nnx.State {"model": ..., "optimizer": ...}, every leaf a sharded jax.Array
@@ -77,7 +78,8 @@ def vocab_sizes(cfg: Config, tokenizer_vocab: int, tensor_degree: int) -> tuple[
 
 def model_factory(cfg: Config, vocab_size: int, tensor_degree: int):
     real, padded = vocab_sizes(cfg, vocab_size, tensor_degree)
-    return lambda rngs: GPT(cfg.model, real, padded, rngs)
+    family = FAMILIES[cfg.model.family]
+    return lambda rngs: family(cfg.model, real, padded, rngs)
 
 
 def _builder(cfg: Config, mesh, vocab_size: int):
@@ -94,6 +96,11 @@ def _builder(cfg: Config, mesh, vocab_size: int):
 def check_shardable(cfg: Config, mesh) -> None:
     """Raise if a mesh degree does not divide a parameter dimension: shapes only, no data, no compile. The
     vocabulary is padded to a multiple of the tensor degree, so any vocabulary size gives the same verdict."""
+    m, tp = cfg.model, mesh.shape["tensor"]
+    kv = m.n_kv_heads or m.n_heads
+    if kv % tp and not m.n_heads % tp:  # said in the model's terms before the generic per-parameter message
+        raise ShardlmError(f"mesh.tensor={tp} must divide the key/value heads (model.n_kv_heads={kv}) as well as "
+                           f"the query heads: choose mesh.tensor dividing {kv}, or more kv heads")
     with nnx.use_eager_sharding(False):
         state_shardings(nnx.state(nnx.eval_shape(_builder(cfg, mesh, 257))), mesh)
 

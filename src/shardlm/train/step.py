@@ -1,7 +1,8 @@
 """The jitted train and eval steps: explicit input/output shardings, donated state, no host round-trip.
 
 A batch is [batch, seq_len + 1] tokens; inputs are the first seq_len, targets the last seq_len. The loss is the
-mean next-token cross entropy in float32. Dropout keys are derived from (seed, optimizer step), so a run is a pure
+mean next-token cross entropy in float32. With `train.grad_accum=K` the step runs the batch as K microbatches in a
+scan and averages their gradients (`accumulated_grads`). Dropout keys are derived from (seed, optimizer step), so a run is a pure
 function of its config and resumption needs no RNG state.
 """
 
@@ -10,17 +11,23 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from shardlm.sharding import replicated, use_mesh_rules
+from shardlm.sharding import constrain, replicated, use_mesh_rules
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
-def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, dropout: bool):
+def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, dropout: bool, grad_accum: int = 1):
     graphdef = train_state.graphdef
     param_shardings = train_state.shardings["model"]
     base_key = jax.random.key(seed)
+
+    def loss_fn(model, tokens, key):
+        # Rngs are built inside the differentiated function: NNX refuses RNG state created at another trace level.
+        logits = model(tokens[:, :-1], rngs=nnx.Rngs(dropout=key) if dropout else None)
+        with jax.named_scope("loss"):
+            return cross_entropy(logits, tokens[:, 1:])
 
     def step(state, batch):
         objects = nnx.merge(graphdef, state)
@@ -28,15 +35,11 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, drop
         step_index = optimizer.step[...]
         dropout_key = jax.random.fold_in(base_key, step_index)
 
-        def loss_fn(model):
-            # Built inside the differentiated function: NNX refuses RNG state created at another trace level.
-            rngs = nnx.Rngs(dropout=dropout_key) if dropout else None
-            logits = model(batch[:, :-1], rngs=rngs)
-            with jax.named_scope("loss"):
-                return cross_entropy(logits, batch[:, 1:])
-
         with use_mesh_rules(mesh):
-            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            if grad_accum == 1:
+                loss, grads = nnx.value_and_grad(loss_fn)(model, batch, dropout_key)
+            else:
+                loss, grads = accumulated_grads(loss_fn, model, batch, dropout_key, grad_accum, param_shardings)
         # Each gradient sharded like its parameter, before anything reads it: left to propagation, XLA all-reduced
         # FSDP's full gradients (to take the norm of the whole tensor on every device) and sliced them afterwards,
         # twice the traffic of the reduce-scatter this constraint allows (`shardlm plan` counts it from the HLO).
@@ -52,6 +55,34 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, drop
         out_shardings=(train_state.shardings, replicated(mesh)),
         donate_argnums=0,
     )
+
+
+def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings):
+    """(mean loss, mean gradient) over `k` equal microbatches of `batch`, run one after another in a `lax.scan`,
+    so only one microbatch's activations are alive at a time. Equal sizes make the mean of the microbatch means
+    the full batch's mean: the same update as one pass over the whole batch, up to float summation order.
+
+    Microbatch i is rows i, i + k, i + 2k, ...: each device's contiguous block of the batch (its data x fsdp
+    shard) holds the same number of rows of every microbatch, so splitting needs no communication. Each
+    microbatch's dropout key is the step's key folded with i. The running sum is kept sharded like the
+    parameters, so under FSDP every microbatch's gradient is reduce-scattered into it.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rows, width = batch.shape
+    micro = batch.reshape(rows // k, k, width).swapaxes(0, 1)  # [k, rows / k, width]
+    micro = constrain(micro, None, "batch", "seq")
+
+    def micro_step(carry, xs):
+        grad_sum, loss_sum = carry
+        tokens, i = xs
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_fn(nnx.merge(graphdef, p, rest), tokens, jax.random.fold_in(key, i)))(params)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss), None
+
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
+    (grad_sum, loss_sum), _ = jax.lax.scan(micro_step, (zeros, jnp.zeros((), jnp.float32)), (micro, jnp.arange(k)))
+    return loss_sum / k, jax.tree.map(lambda g: g / k, grad_sum)
 
 
 def make_eval_step(train_state, mesh, batch_sharding, token_bytes):
@@ -79,7 +110,7 @@ def train_step_for(cfg, train_state, mesh):
     from shardlm.train.state import make_schedule
 
     return make_train_step(train_state, mesh, batch_sharding(mesh), make_schedule(cfg), cfg.seed,
-                           cfg.model.dropout > 0)
+                           cfg.model.dropout > 0, cfg.train.grad_accum)
 
 
 def batch_struct(cfg, mesh) -> jax.ShapeDtypeStruct:

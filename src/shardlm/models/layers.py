@@ -1,0 +1,266 @@
+"""What every model family shares: parameters with logical axis names, mixed precision, self-attention with a KV
+cache, rematerialisation, and the decoder-only forward pass (embed -> blocks -> final norm -> logits). Math only.
+
+Design choices:
+- Parameters are stored in `param_dtype` (float32 master weights) and cast to the compute `dtype` where they are
+  used. The cast comes before any FSDP all-gather XLA inserts at the use, so bfloat16 runs gather half the bytes.
+  Gradients flow back through the cast, so they and the AdamW moments stay in `param_dtype`.
+- Norms, softmax and the output logits are computed in float32 whatever the compute dtype: norms upcast their
+  input, attention's logits and softmax are float32 inside `jax.nn.dot_product_attention`, and the head
+  accumulates in float32 (`preferred_element_type`), so the loss never sees bfloat16 logits.
+- Attention goes through `jax.nn.dot_product_attention`. Its default implementation is XLA's on every backend;
+  `attention="auto"` asks for cuDNN's fused kernel on NVIDIA GPUs when the inputs are 16-bit (the only dtypes it
+  takes). The XLA path gets a causal mask built once per forward pass and shared by every layer; the cuDNN kernel
+  is told `is_causal` and builds none.
+- Keys and values may have fewer heads than queries (grouped-query attention, `kv_heads` dividing `heads`; one
+  kv head is multi-query attention). Query head n reads kv head n // (heads / kv_heads), so splitting both head
+  dimensions over `tensor` in contiguous blocks keeps every group on one device.
+- Decoding keeps a fixed-size KV cache, [batch, kv_heads, seq_len, head_dim] per layer for keys and for values,
+  in the compute dtype (`CACHE_AXES`: TP splits it by kv heads and DP/FSDP by batch). `prefill` fills positions
+  0..T-1 from a prompt; `decode` feeds one token per row at that row's own position and attends to the cache up
+  to it. Rows may sit at different positions (prompts of different lengths).
+- `remat` wraps each block in `nnx.remat` during training: "full" saves only the block's input and recomputes the
+  rest in the backward pass; "dots_saveable" saves matmul outputs and recomputes the cheap elementwise work.
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlm.sharding import constrain
+
+VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
+CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+def padded_vocab_size(vocab_size: int, tensor_degree: int = 1) -> int:
+    multiple = math.lcm(VOCAB_MULTIPLE, tensor_degree)
+    return -(-vocab_size // multiple) * multiple
+
+
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str | None, ...], dtype) -> nnx.Param:
+    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
+
+
+def use(p: nnx.Param, dtype) -> jax.Array:
+    """A parameter's value in the compute dtype."""
+    return p[...].astype(dtype)
+
+
+class LayerCache(NamedTuple):
+    """One layer's keys and values, [batch, kv_heads, seq_len, head_dim] each (`CACHE_AXES`)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class Context(NamedTuple):
+    """What a forward pass computes once and every block reads."""
+
+    impl: str  # "xla" or "cudnn", resolved for this trace
+    mask: jax.Array | None  # [1, 1, T, T] causal mask for the XLA attention path; None for cuDNN and decoding
+    rope: tuple[jax.Array, jax.Array] | None  # (sin, cos) [rows or 1, T, head_dim / 2], rotary families only
+    pos: jax.Array | None  # decoding: each row's position [batch]
+
+
+def attention_impl(requested: str, dtype) -> str:
+    """cuDNN's fused kernel takes only 16-bit inputs on NVIDIA GPUs; everything else runs XLA's attention."""
+    if requested != "auto":
+        return requested
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else "xla"
+
+
+def causal_mask(t: int) -> jax.Array:
+    return jnp.tril(jnp.ones((t, t), jnp.bool_))[None, None]
+
+
+def _attend_to_cache(q, cache: LayerCache, pos):
+    """One query per row, q [batch, 1, heads, head_dim], against cached positions 0..pos[b] -> [batch, 1, heads,
+    head_dim]. Written out rather than through `jax.nn.dot_product_attention`: with the cache laid out kv-heads-
+    major these einsums need no transposed copy of the cache (XLA:CPU made one per layer per step, 4x the
+    attention's cost at batch 8), and a single query gains nothing from a fused kernel. Softmax in float32."""
+    b, _, h, d = q.shape
+    kv = cache.k.shape[1]
+    q = q[:, 0].reshape(b, kv, h // kv, d)  # query head n = kv head n // group, as in dot_product_attention
+    scores = jnp.einsum("bkgd,bksd->bkgs", q, cache.k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.where(jnp.arange(cache.k.shape[2]) <= pos[:, None, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cache.v.dtype)
+    return jnp.einsum("bkgs,bksd->bkgd", probs, cache.v).reshape(b, 1, h, d)
+
+
+def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
+    """q [batch, T, heads, head_dim], k and v [batch, T, kv_heads, head_dim] -> ([batch, T, heads, head_dim], cache).
+
+    No cache: causal attention over the T positions (training). A cache and no `ctx.pos`: a prefill of positions
+    0..T-1, whose keys and values are written to the cache. A cache and `ctx.pos`: one decode step, T = 1 at
+    position pos[b] of row b; its key and value are written there and it attends to positions 0..pos[b].
+    """
+    if ctx.pos is None:
+        if ctx.impl == "cudnn":
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        else:
+            y = jax.nn.dot_product_attention(q, k, v, mask=ctx.mask, implementation="xla")
+        if cache is not None:
+            t = q.shape[1]
+            cache = LayerCache(*(constrain(c.at[:, :, :t].set(n.transpose(0, 2, 1, 3).astype(c.dtype)), *CACHE_AXES)
+                                 for c, n in zip(cache, (k, v))))
+    else:
+        # A scatter of one position per row, in place in the donated cache: O(1) per step, where a select over the
+        # whole cache cost ~40% of a step. Sharded over batch, XLA all-gathers only the new rows' k and v
+        # ([batch, kv_heads, head_dim] per layer), never the cache.
+        rows = jnp.arange(q.shape[0])
+        cache = LayerCache(*(constrain(c.at[rows, :, ctx.pos].set(n[:, 0].astype(c.dtype)), *CACHE_AXES)
+                             for c, n in zip(cache, (k, v))))
+        y = _attend_to_cache(q, cache, ctx.pos)
+    return constrain(y, "batch", "seq", "act_heads", "head_dim"), cache
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos) [rows, T, head_dim / 2] for integer positions [rows, T], in float32."""
+    freqs = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * freqs
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotary position embedding of x [batch, T, heads, head_dim], rotating the pairs (i, i + head_dim / 2) (the
+    "rotate half" layout of GPT-NeoX and Hugging Face Llama), in float32."""
+    sin, cos = (t[:, :, None, :] for t in rope)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head self-attention with `kv_heads` key/value heads, weights stored per head: [embed, heads,
+    head_dim], so splitting heads over a mesh axis is a plain dimension split (Megatron column-parallel for
+    q/k/v, row-parallel for the output projection). Rotary embeddings are applied when the context carries them.
+    """
+
+    def __init__(self, d: int, heads: int, kv_heads: int, n_layers: int, use_bias: bool, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        hd = d // heads
+        self.dtype = dtype
+        init = nnx.initializers.normal(0.02)
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual projection scaling
+        self.wq = param(rngs, init, (d, heads, hd), ("embed", "heads", "head_dim"), param_dtype)
+        self.wk = param(rngs, init, (d, kv_heads, hd), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.wv = param(rngs, init, (d, kv_heads, hd), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.wo = param(rngs, out_init, (heads, hd, d), ("heads", "head_dim", "embed"), param_dtype)
+        zeros = nnx.initializers.zeros_init()
+        if use_bias:
+            self.q_bias = param(rngs, zeros, (heads, hd), ("heads", "head_dim"), param_dtype)
+            self.k_bias = param(rngs, zeros, (kv_heads, hd), ("kv_heads", "head_dim"), param_dtype)
+            self.v_bias = param(rngs, zeros, (kv_heads, hd), ("kv_heads", "head_dim"), param_dtype)
+            self.out_bias = param(rngs, zeros, (d,), ("embed",), param_dtype)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = self.out_bias = None
+
+    def __call__(self, x, cache: LayerCache | None, ctx: Context):
+        """x [batch, T, embed] -> ([batch, T, embed], cache); see `self_attention` for the cache's three modes."""
+
+        def project(w, b, heads_axis):
+            y = jnp.einsum("bte,ehd->bthd", x, use(w, self.dtype))
+            y = y + use(b, self.dtype) if b is not None else y
+            return constrain(y, "batch", "seq", heads_axis, "head_dim")
+
+        q = project(self.wq, self.q_bias, "act_heads")
+        k = project(self.wk, self.k_bias, "act_kv_heads")
+        v = project(self.wv, self.v_bias, "act_kv_heads")
+        if ctx.rope is not None:
+            q, k = apply_rope(q, ctx.rope), apply_rope(k, ctx.rope)
+        y, cache = self_attention(q, k, v, cache, ctx)
+        # [b, t, heads*head_dim] @ [heads*head_dim, embed]: both reshapes are free (row-major), and unlike an einsum
+        # over (h, d) this needs no transposed copy of wo when y comes from `_attend_to_cache` (12% of a decode
+        # step). heads stays the major half of the merged dimension, so a split over tensor carries over.
+        b, t, h, d = y.shape
+        out = y.reshape(b, t, h * d) @ use(self.wo, self.dtype).reshape(h * d, -1)
+        return (out + use(self.out_bias, self.dtype) if self.out_bias is not None else out), cache
+
+
+class CausalLM(nnx.Module):
+    """The decoder-only forward pass every family shares. A family provides `_embed(tokens, table, rngs, pos)`
+    (tokens to the residual stream, and rotary tables if it uses them), `blocks` (each called as block(x, rngs,
+    cache, ctx) -> (x, cache)), `_final_norm`, the token table `wte` and, untied, `lm_head`, and sets
+    `vocab_size` (the tokenizer's; the tables have `padded_vocab` rows), `context` (seq_len), `dtype` (compute),
+    `attention` (the requested implementation) and `remat` (a `REMAT_POLICIES` name).
+    """
+
+    def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None, *, at: jax.Array | None = None
+                 ) -> jax.Array:
+        """tokens [batch, seq] int32 -> logits [batch, seq, padded_vocab] float32. `rngs` enables dropout. With
+        `at` [batch], only the logits at position at[b] of each row: [batch, 1, padded_vocab] (the output head is
+        most of a small model's FLOPs, and all the positions' logits of a long batch are gigabytes)."""
+        return self._forward(tokens, rngs, at=at)[0]
+
+    def init_cache(self, batch: int) -> list[LayerCache]:
+        """An empty KV cache for `batch` rows and the whole context, in the compute dtype (shard it with
+        `CACHE_AXES`)."""
+        kv_heads, head_dim = self.blocks[0].attn.wk.shape[1:]
+        shape = (batch, kv_heads, self.context, head_dim)
+        return [LayerCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in self.blocks]
+
+    def prefill(self, tokens: jax.Array, cache: list[LayerCache], *, at: jax.Array | None = None
+                ) -> tuple[jax.Array, list[LayerCache]]:
+        """tokens [batch, T] at positions 0..T-1 -> (logits [batch, T, padded_vocab], cache holding them); with
+        `at` [batch], only each row's logits at position at[b] ([batch, 1, padded_vocab])."""
+        return self._forward(tokens, None, cache, at=at)
+
+    def decode(self, tokens: jax.Array, pos: jax.Array, cache: list[LayerCache]
+               ) -> tuple[jax.Array, list[LayerCache]]:
+        """tokens [batch, 1], row b at position pos[b] (< seq_len) -> (logits [batch, 1, padded_vocab], cache)."""
+        return self._forward(tokens, None, cache, pos)
+
+    def _forward(self, tokens, rngs, cache=None, pos=None, at=None):
+        impl = attention_impl(self.attention, self.dtype)
+        with jax.named_scope("embed"):
+            # FSDP shards of the table are gathered before the lookup (what FSDP does for every weight): a lookup
+            # into a table split over the same axis as the batch is otherwise fully rematerialised by XLA's
+            # partitioner. The gathered table is the tied head's too.
+            table = constrain(use(self.wte, self.dtype), "vocab", "act_embed")
+            x, rope = self._embed(tokens, table, rngs, pos)
+            x = constrain(x, "batch", "seq", "act_embed")
+        mask = causal_mask(tokens.shape[1]) if pos is None and impl == "xla" else None  # once, for every layer
+        ctx = Context(impl, mask, rope, pos)
+        new_cache = None if cache is None else []
+        policy = REMAT_POLICIES[self.remat] if cache is None else None
+        for i, block in enumerate(self.blocks):
+            with jax.named_scope(f"layer{i}"):  # names the layer's ops in profiles and HLO (`shardlm profile`)
+                if policy is not None:
+                    x = _remat_block(block, x, rngs, ctx, policy)
+                else:
+                    x, layer = block(x, rngs, None if cache is None else cache[i], ctx)
+                    if cache is not None:
+                        new_cache.append(layer)
+        if at is not None:  # one position per row reaches the head
+            x = jnp.take_along_axis(x, at[:, None, None], axis=1)
+        with jax.named_scope("head"):
+            x = self._final_norm(x)
+            if self.lm_head is None:  # tied: contract with the table as stored; a `wte.T` operand made XLA:CPU
+                logits = jnp.einsum("bte,ve->btv", x, table,  # copy the transposed table (all of it) every call
+                                    preferred_element_type=jnp.float32)
+            else:
+                logits = jnp.einsum("bte,ev->btv", x, use(self.lm_head, self.dtype),
+                                    preferred_element_type=jnp.float32)
+            logits = constrain(logits, "batch", "seq", "act_vocab")
+            if self.padded_vocab != self.vocab_size:  # padded rows never receive probability mass
+                logits = jnp.where(jnp.arange(self.padded_vocab) < self.vocab_size, logits, -jnp.inf)
+        return logits, new_cache
+
+
+def _remat_block(block, x, rngs, ctx: Context, policy):
+    """One block's training forward under `nnx.remat`: what `policy` does not save is recomputed in the backward
+    pass. The context is closed over (it holds the implementation's name, not an array)."""
+    run = nnx.remat(lambda blk, x, rngs: blk(x, rngs, None, ctx)[0], policy=policy)
+    return run(block, x, rngs)

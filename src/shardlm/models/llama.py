@@ -1,0 +1,95 @@
+"""Llama-style language model (Llama 2/3, TinyLlama, SmolLM): RMSNorm, rotary position embeddings, grouped-query
+attention, a SwiGLU MLP, no biases, tied or untied output. Math only; the forward pass, attention and the KV cache
+are shared with the other families (`layers`).
+
+Design choices:
+- Logical axis names as in the GPT family, plus `kv_heads` for the key/value projections, whose head count
+  (`n_kv_heads`) may be smaller than the query heads': every kv head serves n_heads / n_kv_heads query heads
+  (1 kv head: multi-query attention). Under TP both head dimensions are split over `tensor`, so the tensor degree
+  must divide n_kv_heads as well as n_heads (`check_shardable` says so by name).
+- RMSNorm computes in float32 and returns the compute dtype; rotary embeddings rotate q and k in float32 with
+  tables computed once per forward pass ("rotate half" layout, as Hugging Face stores Llama checkpoints).
+- The SwiGLU MLP has three matrices, gate and up [embed, mlp] (column-parallel under TP) and down [mlp, embed]
+  (row-parallel); its hidden size `d_mlp` is usually ~8/3 d_model rounded, not GPT's 4 d_model.
+- Initialisation: N(0, 0.02), with the residual output projections (wo, w_down) scaled by 1/sqrt(2 * n_layers)
+  as in GPT-2; norm scales start at one.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlm.config import ModelConfig
+from shardlm.models.layers import DTYPES, Attention, CausalLM, LayerCache, param, rope_tables, use
+from shardlm.sharding import constrain
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = param(rngs, nnx.initializers.ones_init(), (d,), ("embed",), param_dtype)
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, pd = cfg.d_model, cfg.d_mlp, DTYPES[cfg.param_dtype]
+        self.dtype = DTYPES[cfg.dtype]
+        init = nnx.initializers.normal(0.02)
+        self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pd)
+        self.w_up = param(rngs, init, (d, f), ("embed", "mlp"), pd)
+        self.w_down = param(rngs, nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers)), (f, d),
+                            ("mlp", "embed"), pd)
+
+    def __call__(self, x):
+        h = jax.nn.silu(x @ use(self.w_gate, self.dtype)) * (x @ use(self.w_up, self.dtype))
+        return constrain(h, "batch", "seq", "act_mlp") @ use(self.w_down, self.dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt, pd = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, dt, pd,
+                              rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
+        self.mlp = SwiGLU(cfg, rngs)
+        self.dropout = nnx.Dropout(cfg.dropout)
+
+    def __call__(self, x, rngs: nnx.Rngs | None, cache: LayerCache | None, ctx):
+        a, cache = self.attn(self.attn_norm(x), cache, ctx)
+        x = x + self.dropout(a, deterministic=rngs is None, rngs=rngs)
+        x = constrain(x, "batch", "seq", "act_embed")
+        x = x + self.dropout(self.mlp(self.mlp_norm(x)), deterministic=rngs is None, rngs=rngs)
+        return constrain(x, "batch", "seq", "act_embed"), cache
+
+
+class Llama(CausalLM):
+    """`vocab_size` is the tokenizer's; the embedding tables are `padded_vocab` rows."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
+        self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
+        self.dtype, self.attention, self.remat = DTYPES[cfg.dtype], cfg.attention, cfg.remat
+        self.head_dim, self.rope_theta = cfg.d_model // cfg.n_heads, cfg.rope_theta
+        pd = DTYPES[cfg.param_dtype]
+        init = nnx.initializers.normal(0.02)
+        self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd)
+        self.dropout = nnx.Dropout(cfg.dropout)
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
+        self.lm_head = None if cfg.tie_embeddings else param(rngs, init, (cfg.d_model, padded_vocab),
+                                                             ("embed", "vocab"), pd)
+
+    def _embed(self, tokens, table, rngs, pos):
+        positions = jnp.arange(tokens.shape[1])[None] if pos is None else pos[:, None]
+        x = self.dropout(table[tokens], deterministic=rngs is None, rngs=rngs)
+        return x, rope_tables(positions, self.head_dim, self.rope_theta)
+
+    def _final_norm(self, x):
+        return self.final_norm(x)

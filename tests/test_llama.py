@@ -1,0 +1,201 @@
+"""The Llama family and the memory levers: parity across strategies, grouped-query attention, bfloat16 compute,
+rematerialisation and gradient accumulation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import MICRO, run_steps, structured_tokens
+from shardlm.config import load_config
+from shardlm.errors import ShardlmError
+from shardlm.mesh import make_mesh
+from shardlm.train.state import TrainState, abstract_train_state, create_train_state, model_factory
+from shardlm.train.step import batch_struct, train_step_for
+
+LLAMA = MICRO + ["model.family=llama", "model.use_bias=false", "model.n_kv_heads=2", "model.d_mlp=96"]
+
+STRATEGIES = {
+    "DP 8": (8, 1, 1),
+    "FSDP 8": (1, 8, 1),
+    "DP 4 x TP 2": (4, 1, 2),
+    "FSDP 4 x TP 2": (1, 4, 2),
+    "DP 2 x FSDP 2 x TP 2": (2, 2, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def llama_trajectories():
+    return {name: run_steps(LLAMA, degrees, steps=12)[0]
+            for name, degrees in {"1 device": (1, 1, 1), **STRATEGIES}.items()}
+
+
+def test_llama_learns(llama_trajectories):
+    losses = llama_trajectories["1 device"]
+    assert losses[-1] < 0.85 * losses[0]
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_llama_strategy_matches_single_device(llama_trajectories, name):
+    ref, got = llama_trajectories["1 device"], llama_trajectories[name]
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    np.testing.assert_allclose(got[-1], ref[-1], rtol=1e-3)
+
+
+def _model(overrides, vocab=500):
+    cfg = load_config(None, overrides)
+    with nnx.use_eager_sharding(False):
+        return model_factory(cfg, vocab, 1)(nnx.Rngs(params=0))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_grouped_query_attention_is_attention_with_shared_kv_heads(kv_heads):
+    """A model with kv_heads key/value heads computes what the 4-head model computes when every query head's k/v
+    weights are those of its group's kv head (query head n reads kv head n // (heads / kv_heads))."""
+    gqa = _model(LLAMA + [f"model.n_kv_heads={kv_heads}"])
+    mha = _model(LLAMA + ["model.n_kv_heads=4"])
+    assert gqa.blocks[0].attn.wk[...].shape == (64, kv_heads, 16)
+    g = 4 // kv_heads
+    # Same seed, same order of initialisers: every other parameter is already equal.
+    for shared_block, block in zip(mha.blocks, gqa.blocks):
+        shared_block.attn.wk[...] = jnp.repeat(block.attn.wk[...], g, axis=1)
+        shared_block.attn.wv[...] = jnp.repeat(block.attn.wv[...], g, axis=1)
+    np.testing.assert_array_equal(np.asarray(mha.blocks[0].attn.wq[...]), np.asarray(gqa.blocks[0].attn.wq[...]))
+    shared = mha
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 32)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(gqa(tokens)[..., :500]), np.asarray(shared(tokens)[..., :500]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads, degrees", [(1, (2, 4, 1)), (4, (1, 2, 4))])
+def test_gqa_trains_the_same_sharded(kv_heads, degrees):
+    """kv_heads 1 (multi-query) and all 4 (kv_heads 2 is the parity tests' model): the same losses on one device
+    and on a mesh; under TP the kv heads are split over tensor, read back from the arrays."""
+    overrides = LLAMA + [f"model.n_kv_heads={kv_heads}"]
+    ref = run_steps(overrides, (1, 1, 1), steps=2)[0]
+    got, ts, mesh = run_steps(overrides, degrees, steps=2)
+    np.testing.assert_allclose(got, ref, rtol=2e-5)
+    wk = ts.state["model"]["blocks"][0]["attn"]["wk"][...]
+    assert wk.shape == (64, kv_heads, 16)
+    shard = wk.sharding.shard_shape(wk.shape)
+    assert shard == (64 // degrees[1], kv_heads // degrees[2], 16)
+
+
+def test_kv_heads_not_divisible_by_tensor_is_a_clear_error():
+    from shardlm.train.state import check_shardable
+
+    cfg = load_config(None, LLAMA + ["model.n_kv_heads=2"])
+    with pytest.raises(ShardlmError, match=r"mesh.tensor=4 must divide the key/value heads \(model.n_kv_heads=2\)"):
+        check_shardable(cfg, make_mesh(2, 1, 4))
+    with pytest.raises(ShardlmError, match="must divide model.n_heads=4"):
+        load_config(None, LLAMA + ["model.n_kv_heads=3"])
+    with pytest.raises(ShardlmError, match="applies to the llama family"):
+        load_config(None, MICRO + ["model.n_kv_heads=2"])
+    with pytest.raises(ShardlmError, match="no biases"):
+        load_config(None, MICRO + ["model.family=llama"])
+
+
+def test_presets_reach_a_billion_parameters():
+    counts = {}
+    for preset in ("llama-tiny", "llama-125m", "llama-350m", "llama-1b"):
+        cfg = load_config(None, [f"model={preset}"])
+        with nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(lambda: model_factory(cfg, 32000, 1)(nnx.Rngs(params=0)))
+        counts[preset] = sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
+        assert cfg.model.family == "llama" and not cfg.model.use_bias
+    assert counts["llama-tiny"] < counts["llama-125m"] < counts["llama-350m"] < counts["llama-1b"]
+    assert 1.0e9 < counts["llama-1b"] < 1.1e9  # Llama 3.2 1B's body with a 32k vocabulary
+    assert 0.12e9 < counts["llama-125m"] < 0.135e9
+
+
+def test_bfloat16_compute_tracks_float32_and_keeps_float32_state(llama_trajectories):
+    """The first steps in bfloat16 stay within bfloat16's precision of float32; the master weights and AdamW
+    moments stay float32, the matmuls run in bfloat16, and the logits reach the loss in float32."""
+    ref = llama_trajectories["DP 2 x FSDP 2 x TP 2"][:5]  # the same config's first steps in float32
+    got, ts, _ = run_steps(LLAMA + ["model.dtype=bfloat16"], (2, 2, 2), steps=5)
+    np.testing.assert_allclose(got, ref, rtol=2e-2)
+    assert not np.allclose(got, ref, rtol=1e-6)  # bfloat16 really ran
+    assert {x.dtype for x in jax.tree.leaves(ts.state)} <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32),
+                                                             jnp.dtype(jnp.uint32)}
+    model = _model(LLAMA + ["model.dtype=bfloat16"])
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    assert model(tokens).dtype == jnp.float32
+    assert model.init_cache(2)[0].k.dtype == jnp.bfloat16  # the KV cache follows the compute dtype
+    hlo = jax.jit(lambda m, t: m(t)).lower(model, tokens).as_text()
+    assert "bf16" in hlo and "dot_general" in hlo
+
+
+def _compiled_step(overrides):
+    cfg = load_config(None, overrides)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, 500)
+    return cfg, mesh, train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).lower(
+        abstract, batch_struct(cfg, mesh)).compile()
+
+
+def test_remat_same_loss_fewer_temporary_bytes():
+    shape = LLAMA + ["model.n_layers=4", "model.seq_len=128", "train.batch_size=8"]
+    cfg = load_config(None, shape)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    ts = create_train_state(cfg, mesh, 500)
+    batch = jax.device_put(structured_tokens(8 * 129, 500).reshape(8, 129), batch_struct(cfg, mesh).sharding)
+    temps, losses = {}, {}
+    for policy in ("none", "full", "dots_saveable"):
+        _, _, step = _compiled_step(shape + [f"model.remat={policy}"])
+        temps[policy] = step.memory_analysis().temp_size_in_bytes
+        state = jax.tree.map(jnp.copy, ts.state)  # the step donates its input
+        losses[policy] = float(step(state, batch)[1]["loss"])
+    assert losses["full"] == pytest.approx(losses["none"], rel=1e-6, abs=0)
+    assert losses["dots_saveable"] == pytest.approx(losses["none"], rel=1e-6, abs=0)
+    assert temps["full"] < temps["none"] and temps["dots_saveable"] < temps["none"], temps
+
+
+def test_grad_accum_is_the_full_batch_step(llama_trajectories):
+    """grad_accum=4 on a 2x2x2 mesh: the same loss and gradient as one pass over the whole batch (1e-5 relative),
+    and the same losses over the next steps."""
+    from shardlm.train.step import accumulated_grads, cross_entropy
+
+    cfg = load_config(None, LLAMA)
+    mesh = make_mesh(2, 2, 2)
+    ts = create_train_state(cfg, mesh, 500)
+    batch = jax.device_put(structured_tokens(16 * 33, 500).reshape(16, 33), batch_struct(cfg, mesh).sharding)
+    params_sharding = ts.shardings["model"]
+
+    def loss_fn(model, tokens, key):
+        return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+
+    @jax.jit
+    def both(state, batch):
+        from shardlm.sharding import use_mesh_rules
+
+        model = nnx.merge(ts.graphdef, state)["model"]
+        with use_mesh_rules(mesh):
+            full = nnx.value_and_grad(loss_fn)(model, batch, None)
+            accumulated = accumulated_grads(loss_fn, model, batch, jax.random.key(0), 4, params_sharding)
+        return full, accumulated
+
+    (loss_1, grads_1), (loss_4, grads_4) = both(ts.state, batch)
+    assert float(loss_4) == pytest.approx(float(loss_1), rel=1e-5)
+    diff = jax.tree.map(lambda a, b: a - b, grads_1, grads_4)
+    assert float(optax_norm(diff)) <= 1e-5 * float(optax_norm(grads_1))
+
+    full = llama_trajectories["DP 2 x FSDP 2 x TP 2"][:3]
+    accumulated = run_steps(LLAMA + ["train.grad_accum=4"], (2, 2, 2), steps=3)[0]
+    np.testing.assert_allclose(accumulated, full, rtol=1e-5)
+
+
+def optax_norm(tree):
+    import optax
+
+    return optax.tree.norm(tree)
+
+
+def test_grad_accum_errors():
+    with pytest.raises(ShardlmError, match="does not split into train.grad_accum=3"):
+        load_config(None, LLAMA + ["train.grad_accum=3"])
+    from shardlm.train.loop import check_batch
+
+    cfg = load_config(None, LLAMA + ["train.grad_accum=4"])  # 16 / 4 = 4 sequences per microbatch
+    with pytest.raises(ShardlmError, match="multiple of 32"):
+        check_batch(cfg, make_mesh(8, 1, 1))
