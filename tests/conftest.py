@@ -2,11 +2,14 @@
 
 import os
 
-# The memory-minimising scheduler too, as `shardlm plan` compiles (see `shardlm.perf.planner.MEMORY_SCHEDULER_FLAG`):
-# the tests read temporaries the way a plan does.
+# Compiled as `shardlm plan` compiles (`shardlm.perf.planner.planning_flags`): the memory-minimising scheduler, so
+# tests read temporaries the way a plan does, and cheap machine code (LLVM at -O0). Tests compile hundreds of tiny
+# programs and run each for a few steps, so compiling dominates: this takes a third off the suite. Processes the
+# tests start (the CLI) inherit the flags.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Data prepared on the fly (the built-in corpus, test text) goes to a per-session cache, shared with the CLI
