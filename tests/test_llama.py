@@ -199,3 +199,58 @@ def test_grad_accum_errors():
     cfg = load_config(None, LLAMA + ["train.grad_accum=4"])  # 16 / 4 = 4 sequences per microbatch
     with pytest.raises(ShardlmError, match="multiple of 32"):
         check_batch(cfg, make_mesh(8, 1, 1))
+
+
+def test_llama_cache_equals_the_full_forward_with_grouped_kv_heads_on_a_mesh():
+    """Prefill + one-token decode steps give the full forward's logits at every position (rotary positions, 2 kv
+    heads for 4 query heads, both split over tensor 2)."""
+    from test_generate import VOCAB, cached_vs_full, placed
+
+    cfg = load_config(None, LLAMA + ["model.seq_len=48"])
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(model_factory(cfg, VOCAB, 1)(nnx.Rngs(0)))
+    state = jax.tree.map(lambda x: x * 3, state)  # O(1) logits, so the tolerance is a real bound
+    mesh = make_mesh(2, 1, 2, devices=jax.devices()[:4])
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (4, 48)).astype(np.int32)
+    cached, full = cached_vs_full(graphdef, placed(state, mesh), mesh, jnp.asarray(tokens), [3, 17, 1, 30])
+    for row, length in enumerate([3, 17, 1, 30]):
+        np.testing.assert_allclose(cached[row, length - 1:], full[row, length - 1:], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(cached[row, :length], full[row, :length], rtol=1e-4, atol=1e-4)
+
+
+def test_llama_trains_checkpoints_and_generates_with_every_lever(tmp_path, capsys):
+    """`model=llama-...` runs the whole path of the GPT family: bfloat16 compute, remat and grad accumulation in
+    training on data 2 x fsdp 2 x tensor 2, a checkpoint, and generation from it on another mesh."""
+    from shardlm.cli import main
+    from shardlm.load import load_model
+    from shardlm.train.loop import train
+
+    run = tmp_path / "llama"
+    overrides = ["model=llama-tiny", "model.n_layers=2", "model.seq_len=64", "train.batch_size=16",
+                 "train.steps=6", "train.warmup_steps=2", "train.eval_interval=6", "train.eval_batches=1",
+                 "train.sample_tokens=8", "data.tokenizer=bytes", "checkpoint.every=3", "model.dtype=bfloat16",
+                 "model.remat=full", "train.grad_accum=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    summary = train(load_config(None, overrides), run, progress=False)
+    assert summary["final_eval_loss"] < summary["first_eval_loss"] and (run / "samples.txt").exists()
+    loaded = load_model(run, overrides=["mesh.tensor=2"])
+    assert loaded.step == 6 and loaded.cfg.model.family == "llama" and loaded.mesh.shape["data"] == 4
+    wk = loaded.state["blocks"][0]["attn"]["wk"][...]
+    assert wk.dtype == jnp.float32 and wk.sharding.shard_shape(wk.shape) == (128, 1, 32)  # 2 kv heads / tensor 2
+    assert main(["generate", str(run), "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0", "--json",
+                 "mesh.tensor=2"]) == 0
+    out = capsys.readouterr().out
+    assert '"new_tokens"' in out
+
+
+def test_plan_only_the_named_strategies_with_the_compute_dtypes_peak(capsys):
+    """`shardlm plan --strategies` compiles just those; a bfloat16 model is costed at the H100's bfloat16 peak."""
+    import json
+
+    from shardlm.cli import main
+
+    assert main(["plan", "--strategies", "fsdp8,fsdp4+tp2", "--json", *LLAMA, "model.vocab_size=500",
+                 "model.dtype=bfloat16", "model.remat=full"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows if r["mesh"]["tensor"] == 1] == ["fsdp8"] and len(rows) == 2
+    for r in rows:
+        assert r["est_compute_s"] == pytest.approx(r["flops_per_device"] / 989e12)
