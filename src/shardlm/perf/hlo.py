@@ -122,7 +122,8 @@ def _parse(hlo_text: str) -> list[_Instruction]:
     instructions, computation = [], ""
     for line in hlo_text.splitlines():
         c = _COMPUTATION.match(line)
-        if c and "=" not in line.split("{")[0]:
+        # A header is not an assignment; its parameter tuples may hold /*index=5*/ comments.
+        if c and "=" not in re.sub(r"/\*.*?\*/", "", line.split("{")[0]):
             computation = c.group(1)
             continue
         m = _INSTRUCTION.match(line)
@@ -147,7 +148,9 @@ def _op_name(ins: _Instruction) -> str:
 
 
 def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
-    """Executions per step of each computation reached through `while` loops with a known trip count."""
+    """Executions per call of the program of each computation: a `while` body runs its known trip count times
+    per execution of the computation holding the loop; fused and called computations run once per execution of
+    their caller. (Reducers, `to_apply` of reduce and all-reduce, are not executions of their own.)"""
     parent: dict[str, tuple[str, int]] = {}
     for ins in instructions:
         if ins.opcode == "while":
@@ -155,6 +158,10 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
             n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
             if body:
                 parent[body.group(1)] = (ins.computation, int(n.group(1)) if n else 1)
+        elif ins.opcode in ("fusion", "call"):
+            called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", ins.attrs)
+            if called:
+                parent.setdefault(called.group(1), (ins.computation, 1))
 
     def times(comp: str, seen=()) -> int:
         if comp not in parent or comp in seen:
@@ -401,12 +408,30 @@ def summarize(ops: list[CollectiveOp]) -> list[dict]:
     return [{"kind": k, "count": acc[k][0], "bytes": acc[k][1]} for k in KINDS if k in acc]
 
 
+def _dot_flops(ins: _Instruction, shapes: dict[str, str]) -> float:
+    """2 x output elements x contracted size: the FLOPs of one `dot`."""
+    out = (_array_sizes(ins.shape) or [0])[0]
+    lhs = _ARRAY.search(shapes.get(ins.operands[0], "")) if ins.operands else None
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+    if lhs is None or m is None:
+        return 0.0
+    dims = _ints(lhs.group(2))
+    return 2.0 * out * math.prod(dims[d] for d in _ints(m.group(1)))
+
+
 def compiled_flops(compiled) -> float:
-    """FLOPs one device executes per call, from XLA's cost analysis of the compiled program."""
+    """FLOPs one device executes per call: XLA's cost analysis of the compiled program, plus the matmuls of loop
+    iterations after the first. XLA's cost analysis counts a `while` body once, so a gradient-accumulation scan
+    of K microbatches would otherwise count 1/K of the model's FLOPs."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
+    flops = float((cost or {}).get("flops", 0.0))
+    instructions = _parse(compiled.as_text())
+    times = _trip_counts(instructions)
+    shapes = {i.name: i.shape for i in instructions}
+    return flops + sum((times[i.computation] - 1) * _dot_flops(i, shapes)
+                       for i in instructions if i.opcode == "dot" and times[i.computation] > 1)
 
 
 def op_scopes(hlo_text: str) -> dict[str, str]:

@@ -84,6 +84,7 @@ class Plan:
     rejected: list[tuple[Strategy, str]]
     param_count: int  # of the model with the least vocabulary padding
     wall_s: float
+    platform: str = "cpu"  # where it was compiled
 
     @property
     def best(self) -> StrategyPlan | None:
@@ -183,7 +184,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware = Hardwar
             log(f"[{i + 1}/{len(candidates)}] {s.name}: compiled in {compile_s:.1f} s")
             del compiled, future
     return Plan(cfg, n, hardware, rank_strategies(results, hardware), rejected, param_count,
-                time.perf_counter() - t0)
+                time.perf_counter() - t0, devices[0].platform)
 
 
 def rank_strategies(results: list[StrategyPlan], hardware: Hardware) -> list[StrategyPlan]:
@@ -231,6 +232,10 @@ def format_plan(p: Plan) -> str:
                  "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps")
     lines.append("comm/dev = what one device sends per step (ring algorithms); est step = compute at peak + "
                  "collectives at link bandwidth + latency (`shardlm.perf.costmodel`)")
+    if p.platform == "cpu" and p.cfg.model.dtype != "float32":
+        lines.append(f"note: XLA:CPU emulates {p.cfg.model.dtype} in float32, so temps and collectives above are "
+                     "float32-sized (or more, with the conversions); a GPU or TPU computes it natively and needs "
+                     "less: check there with `shardlm bench`")
     for s, why in p.rejected:
         lines.append(f"not possible: {s.name}: {why}")
     lines.append("")
