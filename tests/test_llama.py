@@ -254,3 +254,17 @@ def test_plan_only_the_named_strategies_with_the_compute_dtypes_peak(capsys):
     assert [r["name"] for r in rows if r["mesh"]["tensor"] == 1] == ["fsdp8"] and len(rows) == 2
     for r in rows:
         assert r["est_compute_s"] == pytest.approx(r["flops_per_device"] / 989e12)
+
+
+def test_compute_settings_may_change_on_resume_the_weights_may_not():
+    from shardlm.train.rundir import config_changes
+
+    saved = load_config(None, LLAMA)
+    changed = load_config(None, LLAMA + ["model.dtype=bfloat16", "model.remat=full", "train.grad_accum=2",
+                                         "model.attention=xla"])
+    assert sorted(c.split()[0] for c in config_changes(changed, saved, 10)) == [
+        "model.attention", "model.dtype", "model.remat", "train.grad_accum"]
+    with pytest.raises(ShardlmError, match="model.param_dtype=bfloat16 differs"):
+        config_changes(load_config(None, LLAMA + ["model.param_dtype=bfloat16"]), saved, 10)
+    with pytest.raises(ShardlmError, match="model.n_kv_heads=1 differs"):
+        config_changes(load_config(None, LLAMA + ["model.n_kv_heads=1"]), saved, 10)

@@ -6,7 +6,8 @@ Design choices:
   step 0, and a run whose checkpoint has reached `train.steps` is not trained again.
 - What may change on resume: the mesh (a checkpoint is read into any sharding), `train.steps` (raising it
   extends a finished run; the learning-rate schedule then decays over the new length), intervals, checkpoint
-  settings and optimizer hyperparameters. What may not: the model's shape, the seed, the global batch size and
+  settings, optimizer hyperparameters, gradient accumulation and the model's compute dtype, remat policy and
+  attention kernel. What may not: the model's shape, the seed, the global batch size and
   the training data (checked by its SHA-256), because the checkpoint, the batch order or the dropout stream
   would no longer be the run's.
 """
@@ -26,9 +27,11 @@ FINISHED_MARKER = "summary.json"
 CONFIG_FILE = "config.yaml"
 # The files a shardlm run writes at the top of its directory (--overwrite removes these and nothing else).
 RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "loss.png", "samples.txt", "tokenizer.json", FINISHED_MARKER)
-# Keys that must be equal to the checkpoint's for a run to resume.
-FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig) if f.name != "dropout") + (
-    "seed", "train.batch_size")
+# Keys that must be equal to the checkpoint's for a run to resume. Dropout and the compute settings (dtype, remat,
+# attention kernel) change how the step computes, not what the checkpoint holds, so they may change.
+CHANGEABLE_MODEL_KEYS = ("dropout", "dtype", "remat", "attention")
+FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
+                   if f.name not in CHANGEABLE_MODEL_KEYS) + ("seed", "train.batch_size")
 
 
 def default_run_dir(cfg: Config) -> Path:
