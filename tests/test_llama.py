@@ -49,7 +49,7 @@ def _model(overrides, vocab=500):
         return model_factory(cfg, vocab, 1)(nnx.Rngs(params=0))
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("kv_heads", [1, 2])
 def test_grouped_query_attention_is_attention_with_shared_kv_heads(kv_heads):
     """A model with kv_heads key/value heads computes what the 4-head model computes when every query head's k/v
     weights are those of its group's kv head (query head n reads kv head n // (heads / kv_heads))."""
@@ -123,7 +123,10 @@ def test_bfloat16_compute_tracks_float32_and_keeps_float32_state(llama_trajector
     assert model(tokens).dtype == jnp.float32
     assert model.init_cache(2)[0].k.dtype == jnp.bfloat16  # the KV cache follows the compute dtype
     hlo = jax.jit(lambda m, t: m(t)).lower(model, tokens).as_text()
-    assert "bf16" in hlo and "dot_general" in hlo
+    import re
+
+    matmuls = re.findall(r"stablehlo.dot_general.*?: \((tensor<[^)]*)\)", hlo)
+    assert matmuls and all(re.findall(r"tensor<[\dx]*bf16>", m) for m in matmuls), matmuls
 
 
 def _compiled_step(overrides):
@@ -140,14 +143,17 @@ def test_remat_same_loss_fewer_temporary_bytes():
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     ts = create_train_state(cfg, mesh, 500)
     batch = jax.device_put(structured_tokens(8 * 129, 500).reshape(8, 129), batch_struct(cfg, mesh).sharding)
-    temps, losses = {}, {}
+    temps, metrics, params = {}, {}, {}
     for policy in ("none", "full", "dots_saveable"):
         _, _, step = _compiled_step(shape + [f"model.remat={policy}"])
         temps[policy] = step.memory_analysis().temp_size_in_bytes
-        state = jax.tree.map(jnp.copy, ts.state)  # the step donates its input
-        losses[policy] = float(step(state, batch)[1]["loss"])
-    assert losses["full"] == pytest.approx(losses["none"], rel=1e-6, abs=0)
-    assert losses["dots_saveable"] == pytest.approx(losses["none"], rel=1e-6, abs=0)
+        state, metrics[policy] = step(jax.tree.map(jnp.copy, ts.state), batch)  # the step donates its input
+        params[policy] = jax.tree.leaves(state["model"])
+    for policy in ("full", "dots_saveable"):  # the loss, the gradient (its norm) and the updated weights
+        for key in ("loss", "grad_norm"):
+            assert float(metrics[policy][key]) == pytest.approx(float(metrics["none"][key]), rel=1e-6, abs=0)
+        for a, b in zip(params[policy], params["none"]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert temps["full"] < temps["none"] and temps["dots_saveable"] < temps["none"], temps
 
 

@@ -78,7 +78,8 @@ class TrainConfig:
     steps: int = 500
     batch_size: int = 32  # global, in sequences
     # Microbatches per step: the global batch is split into grad_accum slices, run one after another inside the
-    # jitted step (a scan) and their gradients averaged: the same update, 1/grad_accum of the activation memory.
+    # jitted step (a scan) and their gradients averaged: the same update (without dropout), with the activations
+    # of one microbatch alive at a time.
     grad_accum: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.1

@@ -9,9 +9,9 @@ Design choices:
   input, attention's logits and softmax are float32 inside `jax.nn.dot_product_attention`, and the head
   accumulates in float32 (`preferred_element_type`), so the loss never sees bfloat16 logits.
 - Attention goes through `jax.nn.dot_product_attention`. Its default implementation is XLA's on every backend;
-  `attention="auto"` asks for cuDNN's fused kernel on NVIDIA GPUs when the inputs are 16-bit (the only dtypes it
-  takes). The XLA path gets a causal mask built once per forward pass and shared by every layer; the cuDNN kernel
-  is told `is_causal` and builds none.
+  `attention="auto"` asks for cuDNN's fused kernel on NVIDIA GPUs (Ampere or newer) when the inputs are 16-bit
+  (the only dtypes it takes) and the head size suits it. The XLA path gets a causal mask built once per forward
+  pass and shared by every layer; the cuDNN kernel is told `is_causal` and builds none.
 - Keys and values may have fewer heads than queries (grouped-query attention, `kv_heads` dividing `heads`; one
   kv head is multi-query attention). Query head n reads kv head n // (heads / kv_heads), so splitting both head
   dimensions over `tensor` in contiguous blocks keeps every group on one device.
@@ -79,12 +79,18 @@ class Context(NamedTuple):
     pos: jax.Array | None  # decoding: each row's position [batch]
 
 
-def attention_impl(requested: str, dtype) -> str:
-    """cuDNN's fused kernel takes only 16-bit inputs on NVIDIA GPUs; everything else runs XLA's attention."""
+def attention_impl(requested: str, dtype, head_dim: int) -> str:
+    """"auto": cuDNN's fused kernel where it applies (NVIDIA GPUs of compute capability 8.0 or newer, 16-bit
+    inputs, head_dim a multiple of 8 up to 128), else XLA's attention."""
     if requested != "auto":
         return requested
-    on_gpu = jax.default_backend() == "gpu"
-    return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else "xla"
+    if jax.default_backend() != "gpu" or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "xla"
+    try:
+        capability = float(jax.devices()[0].compute_capability)
+    except (AttributeError, TypeError, ValueError):
+        return "xla"
+    return "cudnn" if capability >= 8.0 and head_dim % 8 == 0 and head_dim <= 128 else "xla"
 
 
 def causal_mask(t: int) -> jax.Array:
@@ -228,7 +234,7 @@ class CausalLM(nnx.Module):
         return self._forward(tokens, None, cache, pos)
 
     def _forward(self, tokens, rngs, cache=None, pos=None, at=None):
-        impl = attention_impl(self.attention, self.dtype)
+        impl = attention_impl(self.attention, self.dtype, self.blocks[0].attn.wq.shape[2])
         with jax.named_scope("embed"):
             # FSDP shards of the table are gathered before the lookup (what FSDP does for every weight): a lookup
             # into a table split over the same axis as the batch is otherwise fully rematerialised by XLA's
@@ -266,6 +272,7 @@ class CausalLM(nnx.Module):
 
 def _remat_block(block, x, rngs, ctx: Context, policy):
     """One block's training forward under `nnx.remat`: what `policy` does not save is recomputed in the backward
-    pass. The context is closed over (it holds the implementation's name, not an array)."""
+    pass. The context is closed over rather than passed: it holds the implementation's name, which is not an
+    array, and its arrays (mask, rotary tables) are the same for every block."""
     run = nnx.remat(lambda blk, x, rngs: blk(x, rngs, None, ctx)[0], policy=policy)
     return run(block, x, rngs)

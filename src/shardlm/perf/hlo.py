@@ -422,7 +422,8 @@ def _dot_flops(ins: _Instruction, shapes: dict[str, str]) -> float:
 def compiled_flops(compiled) -> float:
     """FLOPs one device executes per call: XLA's cost analysis of the compiled program, plus the matmuls of loop
     iterations after the first. XLA's cost analysis counts a `while` body once, so a gradient-accumulation scan
-    of K microbatches would otherwise count 1/K of the model's FLOPs."""
+    of K microbatches would otherwise count 1/K of the model's FLOPs. Matmuls are found as `dot` instructions,
+    which is how XLA:CPU (where plans compile) keeps them; a GPU's cuBLAS custom-calls are not counted."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}

@@ -126,14 +126,16 @@ def _lower(cfg: Config, strategy: Strategy, vocab: int, devices):
     return lowered, _shard_bytes(abstract["model"]), _shard_bytes(abstract["optimizer"]), count
 
 
-def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware = Hardware(), *, vocab_size: int | None = None,
+def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = None, *, vocab_size: int | None = None,
          strategies: list[Strategy] | None = None, workers: int | None = None, log=None) -> Plan:
     """Compile the train step of `cfg` for every strategy over `n_devices` (default: all devices JAX sees), or
     only for `strategies`, and rank them. JAX must already see that many devices (the CLI's `--devices` simulates
-    them on a CPU host)."""
+    them on a CPU host). `hardware` defaults to an H100 SXM at its dense peak for `model.dtype`."""
     import jax
 
-    from shardlm.perf.flops import model_flops_per_step
+    from shardlm.perf.flops import model_flops_per_step, table_peak
+
+    hardware = hardware or Hardware(peak_flops=table_peak("NVIDIA H100 80GB HBM3", cfg.model.dtype))
     from shardlm.train.loop import tokenizer_vocab
 
     t0 = time.perf_counter()

@@ -6,10 +6,10 @@ Design choices:
   step 0, and a run whose checkpoint has reached `train.steps` is not trained again.
 - What may change on resume: the mesh (a checkpoint is read into any sharding), `train.steps` (raising it
   extends a finished run; the learning-rate schedule then decays over the new length), intervals, checkpoint
-  settings, optimizer hyperparameters, gradient accumulation and the model's compute dtype, remat policy and
-  attention kernel. What may not: the model's shape, the seed, the global batch size and
-  the training data (checked by its SHA-256), because the checkpoint, the batch order or the dropout stream
-  would no longer be the run's.
+  settings, optimizer hyperparameters, and how a step computes: gradient accumulation and the model's compute
+  dtype, remat policy and attention kernel (with dropout on, a new grad_accum draws new masks, as a new dropout
+  rate would). What may not: the model's shape and parameter dtype, the seed, the global batch size and the
+  training data (checked by its SHA-256), because the checkpoint or the batch order would no longer be the run's.
 """
 
 import dataclasses

@@ -1,9 +1,10 @@
 """The jitted train and eval steps: explicit input/output shardings, donated state, no host round-trip.
 
 A batch is [batch, seq_len + 1] tokens; inputs are the first seq_len, targets the last seq_len. The loss is the
-mean next-token cross entropy in float32. With `train.grad_accum=K` the step runs the batch as K microbatches in a
-scan and averages their gradients (`accumulated_grads`). Dropout keys are derived from (seed, optimizer step), so a run is a pure
-function of its config and resumption needs no RNG state.
+mean next-token cross entropy in float32. With `train.grad_accum=K` the step runs the batch as K microbatches
+in a scan and averages their gradients (`accumulated_grads`); evaluation runs the whole batch at once. Dropout
+keys are derived from (seed, optimizer step), so a run is a pure function of its config and resumption needs no
+RNG state.
 """
 
 import jax
@@ -60,7 +61,8 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, drop
 def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings):
     """(mean loss, mean gradient) over `k` equal microbatches of `batch`, run one after another in a `lax.scan`,
     so only one microbatch's activations are alive at a time. Equal sizes make the mean of the microbatch means
-    the full batch's mean: the same update as one pass over the whole batch, up to float summation order.
+    the full batch's mean: without dropout, the same update as one pass over the whole batch, up to float
+    summation order (with dropout, each microbatch draws its own masks).
 
     Microbatch i is rows i, i + k, i + 2k, ...: each device's contiguous block of the batch (its data x fsdp
     shard) holds the same number of rows of every microbatch, so splitting needs no communication. Each
@@ -78,11 +80,13 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings):
         loss, grads = jax.value_and_grad(
             lambda p: loss_fn(nnx.merge(graphdef, p, rest), tokens, jax.random.fold_in(key, i)))(params)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss), None
+        return (jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads), loss_sum + loss), None
 
-    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
+    # The running sum is float32 even for bfloat16 parameters, and is cast back once at the end.
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+                                             param_shardings)
     (grad_sum, loss_sum), _ = jax.lax.scan(micro_step, (zeros, jnp.zeros((), jnp.float32)), (micro, jnp.arange(k)))
-    return loss_sum / k, jax.tree.map(lambda g: g / k, grad_sum)
+    return loss_sum / k, jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grad_sum, params)
 
 
 def make_eval_step(train_state, mesh, batch_sharding, token_bytes):
