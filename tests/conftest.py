@@ -31,6 +31,17 @@ MICRO = [
 ]
 
 
+# (data, fsdp, tensor) degrees that every model family must train identically on (the parity tests).
+PARITY_STRATEGIES = {
+    "1 device": (1, 1, 1),
+    "DP 8": (8, 1, 1),
+    "FSDP 8": (1, 8, 1),
+    "DP 4 x TP 2": (4, 1, 2),
+    "FSDP 4 x TP 2": (1, 4, 2),
+    "DP 2 x FSDP 2 x TP 2": (2, 2, 2),
+}
+
+
 @pytest.fixture
 def micro_overrides():
     return list(MICRO)

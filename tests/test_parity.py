@@ -3,16 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import run_steps
-
-STRATEGIES = {
-    "1 device": (1, 1, 1),
-    "DP 8": (8, 1, 1),
-    "FSDP 8": (1, 8, 1),
-    "DP 4 x TP 2": (4, 1, 2),
-    "FSDP 4 x TP 2": (1, 4, 2),
-    "DP 2 x FSDP 2 x TP 2": (2, 2, 2),
-}
+from conftest import PARITY_STRATEGIES as STRATEGIES, run_steps
 
 
 @pytest.fixture(scope="module")

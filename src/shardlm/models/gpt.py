@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlm.config import ModelConfig
-from shardlm.models.layers import (CACHE_AXES, DTYPES, Attention, CausalLM, LayerCache, padded_vocab_size, param,
-                                   use)
+from shardlm.models.layers import (CACHE_AXES, DTYPES, Attention, CausalLM, LayerCache, PreNormBlock,
+                                   padded_vocab_size, param, use)
 from shardlm.sharding import constrain
 
 __all__ = ["GPT", "CACHE_AXES", "LayerCache", "padded_vocab_size"]
@@ -62,7 +62,7 @@ class MLP(nnx.Module):
         return out + use(self.out_bias, self.dtype) if self.out_bias is not None else out
 
 
-class Block(nnx.Module):
+class Block(PreNormBlock):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt, pd = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
         self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
@@ -70,13 +70,6 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.mlp = MLP(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
-
-    def __call__(self, x, rngs: nnx.Rngs | None, cache: LayerCache | None, ctx):
-        a, cache = self.attn(self.ln1(x), cache, ctx)
-        x = x + self.dropout(a, deterministic=rngs is None, rngs=rngs)
-        x = constrain(x, "batch", "seq", "act_embed")
-        x = x + self.dropout(self.mlp(self.ln2(x)), deterministic=rngs is None, rngs=rngs)
-        return constrain(x, "batch", "seq", "act_embed"), cache
 
 
 class GPT(CausalLM):
@@ -102,6 +95,3 @@ class GPT(CausalLM):
             positions = constrain(use(self.wpe, self.dtype), "pos", "act_embed")[pos][:, None]
         x = table[tokens] + positions
         return self.dropout(x, deterministic=rngs is None, rngs=rngs), None
-
-    def _final_norm(self, x):
-        return self.ln_f(x)

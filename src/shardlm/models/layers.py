@@ -200,10 +200,22 @@ class Attention(nnx.Module):
         return (out + use(self.out_bias, self.dtype) if self.out_bias is not None else out), cache
 
 
+class PreNormBlock(nnx.Module):
+    """x + attn(ln1(x)), then x + mlp(ln2(x)), with dropout on both residual branches. A family's block builds
+    `ln1`, `attn`, `ln2`, `mlp` and `dropout`."""
+
+    def __call__(self, x, rngs: nnx.Rngs | None, cache: LayerCache | None, ctx: Context):
+        a, cache = self.attn(self.ln1(x), cache, ctx)
+        x = x + self.dropout(a, deterministic=rngs is None, rngs=rngs)
+        x = constrain(x, "batch", "seq", "act_embed")
+        x = x + self.dropout(self.mlp(self.ln2(x)), deterministic=rngs is None, rngs=rngs)
+        return constrain(x, "batch", "seq", "act_embed"), cache
+
+
 class CausalLM(nnx.Module):
     """The decoder-only forward pass every family shares. A family provides `_embed(tokens, table, rngs, pos)`
-    (tokens to the residual stream, and rotary tables if it uses them), `blocks` (each called as block(x, rngs,
-    cache, ctx) -> (x, cache)), `_final_norm`, the token table `wte` and, untied, `lm_head`, and sets
+    (tokens to the residual stream, and rotary tables if it uses them), `blocks` (`PreNormBlock`s), the final norm
+    `ln_f`, the token table `wte` and, untied, `lm_head`, and sets
     `vocab_size` (the tokenizer's; the tables have `padded_vocab` rows), `context` (seq_len), `dtype` (compute),
     `attention` (the requested implementation) and `remat` (a `REMAT_POLICIES` name).
     """
@@ -257,7 +269,7 @@ class CausalLM(nnx.Module):
         if at is not None:  # one position per row reaches the head
             x = jnp.take_along_axis(x, at[:, None, None], axis=1)
         with jax.named_scope("head"):
-            x = self._final_norm(x)
+            x = self.ln_f(x)
             if self.lm_head is None:  # tied: contract with the table as stored; a `wte.T` operand made XLA:CPU
                 logits = jnp.einsum("bte,ve->btv", x, table,  # copy the transposed table (all of it) every call
                                     preferred_element_type=jnp.float32)

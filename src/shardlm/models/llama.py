@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlm.config import ModelConfig
-from shardlm.models.layers import DTYPES, Attention, CausalLM, LayerCache, param, rope_tables, use
+from shardlm.models.layers import DTYPES, Attention, CausalLM, PreNormBlock, param, rope_tables, use
 from shardlm.sharding import constrain
 
 
@@ -52,22 +52,16 @@ class SwiGLU(nnx.Module):
         return constrain(h, "batch", "seq", "act_mlp") @ use(self.w_down, self.dtype)
 
 
-class Block(nnx.Module):
+class Block(PreNormBlock):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt, pd = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
+        # ln1 / ln2 / ln_f: RMSNorms, named as the GPT family's norms (and Hugging Face's "input_layernorm").
+        self.ln1 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, dt, pd,
                               rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
+        self.ln2 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.mlp = SwiGLU(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
-
-    def __call__(self, x, rngs: nnx.Rngs | None, cache: LayerCache | None, ctx):
-        a, cache = self.attn(self.attn_norm(x), cache, ctx)
-        x = x + self.dropout(a, deterministic=rngs is None, rngs=rngs)
-        x = constrain(x, "batch", "seq", "act_embed")
-        x = x + self.dropout(self.mlp(self.mlp_norm(x)), deterministic=rngs is None, rngs=rngs)
-        return constrain(x, "batch", "seq", "act_embed"), cache
 
 
 class Llama(CausalLM):
@@ -82,7 +76,7 @@ class Llama(CausalLM):
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd)
         self.dropout = nnx.Dropout(cfg.dropout)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
+        self.ln_f = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.lm_head = None if cfg.tie_embeddings else param(rngs, init, (cfg.d_model, padded_vocab),
                                                              ("embed", "vocab"), pd)
 
@@ -90,6 +84,3 @@ class Llama(CausalLM):
         positions = jnp.arange(tokens.shape[1])[None] if pos is None else pos[:, None]
         x = self.dropout(table[tokens], deterministic=rngs is None, rngs=rngs)
         return x, rope_tables(positions, self.head_dim, self.rope_theta)
-
-    def _final_norm(self, x):
-        return self.final_norm(x)
