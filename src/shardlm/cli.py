@@ -256,8 +256,7 @@ def _plan(args: argparse.Namespace) -> None:
     import json
 
     from shardlm.config import load_config
-    from shardlm.perf.costmodel import Hardware
-    from shardlm.perf.flops import table_peak
+    from shardlm.perf.costmodel import Hardware, h100_peak
     from shardlm.perf.planner import format_plan, plan, report_progress
     from shardlm.perf.strategies import parse_strategies
 
@@ -272,7 +271,7 @@ def _plan(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
         print("note: plan tries every mesh (or --strategies); the mesh.* overrides are ignored", file=sys.stderr)
-    h100 = table_peak("NVIDIA H100 80GB HBM3", cfg.model.dtype) / 1e12
+    h100 = h100_peak(cfg.model.dtype) / 1e12
     peak = h100 if args.peak_tflops is None else args.peak_tflops
     hw = Hardware(peak_flops=peak * 1e12, memory_bytes=memory, intra_node_bw=args.intra_node_gbs * 1e9,
                   inter_node_bw=args.inter_node_gbs * 1e9, devices_per_node=args.devices_per_node,

@@ -47,6 +47,13 @@ class Hardware:
                 f"{self.inter_node_bw / 1e9:g} GB/s across nodes, +{self.latency_s * 1e6:g} us each; no overlap")
 
 
+def h100_peak(dtype: str) -> float:
+    """The default hardware's dense peak FLOP/s for a compute dtype (494.5e12 float32 as TF32, 989e12 bfloat16)."""
+    from shardlm.perf.flops import table_peak
+
+    return table_peak("NVIDIA H100 80GB HBM3", dtype)
+
+
 def traffic_factor(kind: str, n: int) -> float:
     """Bytes one device sends per byte of the collective's buffer, ring algorithm over n devices."""
     if n <= 1:

@@ -27,7 +27,7 @@ import time
 from shardlm.config import Config, describe
 from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
-from shardlm.perf.costmodel import Estimate, Hardware, estimate, issued
+from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak, issued
 from shardlm.perf.strategies import Strategy, all_strategies, rejection
 
 
@@ -133,11 +133,10 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     them on a CPU host). `hardware` defaults to an H100 SXM at its dense peak for `model.dtype`."""
     import jax
 
-    from shardlm.perf.flops import model_flops_per_step, table_peak
-
-    hardware = hardware or Hardware(peak_flops=table_peak("NVIDIA H100 80GB HBM3", cfg.model.dtype))
+    from shardlm.perf.flops import model_flops_per_step
     from shardlm.train.loop import tokenizer_vocab
 
+    hardware = hardware or Hardware(peak_flops=h100_peak(cfg.model.dtype))
     t0 = time.perf_counter()
     devices = jax.devices()
     n = n_devices or len(devices)
