@@ -118,8 +118,22 @@ def test_interrupted_and_resumed_equals_uninterrupted_bit_for_bit(reference, tmp
     uninterrupted, _ = restore_arrays(reference, 10, mesh)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(resumed), jax.tree.leaves(uninterrupted)):
         assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
-    for run in (run_dir, reference):  # the data iterator's position: 10 batches consumed
-        assert json.loads((run / "checkpoints/10/data/process_0-of-1.json").read_text()) == {"next_index": 10}
+    for run in (run_dir, reference):  # the data position: 10 batches consumed, one JSON file for any process count
+        assert json.loads((run / "checkpoints/10/data/metadata").read_text()) == {"next_batch": 10}
+        ck = RunCheckpoints(run, read_only=True)
+        assert ck.read_position(10) == 10
+        ck.close()
+
+
+def test_a_checkpoint_with_grains_per_process_position_files_still_resumes(reference, tmp_path):
+    """Checkpoints written before the position became process-independent hold Grain's own state files."""
+    run_dir = copy_run(reference, tmp_path, keep_steps=(6,))
+    data = run_dir / "checkpoints/6/data"
+    shutil.rmtree(data)
+    data.mkdir()
+    (data / "process_0-of-1.json").write_text(json.dumps({"next_index": 6}))
+    summary = train(cfg_for(*FSDP8), run_dir, progress=False)
+    assert summary["resumed_from"] == 6 and rows(run_dir) == rows(reference)
 
 
 def test_restore_reads_each_array_into_the_new_sharding(reference):

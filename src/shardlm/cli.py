@@ -12,26 +12,36 @@
     shardlm profile [--config FILE] [--cpu-devices N] [--steps N] [--out DIR] [key=value ...]
     shardlm data prepare INPUT... --tokenizer T --out DIR [--val INPUT...] [--val-fraction F] [--force]
     shardlm tokenizer train INPUT... --vocab-size N --out PATH [--force]
+    shardlm launch --processes N [--cpu-devices K] [--log-dir DIR] -- COMMAND [ARGS...]
+
+Every command that runs a model also takes `--coordinator HOST:PORT --num-processes N --process-id I` (or their
+environment variables, or a cluster JAX detects) to be one process of a multi-process run (`shardlm.distributed`).
 
 JAX is imported only after the arguments are parsed, so `--cpu-devices` can still set the simulated device count.
-Bad input (a `ShardlmError`) prints one line and exits with 2; set SHARDLM_DEBUG=1 to see its traceback.
+Bad input (a `ShardlmError`) prints one line and exits with 2; set SHARDLM_DEBUG=1 to see its traceback. In a
+multi-process run every process ends with that line, not only the one that found the problem.
 """
 
 import argparse
 import os
 import sys
 
+from shardlm import distributed
+from shardlm.distributed import add_options as add_distributed_options
 from shardlm.errors import ShardlmError
 
 EXIT_USAGE = 2
 
 
+CPU_DEVICES_HELP = "simulate N devices on the CPU host (per process; sets XLA_FLAGS before JAX starts)"
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML config file (overrides apply on top)")
-    p.add_argument("--cpu-devices", type=int, metavar="N",
-                   help="simulate N devices on the CPU host (sets XLA_FLAGS before JAX starts)")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help=CPU_DEVICES_HELP)
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. model=tiny train.steps=20 mesh.fsdp=-1")
+    add_distributed_options(p)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -64,10 +74,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--no-cache", action="store_true",
                      help="re-run the whole context for every token (the naive decoder, for comparison)")
     gen.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint to load (default newest)")
-    gen.add_argument("--cpu-devices", type=int, metavar="N",
-                     help="simulate N devices on the CPU host (sets XLA_FLAGS before JAX starts)")
+    gen.add_argument("--cpu-devices", type=int, metavar="N", help=CPU_DEVICES_HELP)
     gen.add_argument("overrides", nargs="*", metavar="mesh.*=value",
                      help="the mesh to decode on, e.g. mesh.tensor=2 (default: the run's)")
+    add_distributed_options(gen)
     explain = sub.add_parser("explain", help="print every parameter's shape, partition spec and bytes per device")
     _common(explain)
     explain.add_argument("--json", action="store_true", help="the same as JSON, with per-device totals")
@@ -139,8 +149,25 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                            help="train on at most this much text (default: all of it)")
     _reading_options(tok_train)
     tok_train.add_argument("--force", action="store_true", help="replace PATH if it exists")
+
+    launch = sub.add_parser(
+        "launch", help="run N processes of a command on this host as one multi-process run (like torchrun)",
+        usage="shardlm launch --processes N [--cpu-devices K] [options] -- COMMAND [ARGS...]",
+        description="Starts N processes of `shardlm COMMAND ARGS...` joined into one run: process 0 writes to this "
+                    "terminal, the others to log files. Ctrl-C and SIGTERM are passed on to every process; when "
+                    "one fails, the others are stopped and the launcher exits non-zero, naming it.")
+    launch.add_argument("--processes", type=int, required=True, metavar="N", help="how many processes")
+    launch.add_argument("--cpu-devices", type=int, metavar="K",
+                        help="simulate K CPU devices per process (each process then stands for a host)")
+    launch.add_argument("--devices-per-process", type=int, default=1, metavar="D",
+                        help="accelerators per process on a GPU host (default 1: one process per GPU)")
+    launch.add_argument("--log-dir", metavar="DIR",
+                        help="where processes 1..N-1 write their output (default runs/launch-<date>-<time>)")
+    launch.add_argument("--heartbeat-timeout", type=int, metavar="S",
+                        help="the processes stop S seconds after one stops responding (default 30)")
+    launch.add_argument("--port", type=int, metavar="P", help="the coordinator's port (default: a free one)")
     return parser, {"train": train, "explain": explain, "generate": gen, "plan": plan, "bench": bench,
-                    "profile": prof}
+                    "profile": prof, "launch": launch}
 
 
 def _reading_options(p: argparse.ArgumentParser) -> None:
@@ -155,6 +182,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in commands:
         return parser.parse_args(argv)  # help, or argparse's own error for an unknown command
+    if argv[0] == "launch":  # the launcher's options, then `--` and the command it runs, untouched
+        cut = argv.index("--") if "--" in argv else len(argv)
+        args = commands["launch"].parse_args(argv[1:cut])
+        args.command, args.launched = "launch", argv[cut + 1:]
+        return args
     args = commands[argv[0]].parse_intermixed_args(argv[1:])
     args.command = argv[0]
     return args
@@ -331,7 +363,28 @@ def _profile(args: argparse.Namespace) -> None:
     print(format_profile(profile(cfg, out, steps=args.steps, warmup=args.warmup, log=_to_stderr)))
 
 
-def _run(args: argparse.Namespace) -> None:
+def _launch(args: argparse.Namespace) -> int:
+    from shardlm.launch import launch
+
+    if args.launched and args.launched[0] in ("-h", "--help"):
+        raise ShardlmError("name the command to launch after --, e.g. shardlm launch --processes 2 -- train")
+    return launch(args.processes, args.launched, cpu_devices=args.cpu_devices,
+                  devices_per_process=args.devices_per_process, log_dir=args.log_dir,
+                  heartbeat_timeout=args.heartbeat_timeout, port=args.port)
+
+
+def _join(args: argparse.Namespace) -> None:
+    """Join a multi-process run if this is one; then only process 0 prints a command's result (train logs on
+    every process: the launcher keeps the others' output in log files)."""
+    if not distributed.join(distributed.JoinOptions.from_args(args), log=_to_stderr):
+        return
+    if args.command != "train" and not distributed.is_primary():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+
+
+def _run(args: argparse.Namespace) -> int | None:
+    if args.command == "launch":
+        return _launch(args)
     if args.command == "data":
         return _data_prepare(args)
     if args.command == "tokenizer":
@@ -350,6 +403,7 @@ def _run(args: argparse.Namespace) -> None:
         from shardlm.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(args.cpu_devices)
+    _join(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "bench":
@@ -398,19 +452,30 @@ def _to_stderr(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        _run(args)
+        code = _run(args) or 0
     except ShardlmError as e:
+        print(f"shardlm: error: {e}", file=sys.stderr, flush=True)
         if os.environ.get("SHARDLM_DEBUG"):
             raise
-        print(f"shardlm: error: {e}", file=sys.stderr)
+        distributed.fail(str(e), EXIT_USAGE)  # the other processes stop too, with this line (never returns)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C outside the training loop, or a second Ctrl-C / SIGTERM inside it
         print("shardlm: aborted", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        distributed.fail("aborted by a second signal", 130)
         # At once: a checkpoint write still in flight (Orbax's non-daemon thread) is abandoned, not waited for;
         # it stays incomplete and the next start ignores it.
         os._exit(130)
-    return 0
+    except BaseException as e:  # a bug: its traceback, and the other processes told rather than left waiting
+        if distributed.is_multiprocess() and not isinstance(e, SystemExit):
+            import traceback
+
+            traceback.print_exc()
+            distributed.fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (its traceback is "
+                             f"in process {distributed.process_index()}'s output)", 1)
+        raise
+    distributed.shutdown()
+    return code
 
 
 if __name__ == "__main__":

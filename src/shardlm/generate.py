@@ -155,6 +155,9 @@ class Generator:
     def _build(self, rows: int, width: int, sampling: Sampling):
         graphdef, mesh, context, use_cache = self.graphdef, self.mesh, self.context, self.use_cache
         row_s, tok_s = self.row_sharding, batch_sharding(mesh)
+        # The host reads every row's new token. In a run of several processes a process holds only its rows, so
+        # there the tokens come out replicated (a few bytes gathered per step).
+        new_s = replicated(mesh) if jax.process_count() > 1 else row_s
         cache_s = NamedSharding(mesh, logical_to_spec(CACHE_AXES))
         carry_s = [LayerCache(cache_s, cache_s)] * self.n_layers if use_cache else tok_s
 
@@ -186,13 +189,14 @@ class Generator:
         row_arg = abstract((rows,), jnp.int32, row_s)
         seed_arg = abstract((), jnp.uint32, replicated(mesh))
         prefill_args = (self.params, prompt_arg, row_arg, row_arg, seed_arg)
-        prefill_c = jax.jit(prefill, out_shardings=(row_s, row_s, carry_s)).lower(*prefill_args).compile()
+        prefill_c = jax.jit(prefill, out_shardings=(new_s, row_s, carry_s)).lower(*prefill_args).compile()
         decode_key = ("decode", rows, sampling)  # the decode step's shapes do not depend on the prompt bucket
         if decode_key not in self._compiled:
             carry_arg = jax.tree.map(lambda a, s: abstract(a.shape, a.dtype, s),
                                      jax.eval_shape(prefill, *prefill_args)[2], carry_s)
-            self._compiled[decode_key] = jax.jit(decode, out_shardings=(row_s, row_s, carry_s), donate_argnums=5
-                                                 ).lower(self.params, row_arg, row_arg, row_arg, seed_arg,
+            new_arg = abstract((rows,), jnp.int32, new_s)
+            self._compiled[decode_key] = jax.jit(decode, out_shardings=(new_s, row_s, carry_s), donate_argnums=5
+                                                 ).lower(self.params, new_arg, row_arg, row_arg, seed_arg,
                                                          carry_arg).compile()
         return prefill_c, self._compiled[decode_key]
 

@@ -4,6 +4,12 @@ The axes are always the same three, in this order, so a strategy is nothing but 
 (N, 1, 1), FSDP is (1, N, 1), Megatron TP is (1, 1, N), and every hybrid is a product. Axes are created as
 `AxisType.Auto`: since JAX 0.9 `jax.make_mesh` defaults to Explicit axes, under which XLA refuses the contracting
 dimension sharding that row-parallel (Megatron) weights need.
+
+Across hosts, the devices are laid out process by process (host by host) with `tensor` innermost, then `fsdp`,
+then `data`: tensor groups, the chattiest (an all-reduce per layer), stay inside a host whenever the tensor
+degree divides the devices of one, FSDP's all-gathers next, and data parallelism, one gradient reduction per
+step, spans the hosts. This is what MaxText's ICI/DCN meshes do; the links between hosts are an order of magnitude
+slower. `axes_across_hosts` reads back which axes a mesh stretches over several hosts.
 """
 
 import math
@@ -33,9 +39,9 @@ def simulate_cpu_devices(n: int) -> None:
             initialised = jax._src.xla_bridge.backends_are_initialized()  # noqa: SLF001
         except AttributeError:
             initialised = False
-        if initialised and jax.device_count() != n:
+        if initialised and jax.local_device_count() != n:
             raise ShardlmError(
-                f"JAX is already running with {jax.device_count()} devices; --cpu-devices {n} must be set before "
+                f"JAX is already running with {jax.local_device_count()} devices; --cpu-devices {n} must be set before "
                 "JAX starts (set XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment instead)"
             )
 
@@ -100,6 +106,8 @@ def make_named_mesh(degrees: dict[str, int], devices=None):
     if not degrees:
         raise ShardlmError("a mesh needs at least one axis, e.g. {data: -1}")
     shape = resolve_axis_degrees(dict(degrees), len(devices))
+    if devices[0].platform != "tpu":  # host by host, so the inner axes stay inside hosts (a TPU slice is one network)
+        devices.sort(key=lambda d: (d.process_index, d.id))
     return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape),
                          devices=devices)
 
@@ -125,3 +133,46 @@ def mesh_from_config(mesh_cfg, devices=None):
 
 def describe_mesh(mesh) -> str:
     return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+
+
+def axes_across_hosts(mesh, host_of_process=None) -> dict[str, int]:
+    """{axis: the most hosts any one group along it spans} for the axes that leave a host; {} on one host.
+    `host_of_process` names each process's host (default: the joined run's, `shardlm.distributed`)."""
+    import numpy as np
+
+    if host_of_process is None:
+        from shardlm.distributed import host_of_process
+    hosts = np.vectorize(lambda d: host_of_process(d.process_index), otypes=[object])(mesh.devices)
+    out = {}
+    for k, name in enumerate(mesh.axis_names):
+        groups = np.moveaxis(hosts, k, -1).reshape(-1, hosts.shape[k])  # one row per group along axis k
+        spanned = max(len(set(row)) for row in groups)
+        if spanned > 1:
+            out[name] = spanned
+    return out
+
+
+def describe_hosts(mesh, host_of_process=None) -> str:
+    """'2 hosts; data spans 2 hosts, tensor stays inside each' -- or '' on one host."""
+    from shardlm.distributed import host_of_process as joined
+
+    owner = host_of_process or joined
+    n_hosts = len({owner(d.process_index) for d in mesh.devices.flat})
+    if n_hosts == 1:
+        return ""
+    across = axes_across_hosts(mesh, owner)
+    inside = [a for a in mesh.axis_names if a not in across and mesh.shape[a] > 1]
+    parts = [f"{a} spans {h} hosts" for a, h in across.items()]
+    if inside:
+        parts.append(f"{' and '.join(inside)} inside each")
+    return f"{n_hosts} hosts: " + ", ".join(parts)
+
+
+def check_tensor_inside_hosts(mesh, log, host_of_process=None) -> None:
+    """A tensor axis that crosses hosts is allowed, with a warning: it all-reduces across the slow links twice
+    per layer."""
+    across = axes_across_hosts(mesh, host_of_process)
+    if "tensor" in across:
+        log(f"warning: mesh.tensor={mesh.shape['tensor']} spans {across['tensor']} hosts, so tensor parallelism's "
+            f"all-reduces (two per layer) cross the network between hosts; a tensor degree that divides the "
+            f"devices of one host keeps them inside it")

@@ -12,9 +12,12 @@ Design choices:
   process p on a process-major mesh). In Grain terms the stream is grouped into blocks of that many windows and
   the process takes every (B/rows)-th block from its own; `jax.make_array_from_process_local_data` then
   assembles the global `jax.Array`.
-- The iterator is a Grain `DatasetIterator` with background prefetch threads; `get_state()` / `set_state()`
-  save and restore its position, so a resumed run sees exactly the batches the uninterrupted run would have.
-  `get(i)` reads batch i directly (eval uses the first few batches of the unshuffled validation split).
+- The iterator is a Grain `DatasetIterator` with background prefetch threads. Its position is one number, the
+  index of the next global batch (`position`, `seek`): the same in every process and for any process count,
+  since batch i is a pure function of (seed, i). A checkpoint stores that number, so a run saved by 2 processes
+  resumes on 1 or 4 at exactly the next batch, and a resumed run sees exactly the batches the uninterrupted run
+  would have. `get(i)` reads batch i directly (eval uses the first few batches of the unshuffled validation
+  split).
 """
 
 import grain
@@ -54,9 +57,13 @@ class BatchIterator:
         return self.loader.to_global(next(self._it))
 
     @property
-    def grain_iterator(self):
-        """The underlying Grain `DatasetIterator`, for Grain's Orbax checkpoint handler."""
-        return self._it
+    def position(self) -> int:
+        """The index of the next global batch this iterator yields."""
+        return int(self._it.get_state()["next_index"])
+
+    def seek(self, position: int) -> None:
+        """Continue at global batch `position` (a checkpoint's `position`)."""
+        self._it.set_state({**self._it.get_state(), "next_index": int(position)})
 
     def get_state(self) -> dict:
         return self._it.get_state()

@@ -4,7 +4,8 @@ The model names its parts with `jax.named_scope` (`embed`, `layer0` ... `layerN`
 names `loss` and `optimizer`; each step runs under a `StepTraceAnnotation`, so viewers split the timeline by step.
 The scopes live in the compiled program's op metadata (backward ops as `transpose(jvp(layer3))`), so the summary
 joins each device op of the trace to its scope through the compiled HLO. The trace itself is written for
-TensorBoard's profile plugin / XProf (`DIR/plugins/profile/<time>/*.xplane.pb`) and as a Perfetto file.
+TensorBoard's profile plugin / XProf (`DIR/plugins/profile/<time>/*.xplane.pb`) and as a Perfetto file. In a run
+of several processes each traces its own devices into `DIR/process-<i>/`, and the summary is process 0's.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def profile(cfg: Config, log_dir: str | Path, steps: int = 3, warmup: int = 2, l
     vocab = tokenizer_vocab(cfg, log=log)
     compiled, state, batches, _ = warmed_up_step(cfg, mesh, vocab, 2, warmup)
     log_dir = Path(log_dir)
+    if jax.process_count() > 1:  # one trace per process (they would overwrite each other's files)
+        log_dir = log_dir / f"process-{jax.process_index()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     before = set(log_dir.glob("plugins/profile/*"))
     step_s = []
@@ -118,7 +121,7 @@ def profile(cfg: Config, log_dir: str | Path, steps: int = 3, warmup: int = 2, l
         hlo_text = compiled.as_text()
         module = re.search(r"^HloModule (\S+?)[,\s]", hlo_text, re.M)
         scopes, unscoped = summarize_trace(trace_file, hlo_text, module.group(1) if module else "jit_step", steps,
-                                           mesh.size)
+                                           len(mesh.local_devices))  # the trace holds this process's devices
     return Profile(log_dir, trace_file, steps, step_s, scopes, unscoped)
 
 

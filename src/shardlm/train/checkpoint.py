@@ -3,7 +3,8 @@
 Each step directory holds four items:
 - `params`: the model's parameters, the only item readers such as `shardlm generate` restore;
 - `optimizer`: the optimizer state (AdamW moments and the step counter);
-- `data`: the Grain iterator's position, through Grain's own Orbax handler (one JSON file per process);
+- `data`: the data iterator's position, `{"next_batch": i}`: JSON, written once, the same for any number of
+  processes (checkpoints written before this held Grain's per-process state files, which are still read);
 - `meta`: JSON with the step, the resolved config, the mesh, the vocabulary, the data's fingerprint, the RNG
   derivation and the library versions.
 
@@ -18,14 +19,18 @@ Design choices:
   strategies and device counts without ever being gathered whole on one device.
 - Arrays are stored as plain nested dicts (`nnx.to_pure_dict`), so the format does not depend on Flax's Variable
   classes.
+- Several processes: every process takes part in every save and restore (Orbax's own barriers); each writes and
+  reads only the shards its devices hold, and process 0 writes the JSON items. A checkpoint written by N
+  processes loads with M. A manager opened `local=True` (reading metadata on one process while the others wait)
+  joins no barrier.
 """
 
 import gc
+import json
 import logging
 import sys
 from pathlib import Path
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -120,24 +125,28 @@ class RunCheckpoints:
     deleted (the run's last step). `read_only` opens without creating, cleaning or deleting anything."""
 
     def __init__(self, run_dir: str | Path, *, keep: int = 3, also_keep: tuple[int, ...] = (),
-                 read_only: bool = False):
+                 read_only: bool = False, local: bool = False):
         _quiet_orbax()
-        self.read_only = read_only
+        self.read_only = read_only or local
         self.directory = checkpoint_dir(run_dir).absolute()
         preserve = [policies.LatestN(keep)] + ([policies.CustomSteps(list(also_keep))] if also_keep else [])
+        me = jax.process_index()
         options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=not read_only,
+            enable_async_checkpointing=not self.read_only,
             preservation_policy=policies.AnyPreservationPolicy(preserve),
-            cleanup_tmp_directories=not read_only,
-            read_only=read_only,
-            create=not read_only,
+            cleanup_tmp_directories=not self.read_only,
+            read_only=self.read_only,
+            create=not self.read_only,
+            # A manager of this process alone: its barriers include no one else.
+            multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+            if local else ocp.options.MultiprocessingOptions(),
         )
-        if read_only and not self.directory.is_dir():
+        if self.read_only and not self.directory.is_dir():
             self.manager = None
         else:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
                 "params": _array_tree_handler(), "optimizer": _array_tree_handler(),
-                "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+                "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
     # --- reading -----------------------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -156,16 +165,25 @@ class RunCheckpoints:
             raise CheckpointError(step, "its meta item is not a shardlm checkpoint's")
         return meta
 
-    def restore(self, step: int, abstract_state, *, optimizer: bool = True, iterator=None):
+    def read_position(self, step: int) -> int:
+        """The index of the first batch a run resumed from `step` trains on."""
+        old = sorted((self.directory / str(step) / "data").glob("process_*-of-*.json"))
+        try:
+            if old:  # written by Grain's own handler, one file per process, all holding the same index
+                return int(json.loads(old[0].read_text())["next_index"])
+            data = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+            return int(data["next_batch"])
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(step, f"its data position cannot be read: {_reason(e)}") from e
+
+    def restore(self, step: int, abstract_state, *, optimizer: bool = True):
         """The state at `step`, each array placed as the matching leaf of `abstract_state` says (ShapeDtypeStructs
         with shardings). `abstract_state` is {"model": ..., "optimizer": ...}, or the model's state alone when
-        `optimizer` is False. With `iterator` (a Grain DatasetIterator), its position is restored too."""
+        `optimizer` is False."""
         target = nnx.to_pure_dict(abstract_state)
         items = {"params": _restore_args(target["model"] if optimizer else target)}
         if optimizer:
             items["optimizer"] = _restore_args(target["optimizer"])
-        if iterator is not None:
-            items["data"] = grain.checkpoint.CheckpointRestore(iterator)
         try:
             with _QuietFailedReads():
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -177,14 +195,14 @@ class RunCheckpoints:
         return state
 
     # --- writing -----------------------------------------------------------------------------------------------
-    def save(self, step: int, state, iterator, meta: dict) -> None:
-        """Start saving `state` ({"model", "optimizer"}) and the iterator's position; returns once the arrays are
-        off the devices, while the files are written in the background."""
+    def save(self, step: int, state, position: int, meta: dict) -> None:
+        """Start saving `state` ({"model", "optimizer"}) and the data position (the index of the next batch);
+        returns once the arrays are off the devices, while the files are written in the background."""
         pure = nnx.to_pure_dict(state)
         args = ocp.args.Composite(
             params=ocp.args.PyTreeSave(pure["model"]),
             optimizer=ocp.args.PyTreeSave(pure["optimizer"]),
-            data=grain.checkpoint.CheckpointSave(iterator),
+            data=ocp.args.JsonSave({"next_batch": int(position)}),
             meta=ocp.args.JsonSave(meta),
         )
         try:

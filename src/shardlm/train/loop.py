@@ -1,11 +1,14 @@
 """The training loop: config -> mesh -> data -> sharded state -> compiled step -> metrics, checkpoints, samples.
 
+`train` is a sequence of named steps (`Training`'s methods): open the data, build or restore the state, claim the
+run directory, compile, run the steps, finish.
+
 Design choices:
 - Everything is built and checked before the first compile: a mesh that does not fit the devices, a degree that
   does not divide a parameter or the batch, a resume that would change the model, or an unreadable checkpoint
   fails in seconds, before the run directory is touched.
 - A run directory that already holds a run is resumed from its newest checkpoint (see `rundir`), with the
-  optimizer state, the step and the data iterator's position, so the continued run is the uninterrupted one.
+  optimizer state, the step and the data position, so the continued run is the uninterrupted one.
 - The train step is compiled ahead of time (`lower().compile()`), so the compile time is reported on its own and
   the first logged tokens/s is a real step's.
 - The host syncs with the devices only when it logs: the first step, every `train.log_interval` and every
@@ -14,6 +17,10 @@ Design choices:
 - SIGTERM or Ctrl-C ends the run after the current step with a checkpoint (see `preemption`).
 - Eval loss and bits per byte are measured at step 0 (the untrained baseline), every `train.eval_interval` steps
   and at the end, on the same fixed batches of the validation split each time.
+- Several processes (`shardlm.distributed`) run this same code in lockstep: they check that they were given the
+  same config and read the same data, follow process 0's decision about the run directory, and each take part in
+  every step, evaluation, checkpoint and sample. Only process 0 writes the run's files and draws the progress
+  bar; the others log each step as lines (the launcher keeps them in log files).
 """
 
 import dataclasses
@@ -28,13 +35,14 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from shardlm.config import Config, describe
+from shardlm import distributed
+from shardlm.config import Config, describe, flatten
 from shardlm.data.loader import BatchLoader
 from shardlm.data.prepare import PreparedData, training_data
 from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
 from shardlm.generate import sample_text
-from shardlm.mesh import describe_mesh, mesh_from_config
+from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
 from shardlm.perf.flops import device_peak, flops_per_token
 from shardlm.sharding import batch_sharding
 from shardlm.sharding.explain import explain_state, fmt_bytes, format_explanation
@@ -42,7 +50,7 @@ from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint
 from shardlm.train.metrics import MetricsLogger
 from shardlm.train.preemption import StopOnSignal
 from shardlm.train.rundir import (CONFIG_FILE, FINISHED_MARKER, RunStart, check_vocab_padding, claim,
-                                  default_run_dir, plan_start, unreadable)
+                                  decide_start, default_run_dir, unreadable)
 from shardlm.train.state import (TrainState, abstract_train_state, check_shardable, create_train_state,
                                  effective_warmup, vocab_sizes)
 from shardlm.train.step import make_eval_step, train_step_for
@@ -87,6 +95,12 @@ def _log(msg: str) -> None:
     tqdm.write(msg)
 
 
+def agree_on_config(cfg: Config, **extra) -> None:
+    """Every process of a run must have been started with the same config (one-line error on all if not)."""
+    distributed.agree("config", {**dict(flatten(cfg.to_dict())), **extra}, "the config",
+                      "start every process with the same command line and config file")
+
+
 def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int]) -> dict:
     """What every checkpoint records besides the arrays (the step is added per save)."""
     import orbax.checkpoint
@@ -96,6 +110,7 @@ def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int
     return {
         "config": cfg.to_dict(),
         "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
         "vocab": {"real": vocab[0], "padded": vocab[1]},
         "data": {"path": str(data.path), "train_sha256": data.meta["splits"]["train"]["sha256"]},
         # Dropout keys are a pure function of the seed and the optimizer's step (see `step`): the step restored
@@ -120,20 +135,21 @@ def check_same_run(meta: dict, mesh, data: PreparedData, vocab: tuple[int, int],
                            f"{jax.config.jax_default_prng_impl}; set jax_default_prng_impl to the run's")
 
 
-def restore_state(run_dir: Path, step: int, cfg: Config, mesh, vocab_size: int, iterator) -> TrainState:
-    """The checkpoint at `step`, read straight into this mesh's shardings, and the iterator moved to its position.
+def restore_state(run_dir: Path, step: int, cfg: Config, mesh, vocab_size: int) -> tuple[TrainState, int]:
+    """The checkpoint at `step`, read straight into this mesh's shardings, and the data position saved with it.
     If it cannot be read, the error names the newest older checkpoint that can."""
     _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab_size)
     reader = RunCheckpoints(run_dir, read_only=True)
     try:
-        state = reader.restore(step, abstract, iterator=iterator)
+        state = reader.restore(step, abstract)
+        position = reader.read_position(step)
     except CheckpointError as e:
         older = [s for s in reader.steps() if s < step]
         raise unreadable(run_dir, e, older, reader,
                          check=lambda s: (reader.read_meta(s), reader.restore(s, abstract))) from None
     finally:
         reader.close()
-    return TrainState(graphdef, state, shardings)
+    return TrainState(graphdef, state, shardings), position
 
 
 def _finished(run_dir: Path, start: RunStart) -> dict:
@@ -148,197 +164,257 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     `<run_dir>/summary.json` when the run reaches `train.steps`). `on_step(step)` is called after each step is
     dispatched (monitoring; the tests use it to send signals at a chosen step)."""
     t_start = time.perf_counter()
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     mesh = mesh_from_config(cfg.mesh, devices)
     check_batch(cfg, mesh)
     check_shardable(cfg, mesh)  # before the data, which may take minutes to prepare
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
-    start = plan_start(run_dir, cfg, overwrite, _log)
+    start = decide_start(run_dir, cfg, overwrite, _log)  # first: it also finds a run directory that is not shared
+    agree_on_config(cfg, run_dir=str(run_dir), overwrite=overwrite)
     if start.finished:
         return _finished(run_dir, start)
+    hosts = describe_hosts(mesh)
     _log(f"shardlm: run {run_dir} | mesh {describe_mesh(mesh)} on {mesh.devices.size} {jax.devices()[0].platform} "
-         f"device(s)")
+         f"device(s)" + (f" | {jax.process_count()} processes on {hosts}" if hosts else
+                         f" | {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+    check_tensor_inside_hosts(mesh, _log)
 
-    # Everything that can reject the input runs before the run directory is written.
-    data = load_data(cfg, progress)
-    tokenizer, splits = data.tokenizer, data.meta["splits"]
-    _log(f"data: {data.path} | {data.meta['tokenizer']} tokenizer, vocabulary {tokenizer.vocab_size} | "
-         f"{splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} validation tokens, "
-         f"{data.meta['num_documents']:,} documents")
-    # `auto` resolved (gpt2, bytes or bpe = the run's tokenizer.json), so the run names its tokenizer; an explicit
-    # choice (bpe:PATH) stays as given, so that replaying config.yaml prepares the same data.
-    if cfg.data.tokenizer == "auto":
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=data.meta["tokenizer"]))
-    vocab = vocab_sizes(cfg, tokenizer.vocab_size, mesh.shape["tensor"])
-    if start.meta is not None:
-        check_same_run(start.meta, mesh, data, vocab, run_dir)
+    run = Training(cfg, mesh, run_dir, start, progress=progress and distributed.is_primary(), on_step=on_step)
+    run.open_data(progress)  # everything that can reject the input runs before the run directory is written
+    run.initial_state()
+    run.describe(explain)
+    run.claim_run_dir()
+    run.compile()
+    # Signals are handled until the run returns: after the loop, a first one lets it finish (without samples) and a
+    # second aborts.
+    with StopOnSignal(coordinated=distributed.is_multiprocess()) as stop:
+        stopped = run.loop(stop)
+        return run.finish(stopped, stop, t_start)
 
-    bsh = batch_sharding(mesh)
-    seq, bsz = cfg.model.seq_len, cfg.train.batch_size
-    train_data = BatchLoader(data.tokens("train"), seq, bsz, bsh, seed=cfg.seed, shuffle=True)
-    eval_data = BatchLoader(data.tokens("val"), seq, bsz, bsh, seed=cfg.seed, shuffle=False, name="validation",
-                            hint="use more validation text (data.val_fraction, or --val when preparing)")
-    batches = train_data.iterator()
 
-    resumed = start.resume_step or 0
-    if start.resume_step is None:
-        ts = create_train_state(cfg, mesh, tokenizer.vocab_size)
-    else:
+class Training:
+    """One run of `train`, step by step. Attributes appear as the steps that make them run."""
+
+    def __init__(self, cfg: Config, mesh, run_dir: Path, start: RunStart, *, progress: bool,
+                 on_step: Callable[[int], None] | None):
+        self.cfg, self.mesh, self.run_dir, self.start = cfg, mesh, run_dir, start
+        self.progress, self.on_step = progress, on_step
+        self.primary = distributed.is_primary()
+        self.resumed = start.resume_step or 0
+        self.state = None
+
+    # --- before the run directory is touched ------------------------------------------------------------------
+    def open_data(self, progress: bool) -> None:
+        cfg = self.cfg
+        data = load_data(cfg, progress and self.primary)
+        tokenizer, splits = data.tokenizer, data.meta["splits"]
+        distributed.agree("data", {"train_sha256": splits["train"]["sha256"], "val_sha256": splits["val"]["sha256"]},
+                          "the training data", "give every process the same data.path, prepared from the same "
+                                               "inputs (a shared filesystem, or identical copies)")
+        _log(f"data: {data.path} | {data.meta['tokenizer']} tokenizer, vocabulary {tokenizer.vocab_size} | "
+             f"{splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} validation tokens, "
+             f"{data.meta['num_documents']:,} documents")
+        # `auto` resolved (gpt2, bytes or bpe = the run's tokenizer.json), so the run names its tokenizer; an
+        # explicit choice (bpe:PATH) stays as given, so that replaying config.yaml prepares the same data.
+        if cfg.data.tokenizer == "auto":
+            self.cfg = cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
+                                                                                tokenizer=data.meta["tokenizer"]))
+        self.vocab = vocab_sizes(cfg, tokenizer.vocab_size, self.mesh.shape["tensor"])
+        if self.start.meta is not None:
+            check_same_run(self.start.meta, self.mesh, data, self.vocab, self.run_dir)
+        self.data, self.tokenizer = data, tokenizer
+        bsh = batch_sharding(self.mesh)
+        self.bsh = bsh
+        seq, bsz = cfg.model.seq_len, cfg.train.batch_size
+        self.train_data = BatchLoader(data.tokens("train"), seq, bsz, bsh, seed=cfg.seed, shuffle=True)
+        self.eval_data = BatchLoader(data.tokens("val"), seq, bsz, bsh, seed=cfg.seed, shuffle=False,
+                                     name="validation",
+                                     hint="use more validation text (data.val_fraction, or --val when preparing)")
+        self.batches = self.train_data.iterator()
+
+    def initial_state(self) -> None:
+        cfg, mesh = self.cfg, self.mesh
+        if self.start.resume_step is None:
+            self.ts = create_train_state(cfg, mesh, self.tokenizer.vocab_size)
+            return
         t0 = time.perf_counter()
-        ts = restore_state(run_dir, resumed, cfg, mesh, tokenizer.vocab_size, batches.grain_iterator)
-        _log(f"restored step {resumed} onto mesh {describe_mesh(mesh)} in {time.perf_counter() - t0:.1f}s "
-             f"(saved on {' x '.join(f'{k}={v}' for k, v in start.meta['mesh'].items())})")
-    ex = explain_state(ts.state, mesh)
-    if explain:
-        _log(format_explanation(ex))
-    _log(f"model: {describe(cfg)} | {ex.param_count:,} parameters | per device: params "
-         f"{fmt_bytes(ex.max_param_bytes)}, optimizer {fmt_bytes(ex.max_opt_bytes)}")
-    warmup = effective_warmup(cfg)
-    if warmup != cfg.train.warmup_steps:
-        _log(f"note: train.warmup_steps={cfg.train.warmup_steps} would leave no decay in {cfg.train.steps} steps; "
-             f"warming up over {warmup} steps instead")
+        self.ts, position = restore_state(self.run_dir, self.resumed, cfg, mesh, self.tokenizer.vocab_size)
+        self.batches.seek(position)
+        saved = self.start.meta
+        _log(f"restored step {self.resumed} onto mesh {describe_mesh(mesh)} in {time.perf_counter() - t0:.1f}s "
+             f"(saved on {' x '.join(f'{k}={v}' for k, v in saved['mesh'].items())}"
+             f"{', by ' + str(saved['processes']) + ' processes' if saved.get('processes', 1) > 1 else ''}); "
+             f"data continues at batch {position}")
 
-    claim(run_dir, start)
-    (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
-    tokenizer.save(run_dir)
-    steps = cfg.train.steps
-    ckpts = RunCheckpoints(run_dir, keep=cfg.checkpoint.keep, also_keep=(steps,))
-    meta = checkpoint_meta(cfg, mesh, data, vocab)
+    def describe(self, explain: bool) -> None:
+        cfg = self.cfg
+        ex = explain_state(self.ts.state, self.mesh)
+        if explain:
+            _log(format_explanation(ex))
+        _log(f"model: {describe(cfg)} | {ex.param_count:,} parameters | per device: params "
+             f"{fmt_bytes(ex.max_param_bytes)}, optimizer {fmt_bytes(ex.max_opt_bytes)}")
+        warmup = effective_warmup(cfg)
+        if warmup != cfg.train.warmup_steps:
+            _log(f"note: train.warmup_steps={cfg.train.warmup_steps} would leave no decay in {cfg.train.steps} "
+                 f"steps; warming up over {warmup} steps instead")
+        self.explanation = ex
 
-    t0 = time.perf_counter()
-    first = next(batches)
-    step_fn = train_step_for(cfg, ts, mesh)
-    step_fn = step_fn.lower(ts.state, first).compile()
-    eval_fn = make_eval_step(ts, mesh, bsh, tokenizer.token_bytes()).lower(ts.state, first).compile()
-    compile_s = time.perf_counter() - t0
+    # --- from here on the run directory is written ------------------------------------------------------------
+    def claim_run_dir(self) -> None:
+        if self.primary:
+            claim(self.run_dir, self.start)
+            (self.run_dir / CONFIG_FILE).write_text(self.cfg.to_yaml())
+            self.tokenizer.save(self.run_dir)
+        distributed.barrier("run-dir-claimed")  # no process opens the checkpoints before process 0 cleared them
+        self.ckpts = RunCheckpoints(self.run_dir, keep=self.cfg.checkpoint.keep, also_keep=(self.cfg.train.steps,))
+        self.meta = checkpoint_meta(self.cfg, self.mesh, self.data, self.vocab)
 
-    n_dev = mesh.devices.size
-    peak, peak_label = device_peak(list(mesh.devices.flat), cfg.model.dtype)
-    fpt = flops_per_token(cfg.model, vocab[1])
-    _log(f"compiled in {compile_s:.1f}s | {fpt / 1e6:.1f} MFLOP/token (6N + 12LTd) | peak "
-         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_label})")
+    def compile(self) -> None:
+        cfg, ts, mesh = self.cfg, self.ts, self.mesh
+        t0 = time.perf_counter()
+        self.first = next(self.batches)
+        self.step_fn = train_step_for(cfg, ts, mesh).lower(ts.state, self.first).compile()
+        self.eval_fn = make_eval_step(ts, mesh, self.bsh, self.tokenizer.token_bytes()).lower(
+            ts.state, self.first).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.peak, self.peak_label = device_peak(list(mesh.devices.flat), cfg.model.dtype)
+        self.flops_per_token = flops_per_token(cfg.model, self.vocab[1])
+        _log(f"compiled in {self.compile_s:.1f}s | {self.flops_per_token / 1e6:.1f} MFLOP/token (6N + 12LTd) | "
+             f"peak {self.peak / 1e12:.3f} TFLOP/s per device ({self.peak_label})")
+        n_eval = min(cfg.train.eval_batches, self.eval_data.windows_per_epoch // cfg.train.batch_size)
+        self.eval_batches = [self.eval_data.get(i) for i in range(n_eval)]
 
-    eval_batches = [eval_data.get(i) for i in range(min(cfg.train.eval_batches, eval_data.windows_per_epoch // bsz))]
-
-    def evaluate(state) -> tuple[float, float]:
+    def evaluate(self, state) -> tuple[float, float]:
         """(mean loss, bits per byte) over the fixed validation batches."""
-        out = jax.device_get([eval_fn(state, b) for b in eval_batches])
+        out = jax.device_get([self.eval_fn(state, b) for b in self.eval_batches])
         nats, nbytes = sum(float(o["nats"]) for o in out), sum(float(o["bytes"]) for o in out)
         return float(np.mean([o["loss"] for o in out])), nats / (math.log(2) * max(nbytes, 1.0))
 
-    logger = MetricsLogger(run_dir, resume_step=start.resume_step)
-    state = ts.state
-    if start.resume_step is None:
-        first_eval, first_bpb = evaluate(state)
-        logger.log({"step": 0, "eval_loss": first_eval, "eval_bpb": first_bpb})
-        _log(f"step 0 | eval loss {first_eval:.4f} | {first_bpb:.3f} bits/byte")
-    else:
-        base = next((r for r in logger.rows if r.get("step") == 0 and "eval_loss" in r), {})
-        first_eval, first_bpb = base.get("eval_loss", math.nan), base.get("eval_bpb", math.nan)
-
-    def save(step: int, reason: str) -> None:
+    def save(self, step: int, reason: str) -> None:
         t = time.perf_counter()
-        ckpts.save(step, state, batches.grain_iterator, {**meta, "step": step, "reason": reason,
-                                                         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        self.ckpts.save(step, self.state, self.batches.position,
+                        {**self.meta, "step": step, "reason": reason, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         _log(f"checkpoint step {step}: writing in the background (training blocked {time.perf_counter() - t:.2f}s)")
 
-    bar = tqdm(total=steps, initial=resumed, disable=not progress, unit="step", dynamic_ncols=True)
-    last_eval, last_bpb, last_row = first_eval, first_bpb, {}
-    t_mark, steps_since = time.perf_counter(), 0
-    stopped = None
-    every = cfg.checkpoint.every
-    # Signals are handled until train() returns: after the loop, a first one lets the run finish (without samples)
-    # and a second aborts.
-    with StopOnSignal() as stop:
+    def loop(self, stop: StopOnSignal) -> str | None:
+        """Train from the step after `resumed` to `train.steps`; the name of the signal that stopped it early."""
+        cfg, steps = self.cfg, self.cfg.train.steps
+        bsz, seq, n_dev = cfg.train.batch_size, cfg.model.seq_len, self.mesh.devices.size
+        self.logger = MetricsLogger(self.run_dir, resume_step=self.start.resume_step, write=self.primary)
+        self.state = self.ts.state
+        if self.start.resume_step is None:
+            self.first_eval = self.evaluate(self.state)
+            self.logger.log({"step": 0, "eval_loss": self.first_eval[0], "eval_bpb": self.first_eval[1]})
+            _log(f"step 0 | eval loss {self.first_eval[0]:.4f} | {self.first_eval[1]:.3f} bits/byte")
+        else:
+            base = next((r for r in self.logger.rows if r.get("step") == 0 and "eval_loss" in r), {})
+            self.first_eval = base.get("eval_loss", math.nan), base.get("eval_bpb", math.nan)
+
+        bar = tqdm(total=steps, initial=self.resumed, disable=not self.progress, unit="step", dynamic_ncols=True)
+        self.last_eval, self.last_row = self.first_eval, {}
+        t_mark, steps_since, stopped, every = time.perf_counter(), 0, None, cfg.checkpoint.every
         try:
-            for step in range(resumed + 1, steps + 1):
-                batch = first if step == resumed + 1 else next(batches)
-                state, metrics = step_fn(state, batch)
+            for step in range(self.resumed + 1, steps + 1):
+                batch = self.first if step == self.resumed + 1 else next(self.batches)
+                self.state, metrics = self.step_fn(self.state, batch)
                 steps_since += 1
                 bar.update(1)
-                if on_step is not None:
-                    on_step(step)
+                if self.on_step is not None:
+                    self.on_step(step)
                 is_last = step == steps
-                stopped = None if is_last else stop.received  # the last step ends the run anyway
+                stopped = None if is_last else stop.stop_at(step)  # the last step ends the run anyway
                 is_eval = step % cfg.train.eval_interval == 0 or is_last
-                if step == resumed + 1 or step % cfg.train.log_interval == 0 or is_eval or stopped:
+                if step == self.resumed + 1 or step % cfg.train.log_interval == 0 or is_eval or stopped:
                     metrics = jax.device_get(metrics)  # the only host sync: once per log (or eval) interval
-                    elapsed = time.perf_counter() - t_mark
-                    tokens_per_s = steps_since * bsz * seq / elapsed
-                    flops_per_dev = fpt * tokens_per_s / n_dev
-                    row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
-                           "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
-                           "tflops_per_device": flops_per_dev / 1e12, "mfu": flops_per_dev / peak}
-                    if not np.isfinite(row["loss"]):
-                        raise ShardlmError(f"loss became {row['loss']} at step {step}; lower train.lr or raise "
-                                           "warmup_steps")
-                    # After `elapsed` was read: eval time is not step time. Also when stopping on an eval step, so
-                    # that the resumed run's metrics miss nothing.
-                    if is_eval:
-                        last_eval, last_bpb = evaluate(state)
-                        row["eval_loss"], row["eval_bpb"] = last_eval, last_bpb
-                    logger.log(row)
-                    last_row = row
-                    if not progress:
-                        _log(f"step {step} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm "
-                             f"{row['grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | MFU {row['mfu']:.1%}"
-                             + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb"
-                                if "eval_loss" in row else ""))
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                                    mfu=f"{row['mfu']:.1%}")
+                    tokens_per_s = steps_since * bsz * seq / (time.perf_counter() - t_mark)
+                    # After the time was read: eval time is not step time. Also when stopping on an eval step,
+                    # so that the resumed run's metrics miss nothing.
+                    self.log_step(step, metrics, tokens_per_s, n_dev, self.evaluate(self.state) if is_eval else None,
+                                  bar)
                     t_mark, steps_since = time.perf_counter(), 0
                 if is_last or stopped or (every and step % every == 0):
-                    save(step, "end" if is_last else stopped or "interval")
+                    self.save(step, "end" if is_last else stopped or "interval")
                 if stopped:
                     _log(f"{stopped}: stopping after step {step}; finishing the checkpoint (press Ctrl-C again "
                          "to abort without it)")
+                    self.stopped_at = step
                     break
-        except KeyboardInterrupt:  # a second signal: leave at once; a write in flight stays incomplete, ignored later
+        except KeyboardInterrupt:  # a second signal: leave at once; a write in flight stays incomplete, ignored
             bar.close()
-            logger.close()
+            self.logger.close()
             raise
         except BaseException:
             bar.close()
-            logger.close()
+            self.logger.close()
             try:
-                ckpts.close()  # let the checkpoints already started complete
+                self.ckpts.close()  # let the checkpoints already started complete
             except ShardlmError as e:
                 _log(f"also: {e}")
             raise
         bar.close()
-        logger.close()
-        ckpts.close()  # waits for the background writes: from here on every checkpoint is complete on disk
-        ts.state = state
+        self.logger.close()
+        self.ckpts.close()  # waits for the background writes: from here on every checkpoint is complete on disk
+        self.ts.state = self.state
+        return stopped
 
+    def log_step(self, step: int, metrics: dict, tokens_per_s: float, n_dev: int, evaluation, bar) -> None:
+        flops_per_dev = self.flops_per_token * tokens_per_s / n_dev
+        row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
+               "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
+               "tflops_per_device": flops_per_dev / 1e12, "mfu": flops_per_dev / self.peak}
+        if not np.isfinite(row["loss"]):
+            raise ShardlmError(f"loss became {row['loss']} at step {step}; lower train.lr or raise warmup_steps")
+        if evaluation is not None:
+            self.last_eval = evaluation
+            row["eval_loss"], row["eval_bpb"] = evaluation
+        self.logger.log(row)
+        self.last_row = row
+        if not self.progress:
+            _log(f"step {step} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm {row['grad_norm']:.3f} | "
+                 f"{tokens_per_s:,.0f} tok/s | MFU {row['mfu']:.1%}"
+                 + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb" if "eval_loss" in row else ""))
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{row['mfu']:.1%}")
+
+    def finish(self, stopped: str | None, stop: StopOnSignal, t_start: float) -> dict:
+        cfg, run_dir, steps = self.cfg, self.run_dir, self.cfg.train.steps
         if stopped:
+            step = self.stopped_at
             _log(f"stopped by {stopped} at step {step}: checkpoint saved in {checkpoint_dir(run_dir) / str(step)}; "
                  f"resume with: shardlm train --run-dir {run_dir}")
-            return {"steps": step, "finished": False, "stopped_by": stopped, "resumed_from": resumed,
-                    "final_loss": last_row.get("loss"), "wall_s": time.perf_counter() - t_start}
-
-        _log(f"step {steps} | loss {last_row['loss']:.4f} | eval loss {last_eval:.4f} (first {first_eval:.4f}, "
+            return {"steps": step, "finished": False, "stopped_by": stopped, "resumed_from": self.resumed,
+                    "final_loss": self.last_row.get("loss"), "wall_s": time.perf_counter() - t_start}
+        first_eval, first_bpb = self.first_eval
+        last_eval, last_bpb = self.last_eval
+        row, ex = self.last_row, self.explanation
+        _log(f"step {steps} | loss {row['loss']:.4f} | eval loss {last_eval:.4f} (first {first_eval:.4f}, "
              f"ratio {last_eval / first_eval:.3f}) | {last_bpb:.3f} bits/byte")
         summary = {
-            "steps": steps, "finished": True, "resumed_from": resumed, "trained_now": steps - resumed,
+            "steps": steps, "finished": True, "resumed_from": self.resumed, "trained_now": steps - self.resumed,
             "first_eval_loss": first_eval, "final_eval_loss": last_eval,
-            "first_eval_bpb": first_bpb, "final_eval_bpb": last_bpb, "data": str(data.path),
-            "tokenizer": data.meta["tokenizer"],
-            "final_loss": last_row["loss"], "tokens_per_s": last_row["tokens_per_s"],
-            "tflops_per_device": last_row["tflops_per_device"], "mfu": last_row["mfu"],
+            "first_eval_bpb": first_bpb, "final_eval_bpb": last_bpb, "data": str(self.data.path),
+            "tokenizer": self.data.meta["tokenizer"],
+            "final_loss": row["loss"], "tokens_per_s": row["tokens_per_s"],
+            "tflops_per_device": row["tflops_per_device"], "mfu": row["mfu"],
             "mfu_convention": "6*N_matmul + 12*L*T*d FLOPs per token (attention not halved for causality)",
-            "peak_flops_per_device": peak, "peak_source": peak_label, "compile_s": compile_s,
-            "wall_s": time.perf_counter() - t_start, "mesh": dict(mesh.shape), "param_count": ex.param_count,
-            "param_bytes_per_device": ex.max_param_bytes, "optimizer_bytes_per_device": ex.max_opt_bytes,
+            "peak_flops_per_device": self.peak, "peak_source": self.peak_label, "compile_s": self.compile_s,
+            "wall_s": time.perf_counter() - t_start, "mesh": dict(self.mesh.shape), "processes": jax.process_count(),
+            "param_count": ex.param_count, "param_bytes_per_device": ex.max_param_bytes,
+            "optimizer_bytes_per_device": ex.max_opt_bytes,
         }
-        (run_dir / FINISHED_MARKER).write_text(json.dumps(summary, indent=2) + "\n")  # the run is complete
-        if stop.received:
-            _log(f"{stop.received} received at the end of the run: finished, without samples")
+        if self.primary:
+            (run_dir / FINISHED_MARKER).write_text(json.dumps(summary, indent=2) + "\n")  # the run is complete
+        # A signal after the loop: in a multi-process run, whether any process got one is agreed at one more sync
+        # point, since sampling is a collective that all take part in or none.
+        late = stop.stop_at(steps + 1) if stop.coordinated else stop.received
+        if late:
+            _log(f"{late} received at the end of the run: finished, without samples")
         elif cfg.train.sample_tokens:  # unconditional samples: the prompt is the document separator
-            model_graphdef, model_state = nnx.split(nnx.merge(ts.graphdef, ts.state)["model"])
-            samples = sample_text(model_graphdef, model_state, mesh, tokenizer, EOT, n_samples=2,
+            model_graphdef, model_state = nnx.split(nnx.merge(self.ts.graphdef, self.ts.state)["model"])
+            samples = sample_text(model_graphdef, model_state, self.mesh, self.tokenizer, EOT, n_samples=2,
                                   max_new=cfg.train.sample_tokens, seed=cfg.seed)
-            (run_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples) + "\n")
+            if self.primary:
+                (run_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples) + "\n")
             _log("sample:\n" + samples[0].strip())
-    written = [n for n in ("config.yaml", "metrics.jsonl", "tensorboard/", "loss.png", "samples.txt", "checkpoints/")
-               if (run_dir / n.rstrip("/")).exists()]
-    _log(f"done in {time.perf_counter() - t_start:.0f}s: {run_dir}/ holds {', '.join(written)}")
-    return summary
+        written = [n for n in ("config.yaml", "metrics.jsonl", "tensorboard/", "loss.png", "samples.txt",
+                               "checkpoints/") if (run_dir / n.rstrip("/")).exists()]
+        _log(f"done in {time.perf_counter() - t_start:.0f}s: {run_dir}/ holds {', '.join(written)}")
+        return summary

@@ -10,10 +10,12 @@ from tensorboardX import SummaryWriter
 class MetricsLogger:
     """`resume_step`: continue a run from that checkpoint step. Rows logged after it (by the interrupted process)
     are dropped from metrics.jsonl, and TensorBoard is told to purge its events from the next step on, so each
-    step appears once in both."""
+    step appears once in both. `write=False` (the processes of a run other than process 0) keeps the rows in
+    memory and writes nothing."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, resume_step: int | None = None, write: bool = True):
         self.run_dir = Path(run_dir)
+        self.write = write
         path = self.run_dir / "metrics.jsonl"
         self.rows: list[dict] = []
         if resume_step is not None and path.exists():
@@ -24,6 +26,9 @@ class MetricsLogger:
                     continue
                 if row.get("step", resume_step + 1) <= resume_step:
                     self.rows.append(row)
+        if not write:
+            return
+        if resume_step is not None and path.exists():
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
             tmp.replace(path)
@@ -34,12 +39,16 @@ class MetricsLogger:
     def log(self, row: dict) -> None:
         row = {k: (float(v) if isinstance(v, float) or hasattr(v, "item") else v) for k, v in row.items()}
         self.rows.append(row)
+        if not self.write:
+            return
         self.jsonl.write(json.dumps(row) + "\n")
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 self.tb.add_scalar(k, v, row["step"])
 
     def close(self) -> None:
+        if not self.write:
+            return
         self.jsonl.close()
         self.tb.close()
         plot_losses(self.rows, self.run_dir / "loss.png")

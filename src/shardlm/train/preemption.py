@@ -1,35 +1,66 @@
 """Stopping a run cleanly: SIGTERM (a scheduler's preemption notice) or Ctrl-C finishes the current step, saves a
 checkpoint and exits 0; a second signal aborts at once.
 
-The handler only records the first signal: the training loop polls `requested` after each step, so the step
-already dispatched completes and the checkpoint holds a consistent state. Python runs signal handlers in the main
-thread only, so elsewhere (a notebook's worker thread) the handlers are not installed and signals keep their
-default meaning.
+One process: the handler only records the first signal, and the training loop asks `stop_at(step)` after each
+step, so the step already dispatched completes and the checkpoint holds a consistent state.
+
+Several processes must stop at the same step, or the ones still stepping wait forever in a collective for the
+ones saving. That is what JAX's preemption sync point is for: JAX's runtime catches SIGTERM in every process
+(its preemption notifier) and tells the coordinator; from then on `reached_preemption_sync_point(step)` returns
+True in every process at the same step, one past the furthest any process had reached. So a SIGTERM to any one
+process, or the cluster's own preemption notice, stops all of them together. Ctrl-C is turned into that notice
+(the handler sends this process SIGTERM); a second Ctrl-C aborts. A second SIGTERM is absorbed by JAX's
+notifier: abort a multi-process run with Ctrl-C twice, or SIGKILL.
+
+Python runs signal handlers in the main thread only, so elsewhere (a notebook's worker thread) the handlers are
+not installed and signals keep their default meaning.
 """
 
+import os
 import signal
 import threading
 
+from shardlm.errors import ShardlmError
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+NOTICE = "a stop signal to one of the processes"  # what a process that did not receive it knows
 
 
 class StopOnSignal:
-    def __init__(self):
-        self.received: str | None = None  # the first signal's name, e.g. "SIGTERM"
+    def __init__(self, coordinated: bool = False):
+        self.received: str | None = None  # the first signal this process received, e.g. "SIGTERM"
+        self.coordinated = coordinated
         self._previous: dict = {}
+        if coordinated:
+            from jax._src import distributed
+
+            if distributed.global_state.preemption_sync_manager is None:
+                raise ShardlmError("JAX's preemption service is off (jax_enable_preemption_service=False), so the "
+                                   "processes of this run cannot stop together; turn it back on")
 
     @property
     def requested(self) -> bool:
         return self.received is not None
 
+    def stop_at(self, step: int) -> str | None:
+        """After `step` (called at every step, in order): why the run stops here, or None to go on."""
+        if not self.coordinated:
+            return self.received
+        from jax.experimental import multihost_utils
+
+        return (self.received or NOTICE) if multihost_utils.reached_preemption_sync_point(step) else None
+
     def _handle(self, signum, frame) -> None:
         if self.received is not None:
             raise KeyboardInterrupt  # the second signal: abort now, without saving
         self.received = signal.Signals(signum).name
+        if self.coordinated:
+            os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier tells every process
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
+            # Coordinated: SIGTERM stays with JAX's preemption notifier.
+            for sig in (signal.SIGINT,) if self.coordinated else SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -10,15 +10,21 @@ Design choices:
   dtype, remat policy and attention kernel (with dropout on, a new grad_accum draws new masks, as a new dropout
   rate would). What may not: the model's shape and parameter dtype, the seed, the global batch size and the
   training data (checked by its SHA-256), because the checkpoint or the batch order would no longer be the run's.
+- Several processes: the decision is made once, by process 0, and shared (`decide_start`), so no two processes
+  can race to different verdicts on the same directory; only process 0 writes the run's files. A run directory
+  must be one directory that every host sees: process 0 leaves a file in it that every other process must find,
+  before anything is written or removed.
 """
 
 import dataclasses
 import os
 import re
+import secrets
 import shutil
 import time
 from pathlib import Path
 
+from shardlm import distributed
 from shardlm.config import Config, ModelConfig, config_from_dict, flatten
 from shardlm.errors import ShardlmError
 from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, incomplete_steps
@@ -35,7 +41,9 @@ FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
 
 
 def default_run_dir(cfg: Config) -> Path:
-    name = cfg.name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """runs/<name>, or runs/<preset>-<date>-<time> (process 0's clock, in a run of several processes)."""
+    name = cfg.name or distributed.broadcast("run-name",
+                                             lambda: f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Path("runs") / name
 
 
@@ -116,7 +124,7 @@ def plan_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
     for name in incomplete_steps(run_dir):
         log(f"ignoring the incomplete checkpoint {checkpoint_dir(run_dir) / name}: its save did not finish "
             "(the process was killed while writing it)")
-    reader = RunCheckpoints(run_dir, read_only=True)
+    reader = RunCheckpoints(run_dir, local=True)  # this process alone (process 0 decides for all)
     try:
         steps = reader.steps()
         if not steps:
@@ -140,6 +148,44 @@ def plan_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
     log(f"resuming {run_dir} from its checkpoint at step {step} (of {cfg.train.steps})"
         + (f"; changed: {', '.join(changes)}" if changes else ""))
     return RunStart(resume_step=step, meta=meta)
+
+
+PROBE_PREFIX = ".shardlm-shared-"
+
+
+def decide_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
+    """`plan_start`, decided by process 0 alone and shared with every process; in a run of several processes,
+    also checks that they all see the same run directory (a shared filesystem) before anything is written."""
+    if not distributed.is_multiprocess():
+        return plan_start(run_dir, cfg, overwrite, log)
+
+    def decide() -> dict:
+        start = plan_start(run_dir, cfg, overwrite, log)
+        probe, created = None, [str(d) for d in (run_dir, *run_dir.parents) if not d.exists()]
+        if not start.finished:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe = f"{PROBE_PREFIX}{secrets.token_hex(8)}"
+            (run_dir / probe).write_text("process 0 of a shardlm run checks that the other processes see this file\n")
+        return {"start": dataclasses.asdict(start), "probe": probe, "created": created}
+
+    shared = distributed.broadcast("run-start", decide)
+    if shared["probe"] is not None:
+        seen = distributed.all_gather("run-dir-shared", (run_dir / shared["probe"]).exists())
+        if distributed.is_primary():  # leave the directories as they were: the run claims them later, if at all
+            (run_dir / shared["probe"]).unlink(missing_ok=True)
+            for d in shared["created"]:
+                try:
+                    Path(d).rmdir()
+                except OSError:
+                    break
+        blind = [p for p, ok in enumerate(seen) if not ok]
+        if blind:
+            hosts = sorted({distributed.host_of_process(p) for p in blind})
+            raise ShardlmError(f"--run-dir {run_dir} is not shared between the processes: process(es) "
+                               f"{', '.join(map(str, blind))} (on {', '.join(hosts)}) do not see the file process 0 "
+                               f"wrote there; put the run directory on a filesystem every host mounts at the same "
+                               f"path (NFS, Lustre, a bucket through FUSE)")
+    return RunStart(**shared["start"])
 
 
 def unreadable(run_dir: Path, error: CheckpointError, older: list[int], reader: RunCheckpoints,
