@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlm.config import load_config
 from shardlm.perf import hlo
-from shardlm.perf.costmodel import Hardware, estimate, issued, traffic_factor
+from shardlm.perf.costmodel import Hardware, estimate, issued, parse_rate, split_traffic, traffic_factor
 from shardlm.perf.planner import _lower, plan
 from shardlm.perf.strategies import Strategy, all_strategies, parse_strategies, parse_strategy
 
@@ -278,9 +278,46 @@ def test_bad_strategy_names(text, fragment):
         parse_strategy(text, 8)
 
 
+def test_across_hosts_dp_sends_exactly_its_gradient_all_reduce_and_tp_inside_hosts_sends_nothing(plan8):
+    """The same compiled programs, ranked for 2 hosts of 4 devices (`--hosts 2`): dp2+tp4 keeps each tensor group
+    inside a host, and the one collective that crosses is the data-parallel all-reduce of the gradients."""
+    two_hosts = plan8.rerank(Hardware(devices_per_node=4))
+    dp_tp = by_name(two_hosts, "dp2+tp4")
+    crossing = dp_tp.cross_host(two_hosts.hardware)
+    assert [c["kind"] for c in crossing] == ["all-reduce"] and crossing[0]["count"] == 1
+    # the gradients, each device's tensor shard of them (plus the 4-byte loss): the all-reduce between the two
+    # devices that hold the same shard on either host sends its whole buffer across
+    assert crossing[0]["bytes"] == dp_tp.gradients + 4 and crossing[0]["sent_per_device"] == crossing[0]["bytes"]
+    assert dp_tp.est.inter_node_bytes == crossing[0]["bytes"]
+    tensor_ops = [op for op in dp_tp.collectives if op.groups and op.group_size == 4]
+    assert len(tensor_ops) >= 4 * 2  # the Megatron all-reduces, two per layer each way
+    assert all(split_traffic(op, 4, 8)[1] == 0 for op in tensor_ops)
+    # the same strategy on hosts of 2 devices: now every tensor group spans two hosts, and its traffic crosses
+    small_hosts = plan8.rerank(Hardware(devices_per_node=2))
+    assert by_name(small_hosts, "dp2+tp4").est.inter_node_bytes > 2 * crossing[0]["bytes"]
+    # on one host nothing crosses
+    assert all(r.est.inter_node_bytes == 0 and not r.cross_host(plan8.hardware) for r in plan8.strategies)
+
+
+def test_two_level_traffic_across_hosts():
+    """A group of m devices on each of h hosts: what one device sends within its host and to the others."""
+    ar = hlo.CollectiveOp("all-reduce", "a", 1_000_000, [list(range(16))])
+    within, across = split_traffic(ar, 8, 16)  # 8 per host, 2 hosts
+    assert within == pytest.approx(2 * 7 / 8 * 1e6) and across == pytest.approx(2 * (1 / 2) * 1e6 / 8)
+    assert within + across == pytest.approx(traffic_factor("all-reduce", 16) * 1e6)  # a ring's total
+    a2a = hlo.CollectiveOp("all-to-all", "b", 800, [list(range(8))])
+    assert split_traffic(a2a, 4, 8) == (pytest.approx(300), pytest.approx(400))
+    permute = hlo.CollectiveOp("collective-permute", "c", 100, [[0, 1], [3, 4]])
+    assert split_traffic(permute, 4, 8) == (0.0, 100.0)
+    assert parse_rate("400Gb/s") == 50e9 and parse_rate("3.2 Tbps") == 400e9 and parse_rate("50GB/s") == 50e9
+    with pytest.raises(ValueError, match="not a rate"):
+        parse_rate("400")
+
+
 def test_plan_cli_simulates_more_devices_than_the_host_and_emits_json():
-    """16 devices from a process of its own (this one has 8); the JSON the issue asks for."""
-    proc = shardlm("plan", "--devices", "16", "--json", "--memory", "2GB", *MICRO, f"model.vocab_size={VOCAB}")
+    """16 devices from a process of its own (this one has 8), on 2 hosts; the JSON the issue asks for."""
+    proc = shardlm("plan", "--devices", "16", "--hosts", "2", "--inter-host-bandwidth", "400Gb/s", "--json",
+                   "--memory", "2GB", *MICRO, f"model.vocab_size={VOCAB}")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     # tensor in {1, 2, 4} (4 heads); data x fsdp divides the batch of 16
@@ -295,12 +332,20 @@ def test_plan_cli_simulates_more_devices_than_the_host_and_emits_json():
     assert dp16["bytes_per_device"]["params"] == 16 * fsdp16["bytes_per_device"]["params"]
     assert [r["rank"] for r in rows] == list(range(1, 13))
     assert "planned 12 strategies" in proc.stderr
+    # 2 hosts of 8 at 400 Gb/s (6.25 GB/s per device): every strategy sends something across, and says what
+    for r in rows:
+        assert r["inter_node_bytes_per_device"] == sum(c["sent_per_device"] for c in r["cross_host_collectives"]) > 0
+    tp4 = next(r for r in rows if r["mesh"] == {"data": 4, "fsdp": 1, "tensor": 4})
+    assert [c["kind"] for c in tp4["cross_host_collectives"]] == ["all-reduce"]  # TP stays inside the hosts
 
 
 def test_plan_and_bench_cli_errors(tmp_path):
     assert_one_line_error(shardlm("plan", "--devices", "8", "--memory", "lots", *MICRO), "--memory 'lots'")
     assert_one_line_error(shardlm("plan", "--devices", "8", "--peak-tflops", "0", *MICRO), "--peak-tflops")
     assert_one_line_error(shardlm("plan", "--devices", "0", *MICRO), "--devices must be at least 1")
+    assert_one_line_error(shardlm("plan", "--devices", "8", "--hosts", "3", *MICRO), "does not divide the 8 devices")
+    assert_one_line_error(shardlm("plan", "--devices", "8", "--hosts", "2", "--inter-host-bandwidth", "fast", *MICRO),
+                          "is not a rate")
     assert_one_line_error(shardlm("bench", "--cpu-devices", "8", "--strategies", "dp8", "--plot",
                                   str(tmp_path / "missing" / "b.png"), *MICRO), "does not exist")
     assert_one_line_error(shardlm("bench", "--cpu-devices", "8", "--strategies", "dp3", *MICRO),

@@ -94,11 +94,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     plan.add_argument("--peak-tflops", type=float, default=None, metavar="T",
                       help="peak FLOP/s per device for the cost model (default: H100 SXM dense for model.dtype, "
                            "494.5 float32 as TF32, 989 bfloat16)")
+    plan.add_argument("--hosts", type=int, metavar="H",
+                      help="the devices are split evenly over H hosts (nodes): say which collectives cross between "
+                           "them and cost those at --inter-host-bandwidth (default: hosts of 8 devices)")
+    plan.add_argument("--inter-host-bandwidth", metavar="RATE",
+                      help="one host's network to the other hosts, one direction, e.g. 400Gb/s, 3.2Tb/s, 50GB/s "
+                           "(default: 400 Gb/s per device of the host, as an H100 node's eight NICs)")
     plan.add_argument("--intra-node-gbs", type=float, default=450, metavar="GB/s",
-                      help="link bandwidth per device within a node, one direction (default 450: NVLink 4)")
-    plan.add_argument("--inter-node-gbs", type=float, default=50, metavar="GB/s",
-                      help="bandwidth per device between nodes (default 50: 400 Gb/s InfiniBand)")
-    plan.add_argument("--devices-per-node", type=int, default=8, metavar="K", help="default 8")
+                      help="link bandwidth per device within a host, one direction (default 450: NVLink 4)")
+    plan.add_argument("--inter-node-gbs", type=float, default=None, metavar="GB/s",
+                      help="the same as --inter-host-bandwidth, per device and in GB/s (default 50)")
+    plan.add_argument("--devices-per-node", type=int, default=None, metavar="K",
+                      help="the same as --hosts, as devices per host (default 8)")
     plan.add_argument("--latency-us", type=float, default=10, metavar="US", help="per collective (default 10)")
     plan.add_argument("--json", action="store_true", help="a JSON list, one object per strategy, ranked")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model=gpt2-small")
@@ -292,32 +299,61 @@ def _plan(args: argparse.Namespace) -> None:
     from shardlm.perf.planner import format_plan, plan, report_progress
     from shardlm.perf.strategies import parse_strategies
 
+    import jax
+
     memory = parse_bytes(args.memory)
     given_peak = 1 if args.peak_tflops is None else args.peak_tflops
     for flag, value in (("--peak-tflops", given_peak), ("--intra-node-gbs", args.intra_node_gbs),
-                        ("--inter-node-gbs", args.inter_node_gbs), ("--devices-per-node", args.devices_per_node)):
-        if value <= 0:
+                        ("--inter-node-gbs", args.inter_node_gbs), ("--devices-per-node", args.devices_per_node),
+                        ("--hosts", args.hosts)):
+        if value is not None and value <= 0:
             raise ShardlmError(f"{flag} must be positive, got {value}")
     if args.latency_us < 0:
         raise ShardlmError(f"--latency-us must be >= 0, got {args.latency_us}")
+    n = args.devices or jax.device_count()
+    per_host = _devices_per_host(args, n)
+    per_device_bw = _inter_host_bw_per_device(args, per_host)
     cfg = load_config(args.config, args.overrides)
     if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
         print("note: plan tries every mesh (or --strategies); the mesh.* overrides are ignored", file=sys.stderr)
     h100 = h100_peak(cfg.model.dtype) / 1e12
     peak = h100 if args.peak_tflops is None else args.peak_tflops
     hw = Hardware(peak_flops=peak * 1e12, memory_bytes=memory, intra_node_bw=args.intra_node_gbs * 1e9,
-                  inter_node_bw=args.inter_node_gbs * 1e9, devices_per_node=args.devices_per_node,
-                  latency_s=args.latency_us * 1e-6,
-                  name="H100 SXM" if (peak, args.intra_node_gbs, args.inter_node_gbs, args.devices_per_node,
-                                      args.latency_us) == (h100, 450, 50, 8, 10) else "custom")
+                  inter_node_bw=per_device_bw, devices_per_node=per_host, latency_s=args.latency_us * 1e-6,
+                  name="H100 SXM" if (peak, args.intra_node_gbs, per_device_bw, args.latency_us)
+                  == (h100, 450, 50e9, 10) else "custom")
     strategies = None
     if args.strategies is not None:
-        import jax
-
-        strategies = parse_strategies(args.strategies, args.devices or jax.device_count())
+        strategies = parse_strategies(args.strategies, n)
     p = plan(cfg, args.devices, hw, strategies=strategies, log=report_progress)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s")
+
+
+def _devices_per_host(args: argparse.Namespace, n: int) -> int:
+    if args.hosts is not None and args.devices_per_node is not None:
+        raise ShardlmError("--hosts and --devices-per-node both say how devices group into hosts; pass one")
+    if args.hosts is None:
+        return args.devices_per_node or 8
+    if n % args.hosts:
+        raise ShardlmError(f"--hosts {args.hosts} does not divide the {n} devices evenly; choose a host count that "
+                           f"divides {n}")
+    return n // args.hosts
+
+
+def _inter_host_bw_per_device(args: argparse.Namespace, per_host: int) -> float:
+    """Bytes/s one device gets between hosts: its share of the host's network."""
+    from shardlm.perf.costmodel import parse_rate
+
+    if args.inter_host_bandwidth is not None and args.inter_node_gbs is not None:
+        raise ShardlmError("--inter-host-bandwidth and --inter-node-gbs both give the bandwidth between hosts; "
+                           "pass one")
+    if args.inter_host_bandwidth is None:
+        return (50 if args.inter_node_gbs is None else args.inter_node_gbs) * 1e9
+    try:
+        return parse_rate(args.inter_host_bandwidth) / per_host
+    except ValueError as e:
+        raise ShardlmError(f"--inter-host-bandwidth {e}") from None
 
 
 def _bench(args: argparse.Namespace) -> None:

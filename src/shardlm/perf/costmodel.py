@@ -7,9 +7,14 @@
 - traffic is what one device sends with the bandwidth-optimal (ring) algorithm over a group of n devices, for a
   collective of B bytes (`shardlm.perf.hlo` says which buffer B is): all-reduce 2(n-1)/n B (a reduce-scatter then
   an all-gather); all-gather, reduce-scatter and all-to-all (n-1)/n B; collective-permute B.
-- bandwidth is the per-device link bandwidth in one direction: `intra_node_bw` when every group of the collective
-  sits within one node, `inter_node_bw` when a group spans nodes. Devices are numbered in mesh order (the tensor
-  axis innermost), `devices_per_node` consecutive devices to a node, as `jax.make_mesh` lays out a GPU cluster.
+- bandwidth is the per-device link bandwidth in one direction: `intra_node_bw` within a host (node), and between
+  hosts `inter_node_bw`, a device's share of its host's network (every device of a host sends at once). Devices
+  are numbered in mesh order (the tensor axis innermost), `devices_per_node` consecutive devices to a host, as
+  `shardlm.mesh` lays them out across hosts. A group that spans hosts is costed as a two-level collective (what
+  NCCL's rings over several NICs and TPU's DCN collectives amount to): for a group of m devices on each of h
+  hosts, a device sends (m-1)/m of the buffer within its host and 1/m of the (h-1)/h share between hosts (twice
+  both for an all-reduce); an all-to-all sends what belongs to other hosts across. A ring over the whole group
+  sends the same total; the split says which part meets the slow links. `split_traffic` gives the two parts.
 - latency is paid once per collective *as XLA:GPU issues them*: the compiled program read here is XLA:CPU's,
   which leaves independent collectives separate (FSDP's per-weight all-gathers, per-gradient reduce-scatters),
   while XLA:GPU's combiners merge those of the same kind and device groups into ops of up to 30 MiB. So the
@@ -21,7 +26,7 @@
 
 The defaults describe an NVIDIA H100 SXM node: 494.5 TFLOP/s dense float32 (as TF32 on tensor cores, JAX's
 default matmul precision), 80 GB, NVLink 4 at 450 GB/s per direction, 8 GPUs per node, 400 Gb/s InfiniBand
-(50 GB/s) per GPU between nodes, 10 us per collective.
+(50 GB/s) per GPU between nodes (3.2 Tb/s per node), 10 us per collective.
 """
 
 from __future__ import annotations
@@ -41,10 +46,33 @@ class Hardware:
     devices_per_node: int = 8
     latency_s: float = 10e-6  # per collective
 
+    @property
+    def host_bw(self) -> float:
+        """A host's network bandwidth between hosts, one direction (bytes/s)."""
+        return self.inter_node_bw * self.devices_per_node
+
     def describe(self) -> str:
         return (f"{self.name}: compute at {self.peak_flops / 1e12:g} TFLOP/s per device; collectives at "
-                f"{self.intra_node_bw / 1e9:g} GB/s within a node of {self.devices_per_node}, "
-                f"{self.inter_node_bw / 1e9:g} GB/s across nodes, +{self.latency_s * 1e6:g} us each; no overlap")
+                f"{self.intra_node_bw / 1e9:g} GB/s within a host of {self.devices_per_node}, "
+                f"{format_rate(self.host_bw)} per host between hosts ({self.inter_node_bw / 1e9:g} GB/s per "
+                f"device), +{self.latency_s * 1e6:g} us each; no overlap")
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """50e9 -> '400 Gb/s', 400e9 -> '3.2 Tb/s': network rates in bits, as NICs are sold."""
+    bits = bytes_per_s * 8
+    return f"{bits / 1e12:g} Tb/s" if bits >= 1e12 else f"{bits / 1e9:g} Gb/s"
+
+
+def parse_rate(text: str) -> float:
+    """'400Gb/s', '400 Gbps', '3.2Tb/s', '50GB/s' -> bytes per second. b = bits, B = bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKMGT]?)(b|B)(?:/s|ps)\s*", text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a rate; write e.g. 400Gb/s, 3.2Tb/s or 50GB/s (b = bits, B = bytes)")
+    scale = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[m.group(2)]
+    return float(m.group(1)) * scale / (8 if m.group(3) == "b" else 1)
 
 
 def h100_peak(dtype: str) -> float:
@@ -65,10 +93,25 @@ def traffic_factor(kind: str, n: int) -> float:
     return (n - 1) / n
 
 
-def crosses_nodes(op: CollectiveOp, devices_per_node: int, n_devices: int) -> bool:
-    """True if any group (or permute pair) of the collective spans two nodes. Unknown groups: the whole mesh."""
-    groups = op.groups or [list(range(n_devices))]
-    return any(len({d // devices_per_node for d in g}) > 1 for g in groups)
+def split_traffic(op: CollectiveOp, devices_per_node: int, n_devices: int) -> tuple[float, float]:
+    """(bytes one device sends within its host, bytes it sends to other hosts) for one execution of `op`: the
+    busiest group's, two-level across hosts (see the module docstring). Unknown groups: the whole mesh."""
+    if op.kind == "collective-permute":
+        pairs = op.groups or [[0, n_devices - 1]]
+        across = any(a // devices_per_node != b // devices_per_node for a, b in pairs)
+        return (0.0, float(op.bytes)) if across else (float(op.bytes), 0.0)
+    best = (0.0, 0.0)
+    for group in op.groups or [list(range(n_devices))]:
+        per_host: dict[int, int] = {}
+        for d in group:
+            per_host[d // devices_per_node] = per_host.get(d // devices_per_node, 0) + 1
+        g, h, m = len(group), len(per_host), max(per_host.values())
+        if op.kind == "all-to-all":
+            split = (op.bytes * (m - 1) / g, op.bytes * (g - m) / g)
+        else:
+            split = (traffic_factor(op.kind, m) * op.bytes, traffic_factor(op.kind, h) * op.bytes / m)
+        best = max(best, split, key=lambda s: (s[1], s[0]))
+    return best
 
 
 @dataclasses.dataclass
@@ -76,7 +119,7 @@ class Estimate:
     compute_s: float
     comm_s: float
     traffic_bytes: float  # sent by one device per step
-    inter_node_bytes: float  # the part of it that crosses nodes
+    inter_node_bytes: float  # the part of it that crosses hosts (nodes)
 
     @property
     def step_s(self) -> float:
@@ -103,13 +146,9 @@ def issued(ops: list[CollectiveOp]) -> int:
 def estimate(flops_per_device: float, ops: list[CollectiveOp], n_devices: int, hw: Hardware) -> Estimate:
     comm = traffic = inter = 0.0
     for op in ops:
-        n = 2 if op.kind == "collective-permute" else op.group_size or n_devices  # unknown groups: the whole mesh
-        sent = traffic_factor(op.kind, n) * op.bytes * op.times
-        if sent == 0:
-            continue
-        across = crosses_nodes(op, hw.devices_per_node, n_devices)
-        comm += sent / (hw.inter_node_bw if across else hw.intra_node_bw)
-        traffic += sent
-        inter += sent if across else 0.0
+        within, across = split_traffic(op, hw.devices_per_node, n_devices)
+        comm += (within / hw.intra_node_bw + across / hw.inter_node_bw) * op.times
+        traffic += (within + across) * op.times
+        inter += across * op.times
     comm += hw.latency_s * issued(ops)
     return Estimate(flops_per_device / hw.peak_flops, comm, traffic, inter)

@@ -8,7 +8,9 @@ For each assignment of N devices to (data, fsdp, tensor) that the config allows,
   of the compiled step (peak = arguments + outputs - donated aliases + temporaries);
 - the collectives per step, from the compiled HLO (`shardlm.perf.hlo`);
 - FLOPs per device per step, from XLA's cost analysis;
-- an estimated step time from `shardlm.perf.costmodel`.
+- an estimated step time from `shardlm.perf.costmodel`;
+- with several hosts (`--hosts`), which collectives cross between them and what each device sends across,
+  costed at the hosts' network bandwidth: the hybrid that keeps its chatty axes inside hosts ranks first.
 
 Nothing is executed and no array is allocated: the state is abstract (shapes and shardings). On a CPU host the N
 devices are simulated (`--xla_force_host_platform_device_count`), so 64 or 256 work on a laptop; the compiled
@@ -27,7 +29,7 @@ import time
 from shardlm.config import Config, describe
 from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
-from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak, issued
+from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak, issued, split_traffic
 from shardlm.perf.strategies import Strategy, all_strategies, rejection
 
 
@@ -53,7 +55,21 @@ class StrategyPlan:
         (tensor parallelism repeats the norms and the embedding; XLA may recompute)."""
         return self.flops_per_device * self.strategy.devices
 
-    def to_dict(self) -> dict:
+    def cross_host(self, hardware: Hardware) -> list[dict]:
+        """The collectives that cross hosts, per kind: {kind, count, bytes (their buffers), sent_per_device (what
+        one device sends to other hosts)}, per step."""
+        acc: dict[str, list[float]] = {}
+        for op in self.collectives:
+            across = split_traffic(op, hardware.devices_per_node, self.strategy.devices)[1]
+            if across > 0:
+                a = acc.setdefault(op.kind, [0, 0, 0.0])
+                a[0] += op.times
+                a[1] += op.bytes * op.times
+                a[2] += across * op.times
+        return [{"kind": k, "count": acc[k][0], "bytes": acc[k][1], "sent_per_device": round(acc[k][2])}
+                for k in hlo.KINDS if k in acc]
+
+    def to_dict(self, hardware: Hardware | None = None) -> dict:
         return {
             "rank": self.rank,
             "name": self.strategy.name,
@@ -64,6 +80,7 @@ class StrategyPlan:
             "issued_collectives": issued(self.collectives),
             "comm_bytes_per_device": round(self.est.traffic_bytes),
             "inter_node_bytes_per_device": round(self.est.inter_node_bytes),
+            "cross_host_collectives": self.cross_host(hardware) if hardware is not None else None,
             "flops": self.flops,
             "flops_per_device": self.flops_per_device,
             "model_flops": self.model_flops,
@@ -90,8 +107,12 @@ class Plan:
     def best(self) -> StrategyPlan | None:
         return self.strategies[0] if self.strategies and self.strategies[0].fits else None
 
+    @property
+    def hosts(self) -> int:
+        return -(-self.n_devices // self.hardware.devices_per_node)
+
     def to_list(self) -> list[dict]:
-        return [s.to_dict() for s in self.strategies]
+        return [s.to_dict(self.hardware) for s in self.strategies]
 
     def rerank(self, hardware: Hardware) -> "Plan":
         """The same compiled facts estimated and ranked for other hardware (no compiling)."""
@@ -200,35 +221,50 @@ def rank_strategies(results: list[StrategyPlan], hardware: Hardware) -> list[Str
     return ordered
 
 
+_ABBREV = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+           "collective-permute": "CP"}
+
+
 def _short_collectives(ops: list[hlo.CollectiveOp]) -> str:
     from shardlm.sharding.explain import fmt_bytes
 
-    abbrev = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
-              "collective-permute": "CP"}
-    return " ".join(f"{abbrev[c['kind']]} {c['count']}x {fmt_bytes(c['bytes'])}" for c in hlo.summarize(ops)) or "none"
+    return " ".join(f"{_ABBREV[c['kind']]} {c['count']}x {fmt_bytes(c['bytes'])}" for c in hlo.summarize(ops)) or "none"
 
 
 def format_plan(p: Plan) -> str:
     from shardlm.sharding.explain import fmt_bytes
 
     m, t = p.cfg.model, p.cfg.train
+    hosts = p.hosts > 1
     lines = [
-        f"plan for {p.n_devices} devices: {p.param_count / 1e6:.1f}M parameters, {describe(p.cfg)}; global batch "
-        f"{t.batch_size} x {m.seq_len} tokens, AdamW",
+        f"plan for {p.n_devices} devices" + (f" on {p.hosts} hosts of {p.hardware.devices_per_node}" if hosts else "")
+        + f": {p.param_count / 1e6:.1f}M parameters, {describe(p.cfg)}; global batch {t.batch_size} x {m.seq_len} "
+        f"tokens, AdamW",
         f"cost model ({p.hardware.describe()}); memory {p.hardware.memory_bytes / 1e9:g} GB "
         f"({fmt_bytes(p.hardware.memory_bytes)}) per device",
         "",
     ]
     head = (f"{'rank':>4}  {'strategy':<16} {'params':>10} {'optimizer':>10} {'grads*':>10} {'temps':>10} "
-            f"{'peak':>10}  {'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} {'est step':>9}  collectives per step")
+            f"{'peak':>10}  {'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} " + (f"{'x-host/dev':>10} " if hosts else "")
+            + f"{'est step':>9}  collectives per step")
     lines += [head, "-" * len(head)]
     for r in p.strategies:
         lines.append(
             f"{r.rank:>4}  {r.strategy.name:<16} {fmt_bytes(r.params):>10} {fmt_bytes(r.optimizer):>10} "
             f"{fmt_bytes(r.gradients):>10} {fmt_bytes(r.temporaries):>10} {fmt_bytes(r.peak):>10}  "
             f"{'yes' if r.fits else 'NO':<4} {r.flops_per_device / 1e12:>9.3f} {fmt_bytes(r.est.traffic_bytes):>10} "
-            f"{_format_seconds(r.est.step_s):>9}  {_short_collectives(r.collectives)}")
+            + (f"{fmt_bytes(r.est.inter_node_bytes):>10} " if hosts else "")
+            + f"{_format_seconds(r.est.step_s):>9}  {_short_collectives(r.collectives)}")
     lines.append("")
+    if hosts:
+        lines.append(f"across hosts (devices in mesh order, tensor innermost, {p.hardware.devices_per_node} to a "
+                     "host; x-host/dev = what one device sends to other hosts per step):")
+        for r in p.strategies:
+            cross = r.cross_host(p.hardware)
+            what = ", ".join(f"{_ABBREV[c['kind']]} {c['count']}x {fmt_bytes(c['bytes'])} (sends "
+                             f"{fmt_bytes(c['sent_per_device'])})" for c in cross)
+            lines.append(f"  {r.strategy.name:<16} {what or 'nothing crosses hosts'}")
+        lines.append("")
     lines.append("bytes are per device; peak = params + optimizer + temps (activations, gradients, gathered "
                  "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps")
     lines.append("comm/dev = what one device sends per step (ring algorithms); est step = compute at peak + "
