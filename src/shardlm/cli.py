@@ -364,6 +364,7 @@ def _bench(args: argparse.Namespace) -> None:
     from shardlm.config import load_config
     from shardlm.perf.bench import bench, format_bench, plot_bench
     from shardlm.perf.strategies import parse_strategies
+    from shardlm.train.loop import agree_on_config
 
     if args.steps < 1 or args.warmup < 0:
         raise ShardlmError("--steps must be >= 1 and --warmup >= 0")
@@ -375,6 +376,7 @@ def _bench(args: argparse.Namespace) -> None:
         if not Path(args.plot).resolve().parent.is_dir():
             raise ShardlmError(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
     cfg = load_config(args.config, args.overrides)
+    agree_on_config(cfg)
     strategies = parse_strategies(args.strategies, jax.device_count())
     result = bench(cfg, strategies, steps=args.steps, warmup=args.warmup, log=_to_stderr)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_bench(result, cfg))
@@ -388,10 +390,12 @@ def _profile(args: argparse.Namespace) -> None:
 
     from shardlm.config import load_config
     from shardlm.perf.profile import format_profile, profile
+    from shardlm.train.loop import agree_on_config
 
     if args.steps < 1 or args.warmup < 0:
         raise ShardlmError("--steps must be >= 1 and --warmup >= 0")
     cfg = load_config(args.config, args.overrides)
+    agree_on_config(cfg)
     # Traces accumulate under DIR/plugins/profile/<time>/, which TensorBoard and XProf list as separate runs.
     out = Path(args.out) if args.out else Path("runs") / f"profile-{cfg.name or cfg.model.preset}"
     if out.exists() and not out.is_dir():
@@ -414,6 +418,9 @@ def _join(args: argparse.Namespace) -> None:
     every process: the launcher keeps the others' output in log files)."""
     if not distributed.join(distributed.JoinOptions.from_args(args), log=_to_stderr):
         return
+    own = {"process_id", "heartbeat_timeout", "connect_timeout"}  # may differ between processes
+    distributed.agree("command", {k: v for k, v in sorted(vars(args).items()) if k not in own},
+                      "the command line", "start every process with the same command")
     if args.command != "train" and not distributed.is_primary():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
 
@@ -475,9 +482,17 @@ def _run(args: argparse.Namespace) -> int | None:
         from shardlm.train.loop import tokenizer_vocab
         from shardlm.train.state import create_train_state
 
+        from shardlm.mesh import axes_across_hosts, check_tensor_inside_hosts, describe_hosts
+        from shardlm.train.loop import agree_on_config
+
+        agree_on_config(cfg)
         mesh = mesh_from_config(cfg.mesh)
+        check_tensor_inside_hosts(mesh, _to_stderr)
         vocab = tokenizer_vocab(cfg, log=_to_stderr)  # stdout is the table (or JSON)
         ex = explain(create_train_state(cfg, mesh, vocab).state, mesh)
+        if hosts := describe_hosts(mesh):
+            ex.notes.append(f"{distributed.process_count()} processes on {hosts}")
+            ex.axes_across_hosts = axes_across_hosts(mesh)
         print(ex.to_json() if args.json else ex)
 
 
@@ -490,15 +505,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = _run(args) or 0
     except ShardlmError as e:
-        print(f"shardlm: error: {e}", file=sys.stderr, flush=True)
         if os.environ.get("SHARDLM_DEBUG"):
+            print(f"shardlm: error: {e}", file=sys.stderr, flush=True)
             raise
-        distributed.fail(str(e), EXIT_USAGE)  # the other processes stop too, with this line (never returns)
+        # In a run of several processes the others stop too, with this line; then this never returns.
+        distributed.fail(str(e), EXIT_USAGE)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C outside the training loop, or a second Ctrl-C / SIGTERM inside it
         print("shardlm: aborted", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        distributed.fail("aborted by a second signal", 130)
+        distributed.fail("aborted by a second signal", 130, raising=True)
         # At once: a checkpoint write still in flight (Orbax's non-daemon thread) is abandoned, not waited for;
         # it stays incomplete and the next start ignores it.
         os._exit(130)
@@ -508,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             distributed.fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (its traceback is "
-                             f"in process {distributed.process_index()}'s output)", 1)
+                             f"in process {distributed.process_index()}'s output)", 1, raising=True)
         raise
     distributed.shutdown()
     return code

@@ -365,23 +365,43 @@ def barrier(name: str) -> None:
 
 
 def agree(name: str, value: dict, what: str, fix: str) -> None:
-    """Raise on every process if any process's flat dict `value` differs from process 0's, naming the first key
-    that differs: "{what} differs between processes: process 1 has k=a, process 0 has k=b; {fix}"."""
+    """Raise on every process if any process's flat dict `value` (JSON-able) differs from process 0's, naming the
+    first key that differs: "{what} differs between processes: process 1 has k=a, process 0 has k=b; {fix}"."""
     values = all_gather(name, value)
     for p, other in enumerate(values[1:], 1):
         for k in sorted(set(values[0]) | set(other)):
-            if values[0].get(k) != other.get(k):
-                raise ShardlmError(f"{what} differs between processes: process {p} has {k}={other.get(k)}, "
-                                   f"process 0 has {k}={values[0].get(k)}; {fix}")
+            mine, theirs = values[0].get(k), other.get(k)
+            if mine == theirs:
+                continue
+            if isinstance(mine, list) and isinstance(theirs, list):  # say what differs, not the whole lists
+                extra, missing = [x for x in theirs if x not in mine], [x for x in mine if x not in theirs]
+                diff = ", and ".join(part for part in (
+                    f"hold {' '.join(map(str, extra))}, which process 0's do not" if extra else "",
+                    f"lack {' '.join(map(str, missing))}, which process 0's hold" if missing else "") if part)
+                raise ShardlmError(f"{what} differs between processes: process {p}'s {k} "
+                                   f"{diff or 'come in another order than process 0s'}; {fix}")
+            raise ShardlmError(f"{what} differs between processes: process {p} has {k}={theirs}, process 0 has "
+                               f"{k}={mine}; {fix}")
 
 
 # --- failures ---------------------------------------------------------------------------------------------------
 
-def fail(message: str, code: int) -> None:
-    """This process is ending with an error (already printed): tell the others, then exit with `code`. Returns
-    at once for one process. Never returns otherwise."""
+_exiting = threading.Lock()  # whoever holds it (the main thread, or the watcher) says why this process ends
+
+
+def fail(message: str, code: int, *, raising: bool = False) -> None:
+    """This process ends with an error: print it (`shardlm: error: ...`) and, in a run of several processes, tell
+    the others, then exit with `code` (never returns). With one process it returns after printing, or at once
+    with `raising` (the caller re-raises to show a traceback, which says it all)."""
     if _run is None:
+        if not raising:
+            print(f"shardlm: error: {message}", file=sys.stderr, flush=True)
         return
+    if not _exiting.acquire(blocking=False):  # another process's failure is already ending this one
+        time.sleep(COORDINATOR_GRACE_S + 5)
+        os._exit(code)
+    if not raising:
+        print(f"shardlm: error: {message}", file=sys.stderr, flush=True)
     try:
         _run.client.key_value_set(FAILED_KEY, json.dumps({"process": _run.process_id, "message": message,
                                                           "code": code}))
@@ -415,8 +435,8 @@ def _watch_failures() -> None:
             time.sleep(0.05)
             continue
         failure = json.loads(text)
-        if failure["process"] == run.process_id:
-            return  # the main thread published it and is exiting
+        if failure["process"] == run.process_id or not _exiting.acquire(blocking=False):
+            return  # the main thread published it, or is already ending this process with its own error
         print(f"shardlm: error: process {failure['process']} failed: {failure['message']}", file=sys.stderr,
               flush=True)
         _exit(failure["code"])

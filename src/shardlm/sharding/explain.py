@@ -39,6 +39,7 @@ class Explanation:
     opt_bytes_per_device: dict[int, int]  # device id -> bytes of optimizer state ({} when there is none yet)
     mesh_shape: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    axes_across_hosts: dict[str, int] = dataclasses.field(default_factory=dict)  # axis -> hosts one group spans
 
     @property
     def max_param_bytes(self) -> int:
@@ -68,6 +69,7 @@ class Explanation:
             "max_bytes_per_device": {"params": self.max_param_bytes, "optimizer": self.max_opt_bytes,
                                      "total": max((d["total"] for d in per_device), default=0)},
             "notes": self.notes,
+            "axes_across_hosts": self.axes_across_hosts,
         }
 
     def to_json(self, indent: int | None = 2) -> str:

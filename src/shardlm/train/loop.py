@@ -74,8 +74,14 @@ def check_batch(cfg: Config, mesh) -> None:
 
 
 def load_data(cfg: Config, progress: bool = False, log=None) -> PreparedData:
-    """The prepared data (preparing text into the cache first if needed), checked against model.vocab_size."""
+    """The prepared data (preparing text into the cache first if needed), checked against model.vocab_size. In a
+    run of several processes, process 0 prepares text while the others wait, then they find it ready (on a
+    filesystem they share; elsewhere each host prepares its own copy, and `agree` checks that they match)."""
+    if distributed.is_multiprocess() and not distributed.is_primary():
+        distributed.barrier("data-prepared")
     data = training_data(cfg.data, progress=progress, log=log or _log)
+    if distributed.is_multiprocess() and distributed.is_primary():
+        distributed.barrier("data-prepared")
     vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
         raise ShardlmError(

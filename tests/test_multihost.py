@@ -1,0 +1,315 @@
+"""Runs of several processes, as a user starts them: `shardlm launch` (or `shardlm train --coordinator ...` by
+hand), each process simulating its share of the devices, JAX's distributed runtime joining them over 127.0.0.1
+and gloo carrying the collectives. Checked against one process with all 8 devices: the same losses, checkpoints
+that move between process counts, stopping together on SIGTERM, a killed process, and bad input.
+
+The runs are few and small (a 2-layer model, 20 steps): each launch costs a few seconds of start-up per process
+on top of its compile, and the suite has a budget."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardlm.config import load_config
+from shardlm.train.checkpoint import RunCheckpoints
+from shardlm.train.loop import train
+
+# Dropout on, so that parity also covers the RNG stream across processes.
+RUN = ["model.n_layers=2", "model.n_heads=4", "model.d_model=64", "model.d_mlp=128", "model.seq_len=32",
+       "model.dropout=0.1", "train.batch_size=16", "train.steps=20", "train.warmup_steps=5", "train.lr=1e-2",
+       "train.log_interval=1", "train.eval_interval=10", "train.eval_batches=2", "train.sample_tokens=0",
+       "data.tokenizer=bytes", "checkpoint.every=5"]
+FSDP4_TP2 = ["mesh.fsdp=4", "mesh.tensor=2"]
+DP2_FSDP2_TP2 = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+LAUNCH_TIMEOUT = 300
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    ck = RunCheckpoints(run_dir, read_only=True)
+    try:
+        return ck.steps()
+    finally:
+        ck.close()
+
+
+def shardlm_command(*args) -> list[str]:
+    return [sys.executable, "-m", "shardlm", *args]
+
+
+def launch(processes: int, devices: int, run_dir: Path, *overrides, log_dir: Path, heartbeat: int | None = None,
+           background: bool = False):
+    """`shardlm launch --processes P --cpu-devices D -- train --run-dir RUN ...`; its own output goes to
+    `log_dir/launcher.log` (process 0's is in it), the other processes' to `log_dir/process-<i>.log`."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = shardlm_command("launch", "--processes", str(processes), "--cpu-devices", str(devices), "--log-dir",
+                          str(log_dir), *(["--heartbeat-timeout", str(heartbeat)] if heartbeat else []),
+                          "--", "train", "--run-dir", str(run_dir), "--no-progress", *RUN, *overrides)
+    out = open(log_dir / "launcher.log", "w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out.close()
+    if background:
+        return proc
+    proc.wait(timeout=LAUNCH_TIMEOUT)
+    return proc
+
+
+def launcher_log(log_dir: Path) -> str:
+    return (log_dir / "launcher.log").read_text()
+
+
+def pid_of(log_dir: Path, process: int) -> int:
+    for line in launcher_log(log_dir).splitlines():
+        if line.startswith(f"shardlm launch: process {process}: pid "):
+            return int(line.split("pid ")[1].split(",")[0])
+    raise AssertionError(f"no pid for process {process} in\n{launcher_log(log_dir)}")
+
+
+def wait_for(predicate, what: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def assert_close_losses(got: dict, want: dict, steps, first_tol: float, last_tol: float):
+    for step in steps:
+        tol = first_tol if step == min(steps) else last_tol
+        assert abs(got[step] - want[step]) <= tol * abs(want[step]), (step, got[step], want[step])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process with all 8 devices, per strategy: the runs every multi-process run must reproduce."""
+    runs = {}
+
+    def get(name: str, mesh: list[str]) -> Path:
+        if name not in runs:
+            run_dir = tmp_path_factory.mktemp("reference") / name
+            train(load_config(None, RUN + mesh), run_dir, progress=False)
+            runs[name] = run_dir
+        return runs[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Runs of `processes` x `devices`, per strategy, each launched once for the module; (run dir, log dir)."""
+    runs = {}
+
+    def get(processes: int, devices: int, name: str, mesh: list[str]) -> tuple[Path, Path]:
+        key = (processes, devices, name)
+        if key not in runs:
+            root = tmp_path_factory.mktemp(f"launched-{processes}x{devices}-{name}")
+            proc = launch(processes, devices, root / "run", *mesh, log_dir=root / "logs")
+            assert proc.returncode == 0, launcher_log(root / "logs")[-3000:]
+            runs[key] = root / "run", root / "logs"
+        return runs[key]
+
+    return get
+
+
+@pytest.mark.parametrize("processes, devices", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("name, mesh", [("fsdp4_tp2", FSDP4_TP2), ("dp2_fsdp2_tp2", DP2_FSDP2_TP2)])
+def test_processes_train_like_one_process(reference, launched, processes, devices, name, mesh):
+    ref = reference(name, mesh)
+    run_dir, logs = launched(processes, devices, name, mesh)
+    log = launcher_log(logs)
+    assert f"{processes} processes on {processes} hosts" in log  # the run header says how the mesh sits on hosts
+    got, want = losses(run_dir), losses(ref)
+    assert sorted(got) == list(range(1, 21))  # every step logged once: one writer, process 0
+    # gloo sums in another order than one process's in-memory all-reduce: equal to float32 rounding
+    assert_close_losses(got, want, range(1, 21), first_tol=1e-6, last_tol=1e-4)
+    assert max(abs(got[s] - want[s]) / want[s] for s in got) < 1e-5
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(p.name for p in ref.iterdir())
+    assert [p.name for p in run_dir.parent.rglob("metrics.jsonl")] == ["metrics.jsonl"]
+    for i in range(1, processes):
+        text = (logs / f"process-{i}.log").read_text()
+        assert "step 20 | loss" in text and "Traceback" not in text  # the others trained and logged, not wrote
+
+
+def test_the_same_launch_twice_is_bit_identical(launched, tmp_path):
+    first, _ = launched(2, 4, "fsdp4_tp2", FSDP4_TP2)
+    again = tmp_path / "again"
+    assert launch(2, 4, again, *FSDP4_TP2, log_dir=tmp_path / "logs").returncode == 0
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "tflops_per_device", "mfu")}
+                        for r in rs]  # noqa: E731 - timings differ, every computed number must not
+    assert strip(rows(again)) == strip(rows(first))
+
+
+def copy_until(src: Path, dst: Path, step: int) -> Path:
+    """`src` as it was when its newest checkpoint was `step` (later checkpoints and the finished marker gone)."""
+    shutil.copytree(src, dst)
+    for s in checkpoint_steps(dst):
+        if s > step:
+            shutil.rmtree(dst / "checkpoints" / str(s))
+    (dst / "summary.json").unlink()
+    return dst
+
+
+def test_checkpoints_move_between_process_counts(reference, launched, tmp_path):
+    """A 2-process checkpoint resumes on 1 process of 8 devices, and a 1-process checkpoint on 2 processes: both
+    continue with the uninterrupted run's batches and losses."""
+    ref = reference("fsdp4_tp2", FSDP4_TP2)
+    want = losses(ref)
+    two = copy_until(launched(2, 4, "fsdp4_tp2", FSDP4_TP2)[0], tmp_path / "two", 10)
+    assert json.loads((two / "checkpoints/10/meta/metadata").read_text())["processes"] == 2
+    assert json.loads((two / "checkpoints/10/data/metadata").read_text()) == {"next_batch": 10}
+    summary = train(load_config(None, RUN + FSDP4_TP2), two, progress=False)  # 1 process, 8 devices
+    assert summary["resumed_from"] == 10 and summary["finished"]
+    assert_close_losses(losses(two), want, range(11, 21), first_tol=1e-5, last_tol=1e-5)
+
+    one = copy_until(ref, tmp_path / "one", 10)
+    logs = tmp_path / "logs"
+    assert launch(2, 4, one, *FSDP4_TP2, log_dir=logs).returncode == 0, launcher_log(logs)[-3000:]
+    assert "resuming" in launcher_log(logs) and "data continues at batch 10" in launcher_log(logs)
+    assert_close_losses(losses(one), want, range(11, 21), first_tol=1e-5, last_tol=1e-5)
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step_saved(reference, tmp_path):
+    ref = reference("fsdp4_tp2", FSDP4_TP2)
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    proc = launch(2, 4, run_dir, *FSDP4_TP2, log_dir=logs, background=True)
+    log1 = logs / "process-1.log"
+    wait_for(lambda: log1.exists() and "step 2 |" in log1.read_text(), "process 1's step 2")
+    os.kill(pid_of(logs, 1), signal.SIGTERM)  # process 1 alone
+    assert proc.wait(timeout=LAUNCH_TIMEOUT) == 0, launcher_log(logs)[-3000:]
+    texts = [launcher_log(logs), log1.read_text()]
+    stops = [int(t.split("stopping after step ")[1].split(";")[0]) for t in texts]
+    assert stops[0] == stops[1] < 20, texts  # both processes stopped after the same step...
+    assert checkpoint_steps(run_dir)[-1] == stops[0]  # ...and saved it
+    assert not (run_dir / "summary.json").exists()
+    summary = train(load_config(None, RUN + FSDP4_TP2), run_dir, progress=False)  # the resume continues from it
+    assert summary["resumed_from"] == stops[0]
+    assert_close_losses(losses(run_dir), losses(ref), range(1, 21), first_tol=1e-5, last_tol=1e-5)
+
+
+def test_a_killed_process_stops_the_others_and_the_run_resumes(reference, tmp_path):
+    ref = reference("fsdp4_tp2", FSDP4_TP2)
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    heartbeat = 5
+    proc = launch(2, 4, run_dir, *FSDP4_TP2, log_dir=logs, heartbeat=heartbeat, background=True)
+    log1 = logs / "process-1.log"
+    wait_for(lambda: log1.exists() and "step 7 |" in log1.read_text(), "process 1's step 7")
+    os.kill(pid_of(logs, 1), signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = proc.wait(timeout=LAUNCH_TIMEOUT)
+    waited = time.monotonic() - killed_at
+    text = launcher_log(logs)
+    assert code != 0 and waited < heartbeat + 20, (code, waited)
+    assert "shardlm launch: process 1 was killed by SIGKILL" in text and str(log1) in text
+    # process 0 ended by itself, non-zero, JAX's runtime naming the process that stopped sending heartbeats
+    assert "killing process" not in text and "then process 0 was killed by SIGABRT" in text
+    assert "tasks are unhealthy (stopped sending heartbeats):\n1\n" in text
+    assert 5 in checkpoint_steps(run_dir)
+    summary = train(load_config(None, RUN + FSDP4_TP2), run_dir, progress=False)
+    assert summary["resumed_from"] >= 5 and summary["finished"]
+    assert_close_losses(losses(run_dir), losses(ref), range(1, 21), first_tol=1e-5, last_tol=1e-5)
+
+
+# --- bad input: one line on every process, nothing written ------------------------------------------------------
+
+def start_by_hand(tmp_path: Path, port: int, per_process: list[list[str]], cwds=None, timeout=120):
+    """Processes started as a scheduler would, each with its own command line; [(exit code, stderr)]."""
+    procs = []
+    for i, extra in enumerate(per_process):
+        cmd = shardlm_command(extra[0], "--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}",
+                              "--num-processes", str(len(per_process)), "--process-id", str(i), *extra[1:])
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=(cwds or [tmp_path] * len(per_process))[i]))
+    errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs)]
+
+
+def assert_error_on_every_process(results, fragment):
+    for code, err in results:
+        errors = [ln for ln in err.splitlines() if ln.startswith("shardlm: error: ")]
+        assert code == 2 and len(errors) == 1 and fragment in errors[0], err
+        assert "Traceback" not in err and errors[0] == [ln for ln in err.splitlines() if ln.strip()][-1], err
+
+
+def free_port() -> int:
+    from shardlm.launch import free_port as pick
+
+    return pick()
+
+
+def test_processes_given_different_configs_or_data_stop_with_one_line(tmp_path):
+    micro = ["--run-dir", str(tmp_path / "run"), *RUN, *FSDP4_TP2]
+    results = start_by_hand(tmp_path, free_port(), [["train", *micro], ["train", *micro, "train.lr=0.02"]])
+    assert_error_on_every_process(results, "the command line differs between processes: process 1's overrides hold "
+                                           "train.lr=0.02, which process 0's do not")
+    # the same command, but a relative data.path that names different text on each host
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for i, h in enumerate(hosts):
+        h.mkdir()
+        (h / "corpus.txt").write_text(f"host {i} has its own text. " * 3000)
+    same = ["train", *micro, "data.path=corpus.txt", "data.val_fraction=0.2"]
+    results = start_by_hand(tmp_path, free_port(), [same, same], cwds=hosts)
+    assert_error_on_every_process(results, "the training data differs between processes: process 1 has "
+                                           "train_sha256=")
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_run_directory_that_is_not_shared_stops_every_process(tmp_path):
+    """A relative --run-dir from two working directories: two different directories, as on two hosts without a
+    shared filesystem."""
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for h in hosts:
+        h.mkdir()
+    cmd = ["train", "--run-dir", "runs/x", *RUN, *FSDP4_TP2]
+    results = start_by_hand(tmp_path, free_port(), [cmd, cmd], cwds=hosts)
+    assert_error_on_every_process(results, "--run-dir runs/x is not shared between the processes: process(es) 1")
+    assert not any(h.joinpath("runs").exists() for h in hosts)  # process 0 removed what it made to look
+
+
+def test_wrong_process_count_id_or_coordinator(tmp_path):
+    port = free_port()
+    results = start_by_hand(tmp_path, port, [["explain", *RUN], ["explain", *RUN, "--num-processes", "3"]])
+    assert_error_on_every_process(results, "process 1 was started with --num-processes 3, but the coordinator's run "
+                                           "has 2 processes")
+    lone = shardlm_command("explain", "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
+                           "--process-id", "1", "--connect-timeout", "3", "--cpu-devices", "4", *RUN)
+    t0 = time.monotonic()
+    proc = subprocess.run(lone, capture_output=True, text=True, timeout=60)
+    assert_error_on_every_process([(proc.returncode, proc.stderr)], "could not reach the coordinator at 127.0.0.1:")
+    assert time.monotonic() - t0 < 30
+    bad_id = subprocess.run(shardlm_command("explain", "--coordinator", "127.0.0.1:1234", "--num-processes", "2",
+                                            "--process-id", "2", *RUN), capture_output=True, text=True, timeout=60)
+    assert_error_on_every_process([(bad_id.returncode, bad_id.stderr)], "--process-id 2 is out of range")
+    partial = subprocess.run(shardlm_command("explain", "--num-processes", "2", *RUN), capture_output=True,
+                             text=True, timeout=60, env={k: v for k, v in os.environ.items()
+                                                         if not k.startswith("SLURM_")})
+    assert_error_on_every_process([(partial.returncode, partial.stderr)], "missing --coordinator")
+
+
+def test_explain_across_hosts_and_data_prepared_once(tmp_path):
+    """`explain` on 4 processes of 2 devices says which axes cross hosts and warns that tensor 4 does; the text
+    behind data.path is prepared by one process while the others wait, into a cache no one prepared yet."""
+    env = dict(os.environ, SHARDLM_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = shardlm_command("launch", "--processes", "4", "--cpu-devices", "2", "--log-dir", str(tmp_path / "logs"),
+                          "--", "explain", "--json", *RUN, "mesh.data=2", "mesh.tensor=4")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ex = json.loads(proc.stdout)  # process 0 alone prints the result
+    assert ex["axes_across_hosts"] == {"data": 2, "tensor": 2}
+    assert "warning: mesh.tensor=4 spans 2 hosts" in proc.stderr
+    outputs = [proc.stderr] + [(tmp_path / "logs" / f"process-{i}.log").read_text() for i in range(1, 4)]
+    assert "data: preparing" in outputs[0] and len(list((tmp_path / "cache" / "data").glob("[!.]*"))) == 1
+    assert all("data: preparing" not in o and "is up to date; nothing to do" in o for o in outputs[1:]), outputs
