@@ -313,3 +313,38 @@ def test_explain_across_hosts_and_data_prepared_once(tmp_path):
     outputs = [proc.stderr] + [(tmp_path / "logs" / f"process-{i}.log").read_text() for i in range(1, 4)]
     assert "data: preparing" in outputs[0] and len(list((tmp_path / "cache" / "data").glob("[!.]*"))) == 1
     assert all("data: preparing" not in o and "is up to date; nothing to do" in o for o in outputs[1:]), outputs
+
+
+def test_the_cluster_recipes_are_commands_shardlm_accepts():
+    """examples/multihost: every `shardlm train` line of the SLURM, Kubernetes and ssh recipes parses, names only
+    config keys that exist, and joins with the options it gives (shell variables stand in as placeholders)."""
+    import re
+    import shlex
+
+    import yaml
+
+    from shardlm.cli import parse_args
+    from shardlm.distributed import JoinOptions
+
+    root = Path(__file__).resolve().parents[1] / "examples" / "multihost"
+    texts = [(root / "slurm.sbatch").read_text(), (root / "ssh.sh").read_text()]
+    texts += [doc["spec"]["template"]["spec"]["containers"][0]["args"][0]
+              for doc in yaml.safe_load_all((root / "kubernetes.yaml").read_text()) if doc["kind"] == "Job"]
+    commands = []
+    for text in texts:
+        joined = re.sub(r"\\\n\s*", " ", text)
+        for line in joined.splitlines():
+            if "shardlm train" in line and not line.lstrip().startswith("#") and "pkill" not in line:
+                line = line.split("shardlm train", 1)[1].split(">")[0].replace('"$@"', "")
+                for var, value in (('"${#hosts[@]}"', "2"), ("${hosts[0]}", "gpu-a"), ("$PORT", "8476")):
+                    line = line.replace(var, value)
+                line = re.sub(r'"?\$\{?(\w+)[^"\s]*"?', lambda m: "1" if m.group(1) in ("i", "JOB_COMPLETION_INDEX")
+                              else "/x", line)
+                commands.append(["train", *shlex.split(line)])
+    assert len(commands) == 3
+    for argv in commands:
+        args = parse_args(argv)
+        load_config(None, args.overrides)  # every key exists and every value type-checks
+        options = JoinOptions(args.coordinator, args.num_processes, args.process_id)
+        if args.coordinator is not None:
+            options.check()
