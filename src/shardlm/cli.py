@@ -418,6 +418,12 @@ def _join(args: argparse.Namespace) -> None:
     every process: the launcher keeps the others' output in log files)."""
     if not distributed.join(distributed.JoinOptions.from_args(args), log=_to_stderr):
         return
+    # gloo prints a line to the C++ stdout for every communicator it opens; stdout is the command's result (the
+    # JSON of `bench --json`, the text of `generate`), so native writes to fd 1 go to stderr from here on.
+    sys.stdout.flush()
+    result = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(result, "w", buffering=1)
     own = {"process_id", "heartbeat_timeout", "connect_timeout"}  # may differ between processes
     distributed.agree("command", {k: v for k, v in sorted(vars(args).items()) if k not in own},
                       "the command line", "start every process with the same command")
