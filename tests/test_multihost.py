@@ -153,6 +153,23 @@ def test_the_same_launch_twice_is_bit_identical(launched, tmp_path):
     assert strip(rows(again)) == strip(rows(first))
 
 
+def test_generate_on_two_processes_equals_one(launched, tmp_path):
+    """`shardlm generate` joins a multi-process run too: greedy tokens equal one process's, and stdout holds only
+    the result (gloo's own lines go to stderr)."""
+    run_dir, _ = launched(2, 4, "fsdp4_tp2", FSDP4_TP2)
+    gen = ["generate", str(run_dir), "--prompt", "ROMEO:", "--max-tokens", "12", "--temperature", "0", "--json",
+           "--num-samples", "2"]
+    one = subprocess.run(shardlm_command(gen[0], "--cpu-devices", "8", *gen[1:]), capture_output=True, text=True,
+                         timeout=LAUNCH_TIMEOUT)
+    two = subprocess.run(shardlm_command("launch", "--processes", "2", "--cpu-devices", "4", "--log-dir",
+                                         str(tmp_path / "logs"), "--", *gen), capture_output=True, text=True,
+                         timeout=LAUNCH_TIMEOUT)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    texts = [[json.loads(line)["text"] for line in p.stdout.splitlines()] for p in (one, two)]
+    assert len(texts[0]) == 2 and texts[0] == texts[1] and texts[0][0]
+    assert "[Gloo]" in two.stderr
+
+
 def copy_until(src: Path, dst: Path, step: int) -> Path:
     """`src` as it was when its newest checkpoint was `step` (later checkpoints and the finished marker gone)."""
     shutil.copytree(src, dst)
