@@ -255,10 +255,13 @@ def start_by_hand(tmp_path: Path, port: int, per_process: list[list[str]], cwds=
 
 
 def assert_error_on_every_process(results, fragment):
+    """Each process ends with the one line: exit 2 where it found the problem, 3 where it stopped because another
+    process did (a process may be told before it finds the problem itself)."""
     for code, err in results:
         errors = [ln for ln in err.splitlines() if ln.startswith("shardlm: error: ")]
-        assert code == 2 and len(errors) == 1 and fragment in errors[0], err
+        assert code in (2, 3) and len(errors) == 1 and fragment in errors[0], err
         assert "Traceback" not in err and errors[0] == [ln for ln in err.splitlines() if ln.strip()][-1], err
+    assert 2 in [code for code, _ in results]
 
 
 def free_port() -> int:
@@ -365,3 +368,32 @@ def test_the_cluster_recipes_are_commands_shardlm_accepts():
         options = JoinOptions(args.coordinator, args.num_processes, args.process_id)
         if args.coordinator is not None:
             options.check()
+
+
+STOP_SCRIPT = """
+import os, signal, sys
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+from shardlm.train.preemption import StopOnSignal
+import time
+if jax.process_index() == 1:
+    os.kill(os.getpid(), signal.SIGTERM)  # before the first step: a run still restoring or compiling
+time.sleep(3)  # the notice reaches every process meanwhile
+with StopOnSignal(coordinated=True) as stop:
+    # a run resumed from step 40: steps 41, 42, ... but the sync point counts the loop's own checks
+    stopped = next(step for step in range(41, 60) if stop.check())
+print("STOPPED", stopped, stop.check(), flush=True)
+"""
+
+
+def test_a_stop_signal_before_the_first_step_stops_every_process_after_it():
+    """JAX's sync point falls one past the furthest check any process made; `StopOnSignal` counts its own checks,
+    so a notice that came before the loop stops a resumed run after its first step (not never)."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", STOP_SCRIPT, address, str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert "STOPPED 41 a preemption notice" in out, out

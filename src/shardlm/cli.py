@@ -380,7 +380,7 @@ def _bench(args: argparse.Namespace) -> None:
     strategies = parse_strategies(args.strategies, jax.device_count())
     result = bench(cfg, strategies, steps=args.steps, warmup=args.warmup, log=_to_stderr)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_bench(result, cfg))
-    if args.plot:
+    if args.plot and distributed.is_primary():
         plot_bench(result, cfg, args.plot)
         print(f"chart written to {args.plot}", file=sys.stderr)
 
@@ -421,9 +421,19 @@ def _join(args: argparse.Namespace) -> None:
     # gloo prints a line to the C++ stdout for every communicator it opens; stdout is the command's result (the
     # JSON of `bench --json`, the text of `generate`), so native writes to fd 1 go to stderr from here on.
     sys.stdout.flush()
+    encoding, errors = sys.stdout.encoding, sys.stdout.errors
     result = os.dup(1)
     os.dup2(2, 1)
-    sys.stdout = os.fdopen(result, "w", buffering=1)
+    sys.stdout = os.fdopen(result, "w", buffering=1, encoding=encoding, errors=errors)
+    if args.command != "train":
+        # Outside training (which stops every process together at a step, see `train.preemption`), SIGTERM ends
+        # the command on every process at once, like Ctrl-C; JAX's preemption notifier would otherwise absorb it.
+        import signal
+
+        def abort(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, abort)
     own = {"process_id", "heartbeat_timeout", "connect_timeout"}  # may differ between processes
     distributed.agree("command", {k: v for k, v in sorted(vars(args).items()) if k not in own},
                       "the command line", "start every process with the same command")
@@ -467,15 +477,17 @@ def _run(args: argparse.Namespace) -> int | None:
         from shardlm.train.loop import train
         from shardlm.train.rundir import CONFIG_FILE, default_run_dir, holds_run
 
+        from shardlm.config import read_config_file
+
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-        if holds_run(run_dir) and not args.overwrite:
-            # Resuming: the run's own config is the base, so `shardlm train --run-dir DIR` alone continues it;
-            # --config and key=value overrides (more steps, a new mesh) apply on top. mesh.* overrides describe
-            # the whole new mesh (as for `generate`): `mesh.tensor=4` alone means tensor 4 x data for the rest.
-            from shardlm.config import read_config_file
-
-            base = read_config_file(run_dir / CONFIG_FILE)
+        # Resuming: the run's own config is the base, so `shardlm train --run-dir DIR` alone continues it; --config
+        # and key=value overrides (more steps, a new mesh) apply on top. mesh.* overrides describe the whole new
+        # mesh (as for `generate`): `mesh.tensor=4` alone means tensor 4 x data for the rest. Process 0 reads it
+        # for every process of a run (the others look into the run directory only once it is known to exist).
+        base = distributed.broadcast("resume-config", lambda: read_config_file(run_dir / CONFIG_FILE)
+                                     if holds_run(run_dir) and not args.overwrite else None)
+        if base is not None:
             if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
                 base.pop("mesh", None)
             cfg = load_config(args.config, args.overrides, base=base)
@@ -513,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     except ShardlmError as e:
         if os.environ.get("SHARDLM_DEBUG"):
             print(f"shardlm: error: {e}", file=sys.stderr, flush=True)
+            distributed.fail(str(e), EXIT_USAGE, raising=True)  # tells the others; never returns if it does
             raise
         # In a run of several processes the others stop too, with this line; then this never returns.
         distributed.fail(str(e), EXIT_USAGE)
@@ -520,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside the training loop, or a second Ctrl-C / SIGTERM inside it
         print("shardlm: aborted", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        distributed.fail("aborted by a second signal", 130, raising=True)
+        distributed.fail("aborted by a signal", 130, raising=True)
         # At once: a checkpoint write still in flight (Orbax's non-daemon thread) is abandoned, not waited for;
         # it stays incomplete and the next start ignores it.
         os._exit(130)

@@ -54,6 +54,7 @@ DEFAULT_HEARTBEAT_TIMEOUT = 30  # seconds: a dead process is noticed well within
 DEFAULT_CONNECT_TIMEOUT = 120  # seconds for every process to join (process 0 may start later than the others)
 JAX_TIMEOUT_MARGIN = 30  # JAX's own registration timeout exceeds shardlm's timer by this much
 EXIT_USAGE = 2
+EXIT_PEER_FAILED = 3  # this process stopped because another process of the run failed
 FAILED_KEY = "shardlm/failed"
 STOPPED_DIR = "shardlm/stopped/"
 COORDINATOR_GRACE_S = 10.0  # how long process 0 keeps the coordinator up for the others to read a failure
@@ -106,9 +107,10 @@ class JoinOptions:
                                    f"{'a list of integers like 0,1' if name == 'local_devices' else 'an integer'}")
 
         local = pick("local_devices", lambda t: tuple(int(x) for x in t.split(",")))
+        heartbeat, connect = pick("heartbeat_timeout", int), pick("connect_timeout", int)
         opts = cls(pick("coordinator", str), pick("num_processes", int), pick("process_id", int),
-                   pick("heartbeat_timeout", int) or DEFAULT_HEARTBEAT_TIMEOUT,
-                   pick("connect_timeout", int) or DEFAULT_CONNECT_TIMEOUT, local)
+                   DEFAULT_HEARTBEAT_TIMEOUT if heartbeat is None else heartbeat,
+                   DEFAULT_CONNECT_TIMEOUT if connect is None else connect, local)
         opts.check()
         return opts
 
@@ -295,13 +297,14 @@ def _join_timed_out(options: JoinOptions, cluster: str | None) -> None:
         msg = (f"{who} could not reach the coordinator at {options.coordinator} within {t} s ({why}); start "
                f"process 0 (it serves the coordinator), check that the address is its own and reachable from "
                f"this host, or raise --connect-timeout")
-    elif options.coordinator:
+    elif options.coordinator and n is not None:
         msg = (f"{who}: the coordinator at {options.coordinator} is up, but not all {n} processes joined within "
                f"{t} s; start every process with the same --num-processes {n} and its own --process-id (0 to "
-               f"{(n or 1) - 1}), or raise --connect-timeout")
+               f"{n - 1}), or raise --connect-timeout")
     else:
-        msg = (f"{who}: not every process of the {cluster} job joined within {t} s; check that all of them "
-               f"started, or raise --connect-timeout")
+        msg = (f"{who}: not every process of the {cluster or 'multi-process'} run joined "
+               f"{'the coordinator at ' + options.coordinator + ' ' if options.coordinator else ''}within {t} s; "
+               f"check that all of them started with the same options, or raise --connect-timeout")
     print(f"shardlm: error: {msg}", file=sys.stderr, flush=True)
     os._exit(EXIT_USAGE)
 
@@ -378,8 +381,8 @@ def agree(name: str, value: dict, what: str, fix: str) -> None:
                 diff = ", and ".join(part for part in (
                     f"hold {' '.join(map(str, extra))}, which process 0's do not" if extra else "",
                     f"lack {' '.join(map(str, missing))}, which process 0's hold" if missing else "") if part)
-                raise ShardlmError(f"{what} differs between processes: process {p}'s {k} "
-                                   f"{diff or 'come in another order than process 0s'}; {fix}")
+                order = "come in another order than process 0's"
+                raise ShardlmError(f"{what} differs between processes: process {p}'s {k} {diff or order}; {fix}")
             raise ShardlmError(f"{what} differs between processes: process {p} has {k}={theirs}, process 0 has "
                                f"{k}={mine}; {fix}")
 
@@ -439,4 +442,4 @@ def _watch_failures() -> None:
             return  # the main thread published it, or is already ending this process with its own error
         print(f"shardlm: error: process {failure['process']} failed: {failure['message']}", file=sys.stderr,
               flush=True)
-        _exit(failure["code"])
+        _exit(EXIT_PEER_FAILED)

@@ -14,7 +14,9 @@ Design choices:
   step and save; a second Ctrl-C aborts them). On Linux a process also dies if the launcher is killed.
 - Failure: when a process exits with an error or is killed, the launcher says which and where its log is, lets
   the others end on their own for up to the heartbeat timeout (they stop by themselves, each saying why; see
-  `shardlm.distributed`), kills any that remain, and exits non-zero.
+  `shardlm.distributed`), kills any that remain, and exits non-zero. The process to blame is the first that
+  failed other than by stopping for another's failure (exit code 3): process 0 serves the coordinator, so when
+  it is the one that failed it leaves after the others.
 - `--cpu-devices K` gives every process K simulated CPU devices and its own host name, since it stands for a
   host. Without it, on an accelerator host, process i gets the accelerators i*D .. i*D+D-1
   (`--devices-per-process D`, default 1: one process per GPU).
@@ -31,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardlm.distributed import DEFAULT_HEARTBEAT_TIMEOUT, ENV, HOST_ENV
+from shardlm.distributed import DEFAULT_HEARTBEAT_TIMEOUT, ENV, EXIT_PEER_FAILED, HOST_ENV
 from shardlm.errors import ShardlmError
 
 MODEL_COMMANDS = ("train", "generate", "explain", "bench", "profile")
@@ -83,6 +85,10 @@ class Launcher:
         env_timeout = os.environ.get(ENV["heartbeat_timeout"], "")
         self.heartbeat_timeout = heartbeat_timeout or (int(env_timeout) if env_timeout.isdigit()
                                                        else DEFAULT_HEARTBEAT_TIMEOUT)
+        # The processes' own --heartbeat-timeout, if the command gives one, is the one they stop by.
+        given = [command[i + 1] for i, a in enumerate(command[:-1]) if a == "--heartbeat-timeout"]
+        given += [a.split("=", 1)[1] for a in command if a.startswith("--heartbeat-timeout=")]
+        self.stop_within = max([self.heartbeat_timeout] + [int(g) for g in given if g.isdigit()])
         self.port = port or free_port()
         self.out = out
         self.procs: list[subprocess.Popen] = []
@@ -143,32 +149,36 @@ class Launcher:
 
     def wait(self) -> int:
         """Until every process has ended; the exit code (0 only if all exited 0)."""
-        first_failure, deadline = None, None
+        grace = self.stop_within + EXTRA_GRACE_S
+        failed: list[tuple[int, int]] = []  # (process, exit code) in the order they ended
+        deadline = None
         while True:
             codes = [p.poll() for p in self.procs]
             for i, code in enumerate(codes):
-                if code not in (None, 0) and first_failure is None:
-                    first_failure = (i, code)
-                    others = [j for j, c in enumerate(codes) if c is None]
-                    self.say(f"process {i} {_describe_exit(code)}; {self.where(i)}"
-                             + (f". Waiting up to {self.heartbeat_timeout + EXTRA_GRACE_S} s for process(es) "
-                                f"{', '.join(map(str, others))} to stop" if others else ""))
-                    deadline = time.monotonic() + self.heartbeat_timeout + EXTRA_GRACE_S
+                if code not in (None, 0) and all(i != j for j, _ in failed):
+                    failed.append((i, code))
+                    running = [j for j, c in enumerate(codes) if c is None]
+                    why = " (it stopped because another process failed)" if code == EXIT_PEER_FAILED else ""
+                    self.say(f"process {i} {_describe_exit(code)}{why}; {self.where(i)}"
+                             + (f". Waiting up to {grace} s for process(es) {', '.join(map(str, running))} to stop"
+                                if running and deadline is None else ""))
+                    if deadline is None:
+                        deadline = time.monotonic() + grace
             if all(c is not None for c in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
                 left = [i for i, c in enumerate(codes) if c is None]
-                self.say(f"killing process(es) {', '.join(map(str, left))}, still running "
-                         f"{self.heartbeat_timeout + EXTRA_GRACE_S} s after process {first_failure[0]} ended")
+                self.say(f"killing process(es) {', '.join(map(str, left))}, still running {grace} s after process "
+                         f"{failed[0][0]} ended")
                 for i in left:
                     self.procs[i].kill()
-                deadline = None
+                deadline = float("inf")
             time.sleep(POLL_S)
-        if first_failure is None:
+        if not failed:
             return 0
-        i, code = first_failure
-        others = [f"process {j} {_describe_exit(c)}" for j, c in enumerate(codes) if j != i and c != 0]
-        self.say(f"the run failed: process {i} {_describe_exit(code)} first ({self.where(i)})"
+        i, code = next(((i, c) for i, c in failed if c != EXIT_PEER_FAILED), failed[0])
+        others = [f"process {j} {_describe_exit(c)}" for j, c in failed if j != i]
+        self.say(f"the run failed: process {i} {_describe_exit(code)} ({self.where(i)})"
                  + (f"; then {', '.join(others)}" if others else ""))
         return code if code > 0 else 128 - code
 

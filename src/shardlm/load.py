@@ -12,7 +12,7 @@ from shardlm.config import Config, config_from_dict
 from shardlm.data.tokenizer import Tokenizer, load_tokenizer
 from shardlm.errors import ShardlmError
 from shardlm.mesh import mesh_from_config
-from shardlm.train.checkpoint import CheckpointError, RunCheckpoints
+from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, complete_steps
 from shardlm.train.rundir import CONFIG_FILE, check_vocab_padding, unreadable
 from shardlm.train.state import abstract_model, vocab_sizes
 
@@ -40,9 +40,9 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise ShardlmError(f"{run_dir} holds no shardlm run (no {CONFIG_FILE}); pass the --run-dir of a training run")
+    steps = complete_steps(run_dir)
     reader = RunCheckpoints(run_dir, read_only=True)
     try:
-        steps = reader.steps()
         if not steps:
             raise ShardlmError(f"{run_dir} has no complete checkpoint yet; train it first "
                                f"(shardlm train --run-dir {run_dir})")

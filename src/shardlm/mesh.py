@@ -106,7 +106,9 @@ def make_named_mesh(degrees: dict[str, int], devices=None):
     if not degrees:
         raise ShardlmError("a mesh needs at least one axis, e.g. {data: -1}")
     shape = resolve_axis_degrees(dict(degrees), len(devices))
-    if devices[0].platform != "tpu":  # host by host, so the inner axes stay inside hosts (a TPU slice is one network)
+    if devices[0].platform != "tpu" and len({d.process_index for d in devices}) > 1:
+        # Host by host, so the inner axes stay inside hosts (a TPU slice is one network; one process keeps the
+        # order it was given).
         devices.sort(key=lambda d: (d.process_index, d.id))
     return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape),
                          devices=devices)

@@ -120,6 +120,23 @@ def _restore_args(target) -> ocp.args.PyTreeRestore:
     return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
 
 
+def local_steps(run_dir: str | Path) -> list[int]:
+    """The complete checkpoints' steps, oldest first, read by this process alone (no barrier with the others)."""
+    reader = RunCheckpoints(run_dir, local=True)
+    try:
+        return reader.steps()
+    finally:
+        reader.close()
+
+
+def complete_steps(run_dir: str | Path) -> list[int]:
+    """`local_steps` as process 0 lists them, for every process of a run: a run still writing checkpoints could
+    otherwise be listed differently by different processes."""
+    from shardlm import distributed
+
+    return distributed.broadcast("checkpoint-steps", lambda: local_steps(run_dir))
+
+
 class RunCheckpoints:
     """The checkpoints of one run directory. `keep`: how many of the newest to keep; `also_keep`: steps never
     deleted (the run's last step). `read_only` opens without creating, cleaning or deleting anything."""

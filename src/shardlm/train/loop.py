@@ -46,7 +46,7 @@ from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mes
 from shardlm.perf.flops import device_peak, flops_per_token
 from shardlm.sharding import batch_sharding
 from shardlm.sharding.explain import explain_state, fmt_bytes, format_explanation
-from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir
+from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, local_steps
 from shardlm.train.metrics import MetricsLogger
 from shardlm.train.preemption import StopOnSignal
 from shardlm.train.rundir import (CONFIG_FILE, FINISHED_MARKER, RunStart, check_vocab_padding, claim,
@@ -150,7 +150,7 @@ def restore_state(run_dir: Path, step: int, cfg: Config, mesh, vocab_size: int) 
         state = reader.restore(step, abstract)
         position = reader.read_position(step)
     except CheckpointError as e:
-        older = [s for s in reader.steps() if s < step]
+        older = [s for s in local_steps(run_dir) if s < step]
         raise unreadable(run_dir, e, older, reader,
                          check=lambda s: (reader.read_meta(s), reader.restore(s, abstract))) from None
     finally:
@@ -190,8 +190,9 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     run.describe(explain)
     run.claim_run_dir()
     run.compile()
-    # Signals are handled until the run returns: after the loop, a first one lets it finish (without samples) and a
-    # second aborts.
+    run.open_metrics()
+    # Signals are handled from the first step until the run returns: after the loop, a first one lets it finish
+    # (without samples) and a second aborts.
     with StopOnSignal(coordinated=distributed.is_multiprocess()) as stop:
         stopped = run.loop(stop)
         return run.finish(stopped, stop, t_start)
@@ -301,10 +302,8 @@ class Training:
                         {**self.meta, "step": step, "reason": reason, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         _log(f"checkpoint step {step}: writing in the background (training blocked {time.perf_counter() - t:.2f}s)")
 
-    def loop(self, stop: StopOnSignal) -> str | None:
-        """Train from the step after `resumed` to `train.steps`; the name of the signal that stopped it early."""
-        cfg, steps = self.cfg, self.cfg.train.steps
-        bsz, seq, n_dev = cfg.train.batch_size, cfg.model.seq_len, self.mesh.devices.size
+    def open_metrics(self) -> None:
+        """The metrics log (process 0 writes it) and the untrained baseline: step 0's evaluation."""
         self.logger = MetricsLogger(self.run_dir, resume_step=self.start.resume_step, write=self.primary)
         self.state = self.ts.state
         if self.start.resume_step is None:
@@ -315,6 +314,10 @@ class Training:
             base = next((r for r in self.logger.rows if r.get("step") == 0 and "eval_loss" in r), {})
             self.first_eval = base.get("eval_loss", math.nan), base.get("eval_bpb", math.nan)
 
+    def loop(self, stop: StopOnSignal) -> str | None:
+        """Train from the step after `resumed` to `train.steps`; the name of the signal that stopped it early."""
+        cfg, steps = self.cfg, self.cfg.train.steps
+        bsz, seq, n_dev = cfg.train.batch_size, cfg.model.seq_len, self.mesh.devices.size
         bar = tqdm(total=steps, initial=self.resumed, disable=not self.progress, unit="step", dynamic_ncols=True)
         self.last_eval, self.last_row = self.first_eval, {}
         t_mark, steps_since, stopped, every = time.perf_counter(), 0, None, cfg.checkpoint.every
@@ -327,15 +330,13 @@ class Training:
                 if self.on_step is not None:
                     self.on_step(step)
                 is_last = step == steps
-                stopped = None if is_last else stop.stop_at(step)  # the last step ends the run anyway
+                reason = stop.check()  # asked at every step, the last too, so that every process asks alike
+                stopped = None if is_last else reason  # the last step ends the run anyway
                 is_eval = step % cfg.train.eval_interval == 0 or is_last
                 if step == self.resumed + 1 or step % cfg.train.log_interval == 0 or is_eval or stopped:
                     metrics = jax.device_get(metrics)  # the only host sync: once per log (or eval) interval
                     tokens_per_s = steps_since * bsz * seq / (time.perf_counter() - t_mark)
-                    # After the time was read: eval time is not step time. Also when stopping on an eval step,
-                    # so that the resumed run's metrics miss nothing.
-                    self.log_step(step, metrics, tokens_per_s, n_dev, self.evaluate(self.state) if is_eval else None,
-                                  bar)
+                    self.log_step(step, metrics, tokens_per_s, n_dev, is_eval, bar)
                     t_mark, steps_since = time.perf_counter(), 0
                 if is_last or stopped or (every and step % every == 0):
                     self.save(step, "end" if is_last else stopped or "interval")
@@ -362,16 +363,16 @@ class Training:
         self.ts.state = self.state
         return stopped
 
-    def log_step(self, step: int, metrics: dict, tokens_per_s: float, n_dev: int, evaluation, bar) -> None:
+    def log_step(self, step: int, metrics: dict, tokens_per_s: float, n_dev: int, is_eval: bool, bar) -> None:
         flops_per_dev = self.flops_per_token * tokens_per_s / n_dev
         row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
                "tflops_per_device": flops_per_dev / 1e12, "mfu": flops_per_dev / self.peak}
         if not np.isfinite(row["loss"]):
             raise ShardlmError(f"loss became {row['loss']} at step {step}; lower train.lr or raise warmup_steps")
-        if evaluation is not None:
-            self.last_eval = evaluation
-            row["eval_loss"], row["eval_bpb"] = evaluation
+        if is_eval:  # after the step's time was read: eval time is not step time. Also when stopping on an eval
+            self.last_eval = self.evaluate(self.state)  # step, so that the resumed run's metrics miss nothing
+            row["eval_loss"], row["eval_bpb"] = self.last_eval
         self.logger.log(row)
         self.last_row = row
         if not self.progress:
@@ -408,9 +409,9 @@ class Training:
         }
         if self.primary:
             (run_dir / FINISHED_MARKER).write_text(json.dumps(summary, indent=2) + "\n")  # the run is complete
-        # A signal after the loop: in a multi-process run, whether any process got one is agreed at one more sync
-        # point, since sampling is a collective that all take part in or none.
-        late = stop.stop_at(steps + 1) if stop.coordinated else stop.received
+        # A signal during the last step or since: in a multi-process run, whether any process got one is agreed at
+        # one more sync point, since sampling is a collective that all take part in or none.
+        late = stop.check()
         if late:
             _log(f"{late} received at the end of the run: finished, without samples")
         elif cfg.train.sample_tokens:  # unconditional samples: the prompt is the document separator

@@ -42,8 +42,10 @@ FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
 
 def default_run_dir(cfg: Config) -> Path:
     """runs/<name>, or runs/<preset>-<date>-<time> (process 0's clock, in a run of several processes)."""
-    name = cfg.name or distributed.broadcast("run-name",
-                                             lambda: f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    # Asked of process 0 whatever the config says, so that every process makes this call (configs are compared
+    # only later, and a key-value call made by some processes only would leave the others waiting).
+    name = distributed.broadcast("run-name",
+                                 lambda: cfg.name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Path("runs") / name
 
 
@@ -170,7 +172,7 @@ def decide_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
 
     shared = distributed.broadcast("run-start", decide)
     if shared["probe"] is not None:
-        seen = distributed.all_gather("run-dir-shared", (run_dir / shared["probe"]).exists())
+        seen = distributed.all_gather("run-dir-shared", _sees(run_dir, shared["probe"]))
         if distributed.is_primary():  # leave the directories as they were: the run claims them later, if at all
             (run_dir / shared["probe"]).unlink(missing_ok=True)
             for d in shared["created"]:
@@ -188,10 +190,33 @@ def decide_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
     return RunStart(**shared["start"])
 
 
+SHARED_WAIT_S = 5.0  # network filesystems may answer from a cache for a moment after process 0 wrote the file
+
+
+def _sees(run_dir: Path, name: str) -> bool:
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while True:
+        try:
+            if name in os.listdir(run_dir):  # a directory listing, not a (possibly cached) lookup of the name
+                return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 def unreadable(run_dir: Path, error: CheckpointError, older: list[int], reader: RunCheckpoints,
                check=None) -> ShardlmError:
     """The one-line error for an unreadable checkpoint, naming the newest older one that reads (`check(step)`
-    raises CheckpointError if it does not; by default only its meta item is read)."""
+    raises CheckpointError if it does not; by default only its meta item is read). In a run of several processes
+    the older ones are named unchecked: this process must fail at once, since the reads are collectives and a
+    process whose shards did read may already be waiting in the next one."""
+    where = checkpoint_dir(run_dir)
+    if distributed.is_multiprocess():
+        fix = (f"move {where / str(error.step)} out of {where} to resume from step {max(older)}, the newest older one"
+               if older else "no older checkpoint exists: pass --overwrite or another --run-dir to start over")
+        return ShardlmError(f"checkpoint step {error.step} in {where} cannot be read ({error.reason}); {fix}")
     good = None
     for s in sorted(older, reverse=True):
         try:
@@ -200,7 +225,6 @@ def unreadable(run_dir: Path, error: CheckpointError, older: list[int], reader: 
             break
         except CheckpointError:
             continue
-    where = checkpoint_dir(run_dir)
     fix = (f"the newest readable one is step {good}: move {where / str(error.step)} out of {where} to resume from it"
            if good is not None else "no older checkpoint reads either: pass --overwrite or another --run-dir to "
                                     "start over")
