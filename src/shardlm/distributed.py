@@ -231,11 +231,13 @@ def join(options: JoinOptions, log: Callable[[str], None] | None = None) -> bool
 
     if options.coordinator is not None and options.process_id == 0:
         _check_port_free(options.coordinator)
-    # gloo carries cross-process collectives on CPU devices (it is JAX's default where it knows the option).
-    try:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except Exception:  # noqa: BLE001 - a JAX without the option has its own default
-        pass
+    # gloo carries cross-process collectives on CPU devices (JAX's default where it knows the option), unless the
+    # environment chose another (JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi).
+    if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except Exception:  # noqa: BLE001 - a JAX without the option has its own default
+            pass
     timer = threading.Timer(options.connect_timeout, _join_timed_out, (options, cluster))
     timer.daemon = True
     timer.start()
