@@ -2,7 +2,7 @@
 
     shardlm train [--config FILE] [--run-dir DIR] [--cpu-devices N] [--overwrite] [--explain] [--no-progress]
                   [key=value ...]      (resumes the run in DIR if there is one)
-    shardlm generate RUN_DIR [--prompt TEXT | --prompts-file FILE] [--max-tokens N] [--temperature T] [--top-k K]
+    shardlm generate RUN_DIR|hf:DIR [--prompt TEXT | --prompts-file FILE] [--max-tokens N] [--temperature T] [--top-k K]
                      [--top-p P] [--seed S] [--num-samples M] [--json] [--truncate] [--no-cache] [--step N]
                      [--cpu-devices N] [mesh.*=value ...]
     shardlm explain [--config FILE] [--cpu-devices N] [--json] [key=value ...]
@@ -12,6 +12,7 @@
     shardlm profile [--config FILE] [--cpu-devices N] [--steps N] [--out DIR] [key=value ...]
     shardlm data prepare INPUT... --tokenizer T --out DIR [--val INPUT...] [--val-fraction F] [--force]
     shardlm tokenizer train INPUT... --vocab-size N --out PATH [--force]
+    shardlm export RUN_DIR --out DIR [--step N] [--dtype bfloat16] [--max-shard-size BYTES] [--force]
     shardlm launch --processes N [--cpu-devices K] [--log-dir DIR] -- COMMAND [ARGS...]
 
 Every command that runs a model also takes `--coordinator HOST:PORT --num-processes N --process-id I` (or their
@@ -54,8 +55,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="replace the run in --run-dir (by default a run there is resumed from its checkpoint)")
     train.add_argument("--explain", action="store_true", help="print every parameter's placement before training")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    gen = sub.add_parser("generate", help="sample text from a trained run's newest checkpoint (KV-cache decoding)")
-    gen.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory")
+    gen = sub.add_parser("generate", help="sample text from a trained run's newest checkpoint, or a Hugging Face "
+                                          "model directory (KV-cache decoding)")
+    gen.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory, or hf:DIR (a Hugging Face model "
+                                                        "directory: config.json, *.safetensors, tokenizer files)")
     gen.add_argument("--prompt", default=None, help="text to continue (default: start a new document)")
     gen.add_argument("--prompts-file", metavar="FILE",
                      help="many prompts, decoded as batches: one per line, or .jsonl lines {\"prompt\": ...}")
@@ -157,6 +160,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     _reading_options(tok_train)
     tok_train.add_argument("--force", action="store_true", help="replace PATH if it exists")
 
+    export = sub.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model directory (config, safetensors, tokenizer)",
+        description="Writes config.json, model.safetensors (sharded with an index above --max-shard-size), "
+                    "generation_config.json and the tokenizer, so that transformers' AutoTokenizer and "
+                    "AutoModelForCausalLM load DIR. Atomic: a failed export leaves DIR as it was.")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory")
+    export.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face model directory to write")
+    export.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint (default newest)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' dtype in the files (default float32)")
+    export.add_argument("--max-shard-size", default="5GB", metavar="BYTES",
+                        help="start a new safetensors file above this size (default 5GB, as transformers)")
+    export.add_argument("--force", action="store_true", help="replace DIR if it is not empty")
+    export.add_argument("--cpu-devices", type=int, metavar="N", help=CPU_DEVICES_HELP)
+    add_distributed_options(export)
+
     launch = sub.add_parser(
         "launch", help="run N processes of a command on this host as one multi-process run (like torchrun)",
         usage="shardlm launch --processes N [--cpu-devices K] [options] -- COMMAND [ARGS...]",
@@ -174,7 +193,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         help="the processes stop S seconds after one stops responding (default 30)")
     launch.add_argument("--port", type=int, metavar="P", help="the coordinator's port (default: a free one)")
     return parser, {"train": train, "explain": explain, "generate": gen, "plan": plan, "bench": bench,
-                    "profile": prof, "launch": launch}
+                    "profile": prof, "export": export, "launch": launch}
 
 
 def _reading_options(p: argparse.ArgumentParser) -> None:
@@ -246,7 +265,7 @@ def _generate(args: argparse.Namespace) -> None:
         raise ShardlmError("--prompt and --prompts-file both give prompts; pass one of them")
     sampling = Sampling(args.temperature, args.top_k, args.top_p)  # checks its ranges
     texts = read_prompts_file(args.prompts_file) if args.prompts_file else [args.prompt or ""]
-    m = load_model(args.run_dir, step=args.step, overrides=args.overrides)
+    m = load_model(args.run_dir, step=args.step, overrides=args.overrides, require_tokenizer=True)
     prompts, notes = encode_prompts(m.tokenizer, texts, m.cfg.model.seq_len, args.max_tokens, args.truncate)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
@@ -279,13 +298,13 @@ def _generate(args: argparse.Namespace) -> None:
           f"compiling took {gen.compile_s:.1f} s)", file=sys.stderr)
 
 
-def parse_bytes(text: str) -> float:
+def parse_bytes(text: str, flag: str = "--memory") -> float:
     """'80GB' -> 80e9, '24GiB' -> 24 * 2**30, '16e9' -> 16e9."""
     import re
 
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", text.lower())
     if not m or float(m.group(1)) <= 0:
-        raise ShardlmError(f"--memory {text!r} is not a size; write e.g. 80GB, 24GiB or 16e9")
+        raise ShardlmError(f"{flag} {text!r} is not a size; write e.g. 80GB, 24GiB or 16e9")
     unit = (m.group(2) or "b").rstrip("b") or "b"
     scale = {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
     return float(m.group(1)) * scale[unit]
@@ -388,7 +407,7 @@ def _bench(args: argparse.Namespace) -> None:
 def _profile(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from shardlm.config import load_config
+    from shardlm.config import load_config, model_label
     from shardlm.perf.profile import format_profile, profile
     from shardlm.train.loop import agree_on_config
 
@@ -397,10 +416,19 @@ def _profile(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     agree_on_config(cfg)
     # Traces accumulate under DIR/plugins/profile/<time>/, which TensorBoard and XProf list as separate runs.
-    out = Path(args.out) if args.out else Path("runs") / f"profile-{cfg.name or cfg.model.preset}"
+    out = Path(args.out) if args.out else Path("runs") / f"profile-{cfg.name or model_label(cfg.model)}"
     if out.exists() and not out.is_dir():
         raise ShardlmError(f"--out {out} is a file; pass a directory")
     print(format_profile(profile(cfg, out, steps=args.steps, warmup=args.warmup, log=_to_stderr)))
+
+
+def _export(args: argparse.Namespace) -> None:
+    from shardlm.hf.exporter import export
+
+    if args.step is not None and args.step < 0:
+        raise ShardlmError(f"--step must be >= 0, got {args.step}")
+    export(args.run_dir, args.out, step=args.step, dtype=args.dtype,
+           max_shard_bytes=parse_bytes(args.max_shard_size, "--max-shard-size"), force=args.force, log=_to_stderr)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -465,6 +493,8 @@ def _run(args: argparse.Namespace) -> int | None:
     _join(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "bench":
         return _bench(args)
     if args.command == "profile":

@@ -103,20 +103,42 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class InitConfig:
+    # Where a new run's weights come from: "" = random (the model's initialisers), or "hf:DIR", a Hugging Face
+    # checkpoint directory (config.json + *.safetensors), whose architecture also becomes the model section unless
+    # `model=` names one. Read only when a run starts at step 0; a resumed run continues from its checkpoint.
+    # The config key is `init.from` (`from` is a Python keyword, hence the field's name).
+    from_: str = ""
+
+
+FIELD_KEYS = {"from_": "from"}  # attribute name -> config key, where they differ
+
+
+@dataclasses.dataclass
 class Config:
     name: str = ""
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    init: InitConfig = dataclasses.field(default_factory=InitConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        tree = dataclasses.asdict(self)
+        return {k: {FIELD_KEYS.get(f, f): v for f, v in s.items()} if isinstance(s, dict) else s
+                for k, s in tree.items()}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def model_label(m: ModelConfig) -> str:
+    """The preset's name as a file name: 'hf:/ckpt/TinyLlama-1.1B' -> 'hf-TinyLlama-1.1B'."""
+    if m.preset.startswith("hf:"):
+        return "hf-" + (Path(m.preset[3:]).expanduser().resolve().name or "model")
+    return m.preset
 
 
 def describe(cfg: Config) -> str:
@@ -206,11 +228,11 @@ def _set(cfg: Config, key: str, value: Any) -> None:
     if len(parts) != 2 or parts[0] not in _SECTIONS:
         raise _unknown(key, [f"{s}.<field>" for s in _SECTIONS] + ["name", "seed"])
     section = getattr(cfg, parts[0])
-    fields = {f.name: f for f in dataclasses.fields(section)}
+    fields = {FIELD_KEYS.get(f.name, f.name): f for f in dataclasses.fields(section)}
     if parts[1] not in fields:
         raise _unknown(key, list(fields))
     tp = fields[parts[1]].type
-    setattr(section, parts[1], _coerce(key, _value_for(value, tp), tp))
+    setattr(section, fields[parts[1]].name, _coerce(key, _value_for(value, tp), tp))
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -236,10 +258,21 @@ def _parse_override(arg: str) -> tuple[str, Any]:
     return key.strip(), _Raw(raw, value)
 
 
+_MODEL_FIELDS = {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)}
+
+
 def _apply(cfg: Config, items: list[tuple[str, Any]]) -> None:
-    # The preset goes first so that field overrides apply on top of it, in any order.
-    for key, value in items:
-        if key in ("model", "model.preset"):
+    # The preset goes first so that field overrides apply on top of it, in any order. A whole model section (a
+    # run's saved config) needs no preset: its `preset` is only a name then, and a preset read from a directory
+    # (`hf:DIR`) need not exist any more. `init.from=hf:DIR` without a preset brings that checkpoint's preset.
+    keys = {k for k, _ in items}
+    presets = [v for k, v in items if k in ("model", "model.preset")]
+    if not presets:
+        presets = [v for k, v in items if k == "init.from" and str(v).startswith("hf:")]
+    if presets and _MODEL_FIELDS <= keys:
+        _set(cfg, "model.preset", presets[-1])
+    else:
+        for value in presets:
             _set(cfg, "model", value)
     for key, value in items:
         if key not in ("model", "model.preset"):
@@ -360,6 +393,9 @@ def validate(cfg: Config) -> None:
         raise ShardlmError("data.path and data.text_field must not be empty")
     if d.tokenizer_vocab < 257:
         raise ShardlmError(f"data.tokenizer_vocab must be at least 257 (bytes + end of text), got {d.tokenizer_vocab}")
+    if cfg.init.from_ and not cfg.init.from_.startswith("hf:"):
+        raise ShardlmError(f"init.from={cfg.init.from_!r} is not a checkpoint to start from; use hf:DIR, a Hugging "
+                           "Face model directory (config.json and *.safetensors), or leave it empty")
     if cfg.checkpoint.every < 0:
         raise ShardlmError(f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:

@@ -36,7 +36,7 @@ from pathlib import Path
 from shardlm.distributed import DEFAULT_HEARTBEAT_TIMEOUT, ENV, EXIT_PEER_FAILED, HOST_ENV
 from shardlm.errors import ShardlmError
 
-MODEL_COMMANDS = ("train", "generate", "explain", "bench", "profile")
+MODEL_COMMANDS = ("train", "generate", "explain", "bench", "profile", "export")
 EXTRA_GRACE_S = 15  # beyond the heartbeat timeout, for the survivors to print why they stop and exit
 POLL_S = 0.1
 

@@ -23,7 +23,7 @@ class LoadedModel:
     mesh: object
     graphdef: object  # the model's (nnx.split(model))
     state: object  # its parameters, sharded on `mesh`
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: a Hugging Face checkpoint saved without one
     step: int
 
 
@@ -34,9 +34,16 @@ def run_tokenizer(cfg: Config, run_dir: Path) -> Tokenizer:
 
 
 def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[str] | tuple[str, ...] = (),
-               devices=None) -> LoadedModel:
-    """The model of the run in `run_dir` at `step` (default: the newest checkpoint). `overrides` (`mesh.*=...`)
-    choose the mesh to load onto; by default the run's own mesh settings."""
+               devices=None, require_tokenizer: bool = False) -> LoadedModel:
+    """The model of the run in `run_dir` at `step` (default: the newest checkpoint), or of the Hugging Face
+    checkpoint `hf:DIR`. `overrides` (`mesh.*=...`) choose the mesh to load onto; by default the run's own mesh
+    settings (a Hugging Face checkpoint: data parallel over every device)."""
+    if str(run_dir).startswith("hf:"):
+        from shardlm.hf.importer import load_hf_model
+
+        if step is not None:
+            raise ShardlmError("--step applies to a training run's checkpoints, not to a Hugging Face directory")
+        return load_hf_model(str(run_dir), overrides=overrides, devices=devices, require_tokenizer=require_tokenizer)
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise ShardlmError(f"{run_dir} holds no shardlm run (no {CONFIG_FILE}); pass the --run-dir of a training run")

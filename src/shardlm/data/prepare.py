@@ -40,13 +40,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from shardlm.data.sources import INVALID_UTF8_POLICIES, ReadStats, identity, input_bytes, read_documents, resolve_inputs
-from shardlm.data.tokenizer import TOKENIZER_FILE, Tokenizer, check_spec, load_tokenizer, train_bpe
+from shardlm.data.tokenizer import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, check_spec, load_tokenizer,
+                                   train_bpe)
 from shardlm.errors import ShardlmError
 
 FORMAT, VERSION = "shardlm-tokens", 1
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
-OUR_FILES = {META_FILE, TOKENIZER_FILE} | {f"{split}.bin" for split in SPLITS}  # all that --force may replace
+OUR_FILES = {META_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE} | {f"{split}.bin" for split in SPLITS}  # --force may replace
 BATCH_CHARS = 4 << 20  # text per tokenizer call: big enough to keep every core busy, small enough for memory
 PIECE_CHARS = 1 << 20  # longer documents are tokenized in pieces (see `_pieces`)
 BPE_TRAIN_MAX_BYTES = 256 << 20  # a BPE trained by `prepare` sees at most this much text (it plateaus long before)
@@ -122,6 +123,9 @@ def _settings(inputs, val_inputs, tokenizer, vocab_size, val_fraction, text_fiel
         tok["train_vocab_size"] = vocab_size
     elif tokenizer.startswith("bpe:"):
         tok = {"spec": "bpe", "sha256": _sha256(Path(tokenizer[4:]))}
+        special = Path(tokenizer[4:]).parent / TOKENIZER_CONFIG_FILE  # may name the document separator
+        if special.is_file():
+            tok["config_sha256"] = _sha256(special)
     return {
         "inputs": identity(inputs), "val_inputs": identity(val_inputs), "tokenizer": tok,
         "val_fraction": None if val_inputs else val_fraction, "text_field": text_field,

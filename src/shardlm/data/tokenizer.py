@@ -1,12 +1,17 @@
 """Tokenizers, named by a spec string: `gpt2`, `bytes`, `bpe` (a trained BPE stored next to the data) or `bpe:PATH`.
 
-- `gpt2`: OpenAI's GPT-2 BPE through tiktoken (50,257 tokens, `<|endoftext|>` = 50256). tiktoken downloads its two
-  files on first use and caches them in `$TIKTOKEN_CACHE_DIR`; offline and uncached, loading fails with a message
-  saying so instead of hanging (the download runs under a timeout).
+- `gpt2`: OpenAI's GPT-2 BPE through tiktoken (50,257 tokens, `<|endoftext|>` = 50256): tiktoken's `r50k_base`,
+  GPT-2's ranks in one file (tiktoken's `gpt2` reads the same ranks from two older files; those are used when
+  they are the ones cached). tiktoken downloads the file on first use and caches it in `$TIKTOKEN_CACHE_DIR`;
+  offline and uncached, loading fails with a message saying so instead of hanging (the download runs under a
+  timeout). The same file ships in the `openai-whisper` source distribution (`whisper/assets/gpt2.tiktoken`).
 - `bytes`: token id = UTF-8 byte value (0-255), `<|endoftext|>` = 256. No files, no training.
-- `bpe:PATH`: a Hugging Face `tokenizers` JSON file, such as the byte-level BPE `shardlm tokenizer train` writes.
+- `bpe:PATH`: a Hugging Face `tokenizers` JSON file, such as the byte-level BPE `shardlm tokenizer train` writes,
+  or a Hugging Face model's `tokenizer.json`.
 
-Every tokenizer has `<|endoftext|>`, which separates documents in token files. `encode` turns that text into the
+Every tokenizer has a document separator, `<|endoftext|>` where it has that token, which separates documents in
+token files; a model's own tokenizer without it (Llama's) uses its end-of-sequence token instead, named by the
+`tokenizer_config.json` beside the file (`eos_token`), as Hugging Face writes it. `encode` turns that text into the
 special token. `encode_batch` tokenizes corpus documents, in parallel inside the Rust libraries; documents never
 contain the separator (sources split on it), and tiktoken reads any other special-token text as plain text.
 `token_bytes()` gives each token's UTF-8 length (0 for special tokens): it turns a per-token loss into
@@ -27,6 +32,7 @@ from shardlm.errors import ShardlmError
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # Hugging Face's: names the special tokens
 # Seconds to wait for tiktoken's first download of the GPT-2 files before giving up with a clear message.
 GPT2_DOWNLOAD_TIMEOUT_S = 60.0
 
@@ -122,12 +128,15 @@ class HFTokenizer(Tokenizer):
 
     spec = "bpe"
 
-    def __init__(self, hf, source: str = "trained"):
+    def __init__(self, hf, source: str = "trained", eot: str | None = None):
+        """`eot`: the document separator's text, when it is not `<|endoftext|>` (a model's end-of-sequence)."""
         self.hf = hf
-        eot = hf.token_to_id(EOT)
-        if eot is None:
-            raise ShardlmError(f"tokenizer {source} has no {EOT} token; train one with `shardlm tokenizer train`")
-        self.eot_id = eot
+        self.eot = eot or EOT
+        eot_id = hf.token_to_id(self.eot)
+        if eot_id is None:
+            raise ShardlmError(f"tokenizer {source} has no {self.eot} token"
+                               + ("; train one with `shardlm tokenizer train`" if eot is None else ""))
+        self.eot_id = eot_id
         self.vocab_size = hf.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
@@ -153,6 +162,8 @@ class HFTokenizer(Tokenizer):
 
     def save(self, directory: Path) -> None:
         self.hf.save(str(Path(directory) / TOKENIZER_FILE))
+        if self.eot != EOT:  # say which token separates documents, as Hugging Face does
+            (Path(directory) / TOKENIZER_CONFIG_FILE).write_text(json.dumps({"eos_token": self.eot}, indent=2) + "\n")
 
 
 def tiktoken_cache_dir() -> str:
@@ -161,15 +172,31 @@ def tiktoken_cache_dir() -> str:
             or os.path.join(tempfile.gettempdir(), "data-gym-cache"))
 
 
+GPT2_FILES = {  # what tiktoken downloads (and caches under the SHA-1 of the address) for each name
+    "r50k_base": ("https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",),
+    "gpt2": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+             "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"),
+}
+
+
+def tiktoken_cache_file(url: str) -> Path:
+    import hashlib
+
+    return Path(tiktoken_cache_dir()) / hashlib.sha1(url.encode()).hexdigest()
+
+
 def gpt2_tokenizer(timeout_s: float | None = None) -> TiktokenTokenizer:
-    """tiktoken's GPT-2 encoding; a first download runs in a daemon thread so that a dead network cannot hang us."""
+    """tiktoken's GPT-2 ranks (`r50k_base`, or `gpt2` when only its files are cached); a first download runs in a
+    daemon thread so that a dead network cannot hang us."""
     import tiktoken
 
     result: dict = {}
+    cached = {name: all(tiktoken_cache_file(u).is_file() for u in urls) for name, urls in GPT2_FILES.items()}
+    name = "gpt2" if cached["gpt2"] and not cached["r50k_base"] else "r50k_base"
 
     def load():
         try:
-            result["enc"] = tiktoken.get_encoding("gpt2")
+            result["enc"] = tiktoken.get_encoding(name)
         except BaseException as e:  # noqa: BLE001 - reported below
             result["error"] = e
 
@@ -181,11 +208,23 @@ def gpt2_tokenizer(timeout_s: float | None = None) -> TiktokenTokenizer:
     why = (f"{type(result['error']).__name__}: {str(result['error']).splitlines()[0][:120]}" if "error" in result
            else f"no answer in {GPT2_DOWNLOAD_TIMEOUT_S if timeout_s is None else timeout_s:.0f}s")
     raise ShardlmError(
-        f"the gpt2 tokenizer needs tiktoken's GPT-2 files, which are not in the cache ({tiktoken_cache_dir()}) and "
+        f"the gpt2 tokenizer needs tiktoken's GPT-2 file, which is not in the cache ({tiktoken_cache_dir()}) and "
         f"could not be downloaded ({why}); run once with network access, or copy a cache directory here and set "
-        "TIKTOKEN_CACHE_DIR to it; offline, use --tokenizer bytes or a BPE from `shardlm tokenizer train` "
-        "(data.tokenizer=bytes or bpe)"
+        "TIKTOKEN_CACHE_DIR to it (openai-whisper's source package ships the file as whisper/assets/gpt2.tiktoken: "
+        f"copy it to {tiktoken_cache_file(GPT2_FILES['r50k_base'][0])}); offline, use --tokenizer bytes or a BPE "
+        "from `shardlm tokenizer train` (data.tokenizer=bytes or bpe)"
     )
+
+
+def special_token(directory: Path, name: str) -> str | None:
+    """The text of a special token ("eos_token", "bos_token") as the tokenizer_config.json in `directory` names
+    it (a string, or Hugging Face's {"content": ...} form)."""
+    path = Path(directory) / TOKENIZER_CONFIG_FILE
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get(name) if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise ShardlmError(f"{path} is not a tokenizer config (JSON with {name})") from None
+    return value.get("content") if isinstance(value, dict) else value
 
 
 def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
@@ -198,7 +237,32 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
         hf = HF.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception
         raise ShardlmError(f"{path} is not a Hugging Face tokenizer file ({str(e)[:100]})") from None
-    return HFTokenizer(hf, source=str(path))
+    eot = None if hf.token_to_id(EOT) is not None else special_token(path.parent, "eos_token")
+    return HFTokenizer(hf, source=str(path), eot=eot)
+
+
+def load_hf_dir_tokenizer(directory: str | Path) -> Tokenizer:
+    """The tokenizer of a Hugging Face model directory: its `tokenizer.json`, else GPT-2's slow files (vocab.json
+    and merges.txt), else, for a GPT-2 checkpoint of GPT-2's vocabulary, tiktoken's gpt2."""
+    directory = Path(directory)
+    if (directory / TOKENIZER_FILE).is_file():
+        return load_hf_tokenizer(directory / TOKENIZER_FILE)
+    if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+        from tokenizers import Tokenizer as HF
+        from tokenizers import decoders, models, pre_tokenizers
+
+        hf = HF(models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt")))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        return HFTokenizer(hf, source=str(directory), eot=special_token(directory, "eos_token"))
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        config = {}
+    if config.get("model_type") == "gpt2" and config.get("vocab_size") == 50257:
+        return gpt2_tokenizer()
+    raise ShardlmError(f"hf:{directory} holds no tokenizer ({TOKENIZER_FILE}, or vocab.json and merges.txt); save "
+                       "the tokenizer there too (tokenizer.save_pretrained), or set data.tokenizer")
 
 
 def check_spec(spec: str, where: str) -> None:

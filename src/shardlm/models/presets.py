@@ -31,6 +31,12 @@ PRESET_NAMES = tuple(_PRESETS)
 
 
 def model_preset(name: str) -> ModelConfig:
+    """A built-in preset, or `hf:DIR`: the architecture of a Hugging Face checkpoint (`shardlm.hf.config`)."""
+    if name.startswith("hf:"):
+        from shardlm.hf.config import model_config_from
+
+        return model_config_from(name)
     if name not in _PRESETS:
-        raise ShardlmError(f"unknown model preset '{name}'; choose one of: {', '.join(PRESET_NAMES)}")
+        raise ShardlmError(f"unknown model preset '{name}'; choose one of: {', '.join(PRESET_NAMES)}, or "
+                           "hf:DIR (a Hugging Face checkpoint's architecture)")
     return ModelConfig(preset=name, **_PRESETS[name])

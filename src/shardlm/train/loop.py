@@ -42,6 +42,7 @@ from shardlm.data.prepare import PreparedData, training_data
 from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
 from shardlm.generate import sample_text
+from shardlm.hf.importer import check_checkpoint, checkpoint_tokenizer, import_params
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
 from shardlm.perf.flops import device_peak, flops_per_token
 from shardlm.sharding import batch_sharding
@@ -52,7 +53,7 @@ from shardlm.train.preemption import StopOnSignal
 from shardlm.train.rundir import (CONFIG_FILE, FINISHED_MARKER, RunStart, check_vocab_padding, claim,
                                   decide_start, default_run_dir, unreadable)
 from shardlm.train.state import (TrainState, abstract_train_state, check_shardable, create_train_state,
-                                 effective_warmup, vocab_sizes)
+                                 effective_warmup, train_state_with, vocab_sizes)
 from shardlm.train.step import make_eval_step, train_step_for
 
 
@@ -170,10 +171,12 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     `<run_dir>/summary.json` when the run reaches `train.steps`). `on_step(step)` is called after each step is
     dispatched (monitoring; the tests use it to send signals at a chosen step)."""
     t_start = time.perf_counter()
+    cfg = checkpoint_tokenizer(cfg)  # a model imported from Hugging Face reads text with its own tokenizer
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     mesh = mesh_from_config(cfg.mesh, devices)
     check_batch(cfg, mesh)
     check_shardable(cfg, mesh)  # before the data, which may take minutes to prepare
+    check_checkpoint(cfg, mesh)  # so is a Hugging Face checkpoint to start from
     start = decide_start(run_dir, cfg, overwrite, _log)  # first: it also finds a run directory that is not shared
     agree_on_config(cfg, run_dir=str(run_dir), overwrite=overwrite)
     if start.finished:
@@ -240,6 +243,10 @@ class Training:
 
     def initial_state(self) -> None:
         cfg, mesh = self.cfg, self.mesh
+        if self.start.resume_step is None and cfg.init.from_:  # a new run from a Hugging Face checkpoint
+            _, params = import_params(cfg.init.from_, cfg, mesh, self.tokenizer.vocab_size, log=_log)
+            self.ts = train_state_with(cfg, mesh, self.tokenizer.vocab_size, params)
+            return
         if self.start.resume_step is None:
             self.ts = create_train_state(cfg, mesh, self.tokenizer.vocab_size)
             return

@@ -25,14 +25,15 @@ import time
 from pathlib import Path
 
 from shardlm import distributed
-from shardlm.config import Config, ModelConfig, config_from_dict, flatten
+from shardlm.config import Config, ModelConfig, config_from_dict, flatten, model_label
 from shardlm.errors import ShardlmError
 from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, incomplete_steps
 
 FINISHED_MARKER = "summary.json"
 CONFIG_FILE = "config.yaml"
 # The files a shardlm run writes at the top of its directory (--overwrite removes these and nothing else).
-RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "loss.png", "samples.txt", "tokenizer.json", FINISHED_MARKER)
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "loss.png", "samples.txt", "tokenizer.json", "tokenizer_config.json",
+             FINISHED_MARKER)
 # Keys that must be equal to the checkpoint's for a run to resume. Dropout and the compute settings (dtype, remat,
 # attention kernel) change how the step computes, not what the checkpoint holds, so they may change.
 CHANGEABLE_MODEL_KEYS = ("dropout", "dtype", "remat", "attention")
@@ -45,7 +46,7 @@ def default_run_dir(cfg: Config) -> Path:
     # Asked of process 0 whatever the config says, so that every process makes this call (configs are compared
     # only later, and a key-value call made by some processes only would leave the others waiting).
     name = distributed.broadcast("run-name",
-                                 lambda: cfg.name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+                                 lambda: cfg.name or f"{model_label(cfg.model)}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Path("runs") / name
 
 

@@ -83,11 +83,15 @@ def model_factory(cfg: Config, vocab_size: int, tensor_degree: int):
 
 
 def _builder(cfg: Config, mesh, vocab_size: int):
+    """build(params=None): model + AdamW; with `params` (the model's nnx.State) the model holds those values (the
+    random initialisation is traced, and dead code for XLA)."""
     build_model = model_factory(cfg, vocab_size, mesh.shape["tensor"])
     tx = make_optimizer(cfg)
 
-    def build():
+    def build(params=None):
         model = build_model(nnx.Rngs(params=cfg.seed))
+        if params is not None:
+            nnx.update(model, params)
         return {"model": model, "optimizer": nnx.Optimizer(model, tx, wrt=nnx.Param)}
 
     return build
@@ -151,3 +155,14 @@ def compile_init(cfg: Config, mesh, vocab_size: int):
 def create_train_state(cfg: Config, mesh, vocab_size: int) -> TrainState:
     graphdef, init, shardings = compile_init(cfg, mesh, vocab_size)
     return TrainState(graphdef, init(), shardings)
+
+
+def train_state_with(cfg: Config, mesh, vocab_size: int, params) -> TrainState:
+    """The train state of a model holding `params` (its nnx.State, already placed on the mesh, e.g. imported from
+    a Hugging Face checkpoint) and a fresh optimizer, built inside one jit: the moments are sharded like their
+    parameters from the start, and `params` are donated (no second copy)."""
+    build, graphdef, _, shardings = abstract_train_state(cfg, mesh, vocab_size)
+    with nnx.use_eager_sharding(False):
+        state = jax.jit(lambda p: nnx.state(build(p)), in_shardings=(shardings["model"],), out_shardings=shardings,
+                        donate_argnums=0)(params)
+    return TrainState(graphdef, state, shardings)
