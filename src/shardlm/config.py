@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from shardlm.errors import ShardlmError
+from shardlm.errors import ShardlmError, yaml_problem
 
 
 @dataclasses.dataclass
@@ -285,7 +285,7 @@ def read_config_file(p: Path) -> dict[str, Any]:
     try:
         tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
-        raise ShardlmError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ShardlmError(f"config file {p} is not valid YAML: {yaml_problem(e)}") from None
     except UnicodeDecodeError:
         raise ShardlmError(f"config file {p} is not UTF-8 text; pass a YAML file") from None
     if not isinstance(tree, dict):

@@ -4,8 +4,13 @@
     sharded = shardlm.shard(lambda: MiniGPT(..., rngs=nnx.Rngs(0)), plan, mesh)   # built sharded, never whole
     sharded = shardlm.shard(linen_module, "plans/my.yaml", mesh, variables=init_vars)  # or variables=lambda: ...
     logits = sharded.apply(tokens)                           # jitted forward with the plan's input/output specs
+    logits = sharded.apply(tokens, attention_mask=mask)      # array keyword arguments are traced inputs
     trainer = sharded.trainer(optax.adamw(1e-3))             # jitted, donated train step; optimizer state
     metrics = trainer.step(batch)                            #   sharded like its parameters from step 0
+
+    # A model whose call is not `model(tokens) -> logits` (keyword-only inputs, an output object): an adapter
+    hf = shardlm.shard(flax_gpt2.module, "fsdp", variables={"params": flax_gpt2.params},
+                       call=lambda model, tokens, **kw: model(input_ids=tokens, deterministic=True, **kw).logits)
 
 Both kinds are reduced to the same functional form, (params, rest) trees plus a forward function, so one
 resolver, one placement and one train step serve both. `params` are the trainable parameters (NNX `nnx.Param`
@@ -13,13 +18,19 @@ variables; Linen's "params" collection); `rest` is every other variable (RNG sta
 on every device. For NNX the module itself is the single source of truth: `params`, `rest` and the module's
 mode (`model.eval()` / `model.train()`) are read from it at each call. The plan is checked against the shapes
 before anything is placed.
+
+`call(model, *inputs, **kwargs)`, when given, is how the model is run, by `apply` and by the trainer's loss
+(`model` is the NNX module, or for Linen a function applying the module to the current variables): it adapts a
+model that takes keyword-only inputs or returns an output object to `inputs -> logits`. Keyword arguments of
+`apply` that hold arrays are traced inputs (an attention mask), split like the first input when their leading
+dimension is its batch; other keyword arguments are static (`deterministic=True`) and key the compile cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -47,6 +58,7 @@ class Sharded:
     _params: Any = None  # Linen only: NNX state lives in the module
     _rest: Any = None
     _applies: dict = dataclasses.field(default_factory=dict)
+    call: Callable | None = None  # call(model, *inputs, **kwargs) -> outputs; None: model(*inputs, **kwargs)
 
     # --- what the user holds ------------------------------------------------------------------------------------
 
@@ -119,38 +131,63 @@ class Sharded:
 
     # --- running ------------------------------------------------------------------------------------------------
 
+    def run(self, model, *inputs, **kwargs):
+        """`model` run on the inputs, through the `call` adapter if there is one."""
+        return self.call(model, *inputs, **kwargs) if self.call is not None else model(*inputs, **kwargs)
+
     def forward(self, graphdef, params, rest, *inputs, **kwargs):
         """The pure forward pass (no state written back)."""
         if self.kind == "nnx":
             from flax import nnx
 
-            return nnx.merge(graphdef, params, rest)(*inputs, **kwargs)
-        return self._module.apply({"params": params, **rest}, *inputs, **kwargs)
+            return self.run(nnx.merge(graphdef, params, rest), *inputs, **kwargs)
+        variables = {"params": params, **rest}
+        return self.run(lambda *xs, **kw: self._module.apply(variables, *xs, **kw), *inputs, **kwargs)
 
-    def apply(self, *inputs, **static_kwargs):
+    def apply(self, *inputs, **kwargs):
         """The model's forward pass, jitted with the plan's input spec on the first input (other inputs whole)
-        and its output spec on every output leaf of enough rank. Keyword arguments are static (e.g.
+        and its output spec on every output leaf of enough rank. Keyword arguments holding arrays are traced (and
+        split like the first input when their leading dimension is its batch); the others are static (e.g.
         `deterministic=True`). Nothing is written back: RNG counters and batch statistics stay as they were."""
         if self.kind == "nnx":
             graphdef, params, rest = self._split()  # the module's current mode and state
         else:
             graphdef, params, rest = None, self._params, self._rest
-        key = (graphdef, tuple(sorted(static_kwargs.items())), signature(inputs))
+        arrays = {k: v for k, v in kwargs.items() if _holds_arrays(v)}
+        static = {k: v for k, v in kwargs.items() if k not in arrays}
+        for k, v in static.items():
+            try:
+                hash(v)
+            except TypeError:
+                raise ShardlmError(f"apply(..., {k}=...): a {type(v).__name__} is neither an array (traced) nor "
+                                   "hashable (static); pass an array, or a tuple instead of a list") from None
+        key = (graphdef, tuple(sorted(static.items())), signature(inputs), signature(arrays))
         if key not in self._applies:
-            fn = lambda p, r, *xs: self.forward(graphdef, p, r, *xs, **static_kwargs)  # noqa: E731
-            in_sh = (self.param_shardings, self.rest_shardings, self.io_shardings(inputs[0], self.layout.input_spec,
-                                                                                 "inputs"))
+            fn = lambda p, r, kw, *xs: self.forward(graphdef, p, r, *xs, **static, **kw)  # noqa: E731
+            batch = np.shape(jax.tree.leaves(inputs[0])[0])[:1] if inputs and jax.tree.leaves(inputs[0]) else ()
+            in_sh = (self.param_shardings, self.rest_shardings, self._kwarg_shardings(arrays, batch),
+                     self.io_shardings(inputs[0], self.layout.input_spec, "inputs"))
             in_sh += tuple(jax.tree.map(lambda _: replicated(self.mesh), x) for x in inputs[1:])
-            out = jax.eval_shape(fn, params, rest, *inputs)
-            self._applies[key] = jax.jit(fn, in_shardings=in_sh[: 2 + len(inputs)],
+            out = jax.eval_shape(fn, params, rest, arrays, *inputs)
+            self._applies[key] = jax.jit(fn, in_shardings=in_sh[: 3 + len(inputs)],
                                          out_shardings=self.io_shardings(out, self.layout.output_spec, "outputs"))
-        return self._applies[key](params, rest, *inputs)
+        return self._applies[key](params, rest, arrays, *inputs)
+
+    def _kwarg_shardings(self, arrays: dict, batch: tuple):
+        """An array keyword argument whose leading dimension is the batch's is split like the first input; the
+        rest are whole on every device."""
+        def one(path, leaf):
+            if batch and np.shape(leaf)[:1] == batch:
+                return self.io_shardings(leaf, self.layout.input_spec, f"keyword argument {path_str(path)}")
+            return replicated(self.mesh)
+
+        return jax.tree_util.tree_map_with_path(one, arrays)
 
     def trainer(self, tx, loss_fn=None, *, seed: int = 0):
         """A `Trainer` over these parameters. `loss_fn(model, batch) -> scalar`, where `model(*inputs)` is the
         forward pass (the NNX module itself; for Linen, the module applied to the current variables, with a fresh
-        dropout key each step and its non-parameter collections updated). Default: next-token cross entropy on a
-        [batch, seq + 1] token array."""
+        dropout key each step and its non-parameter collections updated; with a `call` adapter, the model run
+        through it). Default: next-token cross entropy on a [batch, seq + 1] token array."""
         from shardlm.train.runner import Trainer
 
         return Trainer(self, tx, loss_fn, seed=seed)
@@ -159,32 +196,56 @@ class Sharded:
 # --- entry point ------------------------------------------------------------------------------------------------
 
 
-def shard(model, plan: Plan | str | dict = "dp", mesh=None, *, variables=None) -> Sharded:
+def shard(model, plan: Plan | str | dict = "dp", mesh=None, *, variables=None, call: Callable | None = None,
+          strict: bool | None = None) -> Sharded:
     """Place `model`'s parameters on `mesh` (default: the plan's mesh over all devices) as `plan` says.
 
     `model` is an `nnx.Module` (its variables are replaced by sharded ones, in place), a zero-argument function
     that builds one (built inside `jit`, each device computing only its shards), or a Linen module with
     `variables` (a dict from `module.init`, or a zero-argument function returning one, built sharded likewise).
+    `call(model, *inputs, **kwargs)` adapts a model that is not `model(tokens) -> logits` (see the module
+    docstring). `strict=True` (or the plan's `strict: true`) makes the megatron preset's warnings errors.
     """
     plan = Plan.load(plan)
+    if strict is not None:
+        plan = dataclasses.replace(plan, strict=strict)
     if mesh is None:
         mesh = plan.make_mesh()
     check_auto_mesh(mesh)
     from flax import linen, nnx
 
+    _refuse_wrappers(model)
     if isinstance(model, linen.Module):
         if variables is None:
             raise ShardlmError("a Linen module needs its variables: shard(module, plan, mesh, variables=module.init(...))"
                                " or variables=lambda: module.init(...)")
-        return _shard_linen(model, variables, plan, mesh)
+        return dataclasses.replace(_shard_linen(model, variables, plan, mesh), call=call)
     if variables is not None:
         raise ShardlmError("variables= is for Linen modules; an NNX module carries its own")
     if isinstance(model, nnx.Module):
-        return _shard_nnx(model, None, plan, mesh)
+        return dataclasses.replace(_shard_nnx(model, None, plan, mesh), call=call)
     if callable(model):
-        return _shard_nnx(None, model, plan, mesh)
+        return dataclasses.replace(_shard_nnx(None, model, plan, mesh), call=call)
     raise ShardlmError(f"cannot shard a {type(model).__name__}: pass an nnx.Module, a function that builds one, or a "
                        "Linen module with variables=")
+
+
+def _refuse_wrappers(model) -> None:
+    """A Hugging Face Flax model (transformers 4.x's FlaxPreTrainedModel) wraps a Linen module (`.module`) and its
+    parameters (`.params`); shard() takes those two, and its call needs an adapter (keyword inputs, an output
+    object). Said in one line rather than failing inside the model."""
+    from flax import linen
+
+    if isinstance(getattr(model, "module", None), linen.Module) and hasattr(model, "params"):
+        raise ShardlmError(
+            f"a {type(model).__name__} is a wrapper around a Linen module and its parameters: shard those, e.g. "
+            "shardlm.shard(hf.module, plan, variables={'params': hf.params}, call=lambda m, tokens, **kw: "
+            "m(input_ids=tokens, deterministic=True, **kw).logits)")
+
+
+def _holds_arrays(value) -> bool:
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
 
 
 def check_auto_mesh(mesh) -> None:

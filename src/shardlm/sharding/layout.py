@@ -6,6 +6,11 @@ parameter (a typo) or only parameters earlier rules already took, parameters no 
 `unmatched: replicate`), a spec longer than the parameter's rank, an axis used twice, and a dimension a mesh
 degree does not divide (JAX would silently replicate it, jax#26946). Large parameters left whole on every device
 are not errors, but are listed with their bytes.
+
+The megatron preset is checked for doing Megatron (`megatron_problems`): that its tensor-parallel rules matched
+the model's layers, that the mesh has the `tensor` axis they split over, that no fused q/k/v kernel was left out
+silently, and that no weight it split is stored the other way round ([out, in]). These are warnings (notes), or
+errors with the plan's `strict: true`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from shardlm.errors import ShardlmError
-from shardlm.sharding.plan import Largest, Plan, Rule, matches
+from shardlm.sharding.plan import COLUMN, ROW, Largest, Plan, Rule, matches
 from shardlm.sharding.rules import LOGICAL_AXIS_RULES, as_axes, axis_degree, logical_to_spec, rules_for_mesh
 
 LOGICAL_NAMES = tuple(dict.fromkeys(name for name, _ in LOGICAL_AXIS_RULES))
@@ -70,14 +75,54 @@ class Layout:
     def notes(self) -> list[str]:
         from shardlm.sharding.explain import fmt_bytes
 
+        notes = megatron_problems(self.placements, self.mesh)
         big = self.replicated_large()
         if not big:
-            return []
+            return notes
         listed = ", ".join(f"{p.path} {p.shape} {fmt_bytes(p.nbytes)}" for p in big[:5])
         more = f" and {len(big) - 5} more" if len(big) > 5 else ""
-        return [f"{len(big)} parameter(s) of {fmt_bytes(self.plan.report_replicated_bytes)} or more are whole on "
-                f"every one of the {self.mesh.size} devices, {fmt_bytes(sum(p.nbytes for p in big))} in all: "
-                f"{listed}{more}"]
+        return notes + [f"{len(big)} parameter(s) of {fmt_bytes(self.plan.report_replicated_bytes)} or more are "
+                        f"whole on every one of the {self.mesh.size} devices, {fmt_bytes(sum(p.nbytes for p in big))} "
+                        f"in all: {listed}{more}"]
+
+
+def megatron_problems(placements: list[Placement], mesh) -> list[str]:
+    """What keeps the megatron preset from doing Megatron on this model and mesh (see the module docstring)."""
+    from collections import Counter
+
+    ours = [p for p in placements if p.rule is not None and p.rule.origin == "preset megatron"]
+    if not ours:
+        return []
+    column = [p for p in ours if p.rule.label.endswith(COLUMN)]
+    row = [p for p in ours if p.rule.label.endswith(ROW)]
+    fused = [p for p in ours if p.rule.label.startswith("fused")]
+    problems = []
+    if not column and not row:
+        problems.append("the megatron preset's tensor-parallel rules match no weight of this model (they know "
+                        "query/q_proj/wq, linear1/fc1/c_fc/up_proj/gate_proj, out/o_proj, linear2/fc2/down_proj and "
+                        "Dense_0/Dense_1 in an MLP): every weight fell to its FSDP rule; write rules naming the "
+                        "model's layers")
+    elif "tensor" not in mesh.axis_names:
+        problems.append(f"the mesh has no 'tensor' axis (its axes: {', '.join(mesh.axis_names)}), and the megatron "
+                        f"preset splits attention and MLP weights over 'tensor' only (and FSDP over 'fsdp'), so "
+                        f"{len(column) + len(row)} weight(s) such as {(column + row)[0].path} are not tensor-parallel; "
+                        "name the mesh axes data/fsdp/tensor, or write a plan with these axes")
+    if fused:
+        problems.append(f"{len(fused)} fused q/k/v parameter(s) such as {fused[0].path} {fused[0].shape}: a "
+                        "contiguous split over 'tensor' would give each device a mix of q, k and v rather than its "
+                        "heads', so the megatron preset shards them with FSDP only (not tensor-parallel); keep q, k "
+                        "and v in separate weights to make attention column-parallel")
+    widths = Counter([p.shape[0] for p in column if len(p.shape) >= 2] + [p.shape[-1] for p in row])
+    if widths:
+        d = widths.most_common(1)[0][0]  # the model width: column weights start with it, row weights end with it
+        flipped = [p for p in column if len(p.shape) == 2 and p.shape[0] != d and p.shape[1] == d] + \
+                  [p for p in row if len(p.shape) == 2 and p.shape[-1] != d and p.shape[0] == d]
+        if flipped:
+            p = flipped[0]
+            problems.append(f"{len(flipped)} weight(s) look stored [out, in], e.g. {p.path} {p.shape} in a model of "
+                            f"width {d}: the megatron preset split them on the other dimension than Megatron's; "
+                            "write rules for them (the spec per dimension), or store them [in, out]")
+    return problems
 
 
 def canonical(spec: P) -> P:
@@ -141,6 +186,8 @@ def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
             spec = canonical(_spec_for(rule, leaf, mesh, plan.name))
             placements.append(Placement(leaf.path, leaf.shape, leaf.dtype, spec, f"rule {rule.describe()}",
                                         rule=rule))
+    if plan.strict and (problems := megatron_problems(placements, mesh)):
+        raise ShardlmError(f"{plan.name} (strict): {problems[0]}")
     io = lambda entries, what: canonical(_resolve_entries(entries, None, mesh, f"{plan.name}: {what}"))  # noqa: E731
     return Layout(mesh, plan, placements, io(plan.inputs, "inputs"), io(plan.outputs, "outputs"))
 

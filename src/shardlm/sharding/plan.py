@@ -11,6 +11,7 @@ A plan is a YAML or JSON file, a Python dict, or the name of a preset (`dp`, `fs
     outputs: [batch, null, null]               # the model output's spec (logits)
     unmatched: error                           # parameters no rule matches: error (default) or replicate
     preset: fsdp                               # optional: a preset's rules are tried after this plan's own
+    strict: false                              # true: what the megatron preset warns about is an error
 
 Patterns match '/'-joined parameter paths, the key path of the tree the user holds (`nnx.state(model)`:
 `blocks/0/mha/query/kernel`; Linen variables: `params/Dense_0/kernel`). `*` matches within one path segment,
@@ -35,10 +36,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from shardlm.errors import ShardlmError
+from shardlm.errors import ShardlmError, yaml_problem
 
 UNMATCHED = ("error", "replicate")
-PLAN_KEYS = {"mesh", "rules", "inputs", "outputs", "unmatched", "preset", "report_replicated_bytes"}
+PLAN_KEYS = {"mesh", "rules", "inputs", "outputs", "unmatched", "preset", "report_replicated_bytes", "strict"}
 DEFAULT_REPORT_BYTES = 1 << 20  # a parameter this large left whole on every device is worth a line
 
 Entry = tuple[str, ...] | None  # None: not split; else mesh axes, or one logical name
@@ -93,6 +94,7 @@ class Plan:
     unmatched: str = "error"
     report_replicated_bytes: int = DEFAULT_REPORT_BYTES
     name: str = "plan"
+    strict: bool = False  # the megatron preset's warnings (`layout.megatron_problems`) are errors
 
     @classmethod
     def load(cls, source: Plan | str | Path | dict) -> Plan:
@@ -121,9 +123,11 @@ class Plan:
         is_json = path.suffix.lower() == ".json"
         try:
             data = json.loads(text) if is_json else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ShardlmError(f"plan file {path} is not valid {'JSON' if is_json else 'YAML'}: {first}") from e
+        except json.JSONDecodeError as e:
+            raise ShardlmError(f"plan file {path} is not valid JSON: line {e.lineno}, column {e.colno}: "
+                               f"{e.msg}") from None
+        except yaml.YAMLError as e:
+            raise ShardlmError(f"plan file {path} is not valid YAML: {yaml_problem(e)}") from None
         if not isinstance(data, dict):
             raise ShardlmError(f"plan file {path} must hold a mapping with a 'rules' list; see README, "
                                "'Shard your own model'")
@@ -150,6 +154,10 @@ class Plan:
                 if not isinstance(spec, tuple):
                     raise ShardlmError(f"{name}: {key} must be a list of per-dimension entries, e.g. [batch, null]")
                 setattr(plan, key, spec)
+        if data.get("strict") is not None:
+            if not isinstance(data["strict"], bool):
+                raise ShardlmError(f"{name}: strict must be true or false, not {data['strict']!r}")
+            plan.strict = data["strict"]
         if data.get("report_replicated_bytes") is not None:
             value = data["report_replicated_bytes"]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -313,29 +321,34 @@ def matches(rule: Rule, path: str) -> bool:
 # linear1/linear2, GPT-2's c_fc/c_proj, Llama's gate/up/down_proj, T5's wi/wo, and Linen's auto-named
 # Dense_0/Dense_1 inside an MLP (or transformer block) module.
 
-_QKV = "{query,key,value,q_proj,k_proj,v_proj,wq,wk,wv,c_attn,qkv,query_key_value}"
+_QKV = "{query,key,value,q_proj,k_proj,v_proj,wq,wk,wv}"
+# q, k and v side by side in one kernel: a contiguous split over tensor would hand a device a mix of them, not its
+# heads' q, k and v, so the preset leaves these to FSDP and says so (`layout.megatron_problems`).
+FUSED_QKV = "{c_attn,qkv,query_key_value,qkv_proj,Wqkv}"
 _MLP_PARENT = "{mlp,MLP,MLP_*,Mlp*,MlpBlock*,ffn,FFN*,feed_forward,FeedForward*,Block_*,blocks_*,TransformerBlock_*}"
 _MLP_IN = "{linear1,fc1,c_fc,wi,wi_0,wi_1,up_proj,gate_proj,w1,w3,fc_in,dense_h_to_4h}"
-_MLP_OUT = "{linear2,fc2,c_proj,down_proj,wo,w2,fc_out,dense_4h_to_h}"
+_MLP_OUT = "{linear2,fc2,down_proj,wo,w2,fc_out,dense_4h_to_h}"  # GPT-2's c_proj only under an MLP (below)
+COLUMN, ROW = "column", "row"  # how a megatron rule's label ends: its tensor-parallel kind
 
 
 def _megatron_rules() -> list[tuple[str, str, Spec]]:
     e = lambda *names: tuple((n,) if n else None for n in names)  # noqa: E731
     column = ByRank({2: e("embed", "mlp")})
     row = ByRank({2: e("mlp", "embed")})
+    attn_out = ByRank({3: e("heads", "head_dim", "embed"), 2: e("heads", "embed")})
     return [
         # Column-parallel: each device computes some heads / some hidden units...
         ("q/k/v column", f"{_QKV}/kernel", ByRank({3: e("embed", "heads", "head_dim"), 2: e("embed", "heads")})),
         ("q/k/v bias", f"{_QKV}/bias", ByRank({2: e("heads", "head_dim"), 1: e("heads")})),
+        ("fused q/k/v: fsdp only", f"{FUSED_QKV}/{{kernel,bias}}", Largest()),
         ("mlp-in column", f"{_MLP_IN}/kernel", column),
         ("mlp-in bias", f"{_MLP_IN}/bias", ByRank({1: e("mlp")})),
         ("mlp-in column", f"{_MLP_PARENT}/Dense_0/kernel", column),
         ("mlp-in bias", f"{_MLP_PARENT}/Dense_0/bias", ByRank({1: e("mlp")})),
         # ...then row-parallel: partial sums, one all-reduce per attention or MLP half of a block.
-        ("attn-out row", "{out,attn_out}/kernel", ByRank({3: e("heads", "head_dim", "embed")})),
-        ("attn-out row", "o_proj/kernel", ByRank({2: e("heads", "embed")})),
+        ("attn-out row", "{out,attn_out,o_proj,out_proj,wo_attn}/kernel", attn_out),
         ("mlp-out row", f"{_MLP_OUT}/kernel", row),
-        ("mlp-out row", f"{_MLP_PARENT}/Dense_1/kernel", row),
+        ("mlp-out row", f"{_MLP_PARENT}/{{Dense_1,c_proj}}/kernel", row),
         # Everything else (embeddings, norms, the head, output biases): FSDP if the mesh has it, else whole.
         ("rest: largest dim over fsdp", "**", Largest()),
     ]

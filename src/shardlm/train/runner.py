@@ -74,7 +74,7 @@ class Trainer:
                 # Fresh variables in this trace: NNX refuses to update (RNG counts, batch statistics) variables
                 # created outside it.
                 model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
-                loss = loss_fn(model, batch)
+                loss = loss_fn(adapted(model), batch)
                 return loss, nnx.split(model, nnx.Param, ...)[2]
             updated = dict(rest)
             rngs = {"dropout": jax.random.fold_in(base_key, step_index)}
@@ -87,7 +87,11 @@ class Trainer:
                 updated.update(new)
                 return out
 
-            return loss_fn(model, batch), updated
+            return loss_fn(adapted(model), batch), updated
+
+        def adapted(model):
+            """The model through the shard's `call` adapter, if it has one (the NNX module itself otherwise)."""
+            return model if sharded.call is None else (lambda *inputs, **kw: sharded.call(model, *inputs, **kw))
 
         def step(params, opt_state, rest, batch, step_index):
             self.compiles += 1  # runs once per trace
