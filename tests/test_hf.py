@@ -335,3 +335,24 @@ def test_gpt2_tokenizer_prepares_trains_and_exports_offline(gpt2_tiktoken_dir, t
     text = "Once upon a time, Zoë's café had 1,234 kites!\n  Tom's cat said: 'hello'."
     assert tok(text)["input_ids"] == enc.encode_ordinary(text) and tok.decode(enc.encode_ordinary(text)) == text
     assert tok.convert_tokens_to_ids("<|endoftext|>") == 50256
+
+
+def test_two_processes_export_and_import_like_one(trained, tmp_path):
+    """`shardlm export` and `shardlm generate hf:DIR` as a run of 2 processes x 4 devices: each process gathers or
+    reads its devices' shards; the files and the tokens are the ones a single process makes."""
+    run = trained["llama"]
+    export(run, tmp_path / "one", log=lambda m: None)
+    launch = [sys.executable, "-m", "shardlm", "launch", "--processes", "2", "--cpu-devices", "4", "--log-dir",
+              str(tmp_path / "logs"), "--"]
+    proc = subprocess.run([*launch, "export", str(run), "--out", str(tmp_path / "two")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(str(tmp_path / "two" /
+                                                                                      "model.safetensors"))
+    assert sorted(one) == sorted(two) and all(np.array_equal(one[k], two[k]) for k in one)
+    gen = ["generate", f"hf:{tmp_path / 'two'}", "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0",
+           "--json", *MESH]
+    single = shardlm(gen[0], "--cpu-devices", "8", *gen[1:])
+    double = subprocess.run([*launch, *gen], capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0 and double.returncode == 0, double.stderr[-3000:]
+    assert json.loads(single.stdout)["text"] == json.loads(double.stdout)["text"]

@@ -1,11 +1,11 @@
 """Reading a Hugging Face checkpoint directory onto a mesh: `init.from=hf:DIR` for training, `hf:DIR` for readers
 (`shardlm generate hf:DIR`, `shardlm.load_model("hf:DIR")`).
 
-Every parameter is made with `jax.make_array_from_callback`: for each device this process holds, the callback
-reads that device's block of the right safetensors tensor through its view (`shardlm.hf.weights`) and casts it to
-the parameter dtype, so the model is assembled in its sharding without ever being whole in one place. Everything
-is checked against the checkpoint before the first byte is read (keys, shapes, the config), so nothing trains on
-a half-loaded model.
+Every parameter is assembled from its shards: for each device this process holds, the device's block of the right
+safetensors tensor is read through its view (`shardlm.hf.weights`), cast to the parameter dtype and put on that
+device before the next block is read (`jax.make_array_from_single_device_arrays`), so beyond what the devices
+hold the host needs one shard at a time, and the model is never whole in one place. Everything is checked against
+the checkpoint before the first byte is read (keys, shapes, the config), so nothing trains on a half-loaded model.
 """
 
 from __future__ import annotations
@@ -52,10 +52,8 @@ def import_params(spec: str, cfg, mesh, vocab_size: int, log=None):
         view = views.pop(name, None)
         if view is None or tuple(view.shape) != tuple(leaf.shape):
             raise ShardlmError(f"internal: no Hugging Face view of shape {leaf.shape} for {name}")
-        dtype = leaf.dtype
-        arrays.append(jax.make_array_from_callback(
-            leaf.shape, leaf.sharding, lambda index, view=view, dtype=dtype: np.asarray(view[index], dtype)))
-        nbytes += leaf.size * dtype.itemsize
+        arrays.append(_assemble(view, leaf))
+        nbytes += leaf.size * leaf.dtype.itemsize
     if views:
         raise ShardlmError(f"internal: Hugging Face views without a parameter: {sorted(views)[:3]}")
     state = jax.tree.map(lambda x: x, abstract)
@@ -64,6 +62,19 @@ def import_params(spec: str, cfg, mesh, vocab_size: int, log=None):
         log(f"imported {len(arrays)} tensors ({nbytes / 2**20:,.1f} MiB) from hf:{directory} in "
             f"{time.perf_counter() - t0:.1f}s, each device reading its own shards")
     return graphdef, state
+
+
+def _assemble(view, leaf) -> jax.Array:
+    """The global array of `leaf`'s shape and sharding, read shard by shard (a shard that several devices hold,
+    replicated, is read once)."""
+    shards, read = [], {}
+    for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in read:
+            read.clear()  # one block alive at a time (devices holding the same block come one after another)
+            read[key] = np.asarray(view[index], leaf.dtype)
+        shards.append(jax.device_put(read[key], device))
+    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
 
 
 def load_hf_model(spec: str, *, overrides=(), devices=None, require_tokenizer: bool = False):
