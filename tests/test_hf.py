@@ -187,10 +187,15 @@ def test_fine_tuning_an_imported_model_starts_from_it_resumes_and_exports(hf_dir
                   for b in (windows[:16], windows[16:])]
     assert abs(rows[0]["eval_loss"] - np.mean(losses)) < 1e-4 * np.mean(losses), (rows[0], losses)
 
-    run = tmp_path / "run"
+    run, moved = tmp_path / "run", tmp_path / "ckpt"
+    shutil.copytree(hf_dirs["gpt2"], moved)
+    cfg = load_config(None, [f"init.from=hf:{moved}", *FINETUNE])
     stopped = train(cfg, run, progress=False, on_step=send_at(5, signal.SIGTERM))
     assert stopped["stopped_by"] == "SIGTERM" and stopped["steps"] == 5
-    resumed = train(cfg, run, progress=False)
+    moved.rename(tmp_path / "gone")  # the resumed run needs nothing from the checkpoint directory
+    from shardlm.config import read_config_file
+
+    resumed = train(load_config(None, [], base=read_config_file(run / "config.yaml")), run, progress=False)
     assert resumed["resumed_from"] == 5
     strip = lambda rs: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "tflops_per_device", "mfu")}
                         for r in rs]  # noqa: E731
@@ -201,6 +206,27 @@ def test_fine_tuning_an_imported_model_starts_from_it_resumes_and_exports(hf_dir
     m = load_model(run)
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert_close(our_logits(m, TOKENS % 257, VOCAB), torch_logits(exported, TOKENS % 257))
+
+
+def test_init_from_takes_the_checkpoints_architecture_under_the_configs_own_model_settings(hf_dirs, tmp_path):
+    """init.from=hf:DIR is the preset when no layer names one, applied under every layer's model fields; a
+    built-in preset of the same shapes takes the checkpoint's vocabulary."""
+    from shardlm.hf.importer import check_checkpoint, with_checkpoint_defaults
+    from shardlm.mesh import make_mesh
+
+    (tmp_path / "ft.yaml").write_text("model: {dtype: bfloat16, remat: full, seq_len: 32}\n")
+    cfg = load_config(tmp_path / "ft.yaml", [f"init.from=hf:{hf_dirs['gpt2']}"])
+    assert (cfg.model.preset, cfg.model.n_layers, cfg.model.dtype, cfg.model.remat, cfg.model.seq_len) == \
+        (f"hf:{hf_dirs['gpt2']}", 2, "bfloat16", "full", 32)
+    assert load_config(None, [f"init.from=hf:{hf_dirs['gpt2']}"], base=cfg.to_dict()).model == cfg.model
+    same_shape = ["model=tiny", "model.n_layers=2", "model.d_model=64", "model.d_mlp=256", "model.seq_len=32"]
+    cfg = with_checkpoint_defaults(load_config(None, [*same_shape, f"init.from=hf:{hf_dirs['gpt2']}",
+                                                      "data.tokenizer=bytes"]))
+    assert cfg.model.preset == "tiny" and cfg.model.vocab_size == VOCAB
+    check_checkpoint(cfg, make_mesh(1, 4, 2))  # the shapes match: no error
+    with pytest.raises(ShardlmError, match="drop model.use_bias=false"):
+        check_checkpoint(load_config(None, [f"init.from=hf:{hf_dirs['gpt2']}", "model.use_bias=false"]),
+                         make_mesh(1, 4, 2))
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +296,11 @@ def test_export_shards_above_the_size_limit_and_is_atomic(trained, tmp_path, mon
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before  # untouched
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no partial directory left
     monkeypatch.setattr(weights, "hf_tensors", real)
+    (tmp_path / "nobias").mkdir()
+    (tmp_path / "nobias" / "config.yaml").write_text("model: {family: gpt, use_bias: false}\n")
+    with pytest.raises(ShardlmError, match="GPT without biases"):
+        export(tmp_path / "nobias", tmp_path / "never", log=lambda m: None)
+    shutil.rmtree(tmp_path / "nobias")
     proc = shardlm("export", str(run), "--out", str(out), "--cpu-devices", "8", "--force")
     assert proc.returncode == 0, proc.stderr
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()

@@ -92,6 +92,8 @@ def test_array_keyword_arguments_are_traced_and_a_call_adapter_runs_an_hf_style_
     assert got.sharding.spec[0] == ("data", "fsdp")  # the plan's output spec, batch split
     with pytest.raises(ShardlmError, match="neither an array .traced. nor hashable"):
         sharded.apply(TOKENS[:, :-1], extra=[1, 2])
+    with pytest.raises(ShardlmError, match="first positional argument"):
+        sharded.apply(input_ids=TOKENS[:, :-1])
 
     # the trainer's default next-token loss goes through the adapter too, and matches a plain optax loop
     tx = optax.adamw(1e-2)

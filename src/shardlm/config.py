@@ -264,11 +264,9 @@ _MODEL_FIELDS = {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)}
 def _apply(cfg: Config, items: list[tuple[str, Any]]) -> None:
     # The preset goes first so that field overrides apply on top of it, in any order. A whole model section (a
     # run's saved config) needs no preset: its `preset` is only a name then, and a preset read from a directory
-    # (`hf:DIR`) need not exist any more. `init.from=hf:DIR` without a preset brings that checkpoint's preset.
+    # (`hf:DIR`) need not exist any more.
     keys = {k for k, _ in items}
     presets = [v for k, v in items if k in ("model", "model.preset")]
-    if not presets:
-        presets = [v for k, v in items if k == "init.from" and str(v).startswith("hf:")]
     if presets and _MODEL_FIELDS <= keys:
         _set(cfg, "model.preset", presets[-1])
     else:
@@ -297,20 +295,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 base: dict[str, Any] | None = None) -> Config:
     """Build a Config from defaults, then `base` (a run's own config, as a dict, when resuming), then the YAML file
     `path`, then `key=value` overrides, and validate it."""
-    cfg = Config()
-    for tree in (base, None if path is None else read_config_file(Path(path))):
-        if tree is not None:
-            _apply(cfg, flatten(tree))
-    _apply(cfg, [_parse_override(a) for a in overrides])
-    validate(cfg)
-    return cfg
+    layers = [flatten(tree) for tree in (base, None if path is None else read_config_file(Path(path)))
+              if tree is not None]
+    return _build(layers + [[_parse_override(a) for a in overrides]])
 
 
 def config_from_dict(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The inverse of `Config.to_dict` (a checkpoint's saved config), then `key=value` overrides, validated."""
+    return _build([flatten(tree), [_parse_override(a) for a in overrides]])
+
+
+def _build(layers: list[list[tuple[str, Any]]]) -> Config:
+    """Defaults, then each layer of (key, value) items in turn. `init.from=hf:DIR`, in any layer, brings that
+    checkpoint's architecture as the preset when no layer names one, applied before every layer's model fields."""
     cfg = Config()
-    _apply(cfg, flatten(tree))
-    _apply(cfg, [_parse_override(a) for a in overrides])
+    named = any(k in ("model", "model.preset") for layer in layers for k, _ in layer)
+    starts = [v for layer in layers for k, v in layer if k == "init.from"]
+    if not named and starts and str(starts[-1]).startswith("hf:"):
+        layers = [[("model", str(starts[-1]))]] + layers
+    for layer in layers:
+        _apply(cfg, layer)
     validate(cfg)
     return cfg
 

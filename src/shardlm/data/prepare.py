@@ -122,10 +122,8 @@ def _settings(inputs, val_inputs, tokenizer, vocab_size, val_fraction, text_fiel
     if tokenizer == "bpe":
         tok["train_vocab_size"] = vocab_size
     elif tokenizer.startswith("bpe:"):
-        tok = {"spec": "bpe", "sha256": _sha256(Path(tokenizer[4:]))}
-        special = Path(tokenizer[4:]).parent / TOKENIZER_CONFIG_FILE  # may name the document separator
-        if special.is_file():
-            tok["config_sha256"] = _sha256(special)
+        # The file, and the token that separates documents (a model's own tokenizer may name its end of sequence)
+        tok = {"spec": "bpe", "sha256": _sha256(Path(tokenizer[4:])), "eot": load_tokenizer(tokenizer).eot_id}
     return {
         "inputs": identity(inputs), "val_inputs": identity(val_inputs), "tokenizer": tok,
         "val_fraction": None if val_inputs else val_fraction, "text_field": text_field,
@@ -418,9 +416,11 @@ def training_data(d, *, progress: bool = True, log: Callable[[str], None] = prin
         data = open_prepared(path)
         wanted = d.tokenizer
         if wanted.startswith("bpe:") and data.meta["tokenizer"] == "bpe":
-            if not Path(wanted[4:]).is_file() or _sha256(Path(wanted[4:])) != _sha256(path / TOKENIZER_FILE):
-                raise ShardlmError(f"data.path={path} was prepared with another BPE than {wanted[4:]}; set "
-                                   "data.tokenizer=auto, or prepare the data again with that tokenizer")
+            if not Path(wanted[4:]).is_file() or _sha256(Path(wanted[4:])) != _sha256(path / TOKENIZER_FILE) \
+                    or load_tokenizer(wanted).eot_id != data.meta["eot_id"]:
+                raise ShardlmError(f"data.path={path} was prepared with another BPE than {wanted[4:]} (or another "
+                                   "document separator); prepare the data again with that tokenizer, or train on "
+                                   "the directory's own (data.tokenizer=auto, without init.from)")
         elif wanted not in ("auto", data.meta["tokenizer"]):
             raise ShardlmError(f"data.path={path} was prepared with the {data.meta['tokenizer']} tokenizer, not "
                                f"{wanted}; set data.tokenizer=auto, or prepare the data again with {wanted}")

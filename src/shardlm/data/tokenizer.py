@@ -128,9 +128,11 @@ class HFTokenizer(Tokenizer):
 
     spec = "bpe"
 
-    def __init__(self, hf, source: str = "trained", eot: str | None = None):
-        """`eot`: the document separator's text, when it is not `<|endoftext|>` (a model's end-of-sequence)."""
+    def __init__(self, hf, source: str = "trained", eot: str | None = None, hf_config: dict | None = None):
+        """`eot`: the document separator's text, when it is not `<|endoftext|>` (a model's end-of-sequence).
+        `hf_config`: the Hugging Face tokenizer_config.json the file came with (kept with the run, and exported)."""
         self.hf = hf
+        self.hf_config = hf_config or {}
         self.eot = eot or EOT
         eot_id = hf.token_to_id(self.eot)
         if eot_id is None:
@@ -160,10 +162,17 @@ class HFTokenizer(Tokenizer):
             out[i] = len(token) if byte_level else len(self.hf.decode([i]).encode("utf-8"))
         return out
 
+    @property
+    def bos_id(self) -> int | None:
+        """The beginning-of-sequence token a Hugging Face tokenizer names (shardlm's data does not use it)."""
+        bos = _content(self.hf_config.get("bos_token"))
+        return None if bos is None else self.hf.token_to_id(bos)
+
     def save(self, directory: Path) -> None:
         self.hf.save(str(Path(directory) / TOKENIZER_FILE))
-        if self.eot != EOT:  # say which token separates documents, as Hugging Face does
-            (Path(directory) / TOKENIZER_CONFIG_FILE).write_text(json.dumps({"eos_token": self.eot}, indent=2) + "\n")
+        if self.hf_config or self.eot != EOT:  # which token separates documents, as Hugging Face says it
+            config = self.hf_config or {"eos_token": self.eot}
+            (Path(directory) / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def tiktoken_cache_dir() -> str:
@@ -216,15 +225,29 @@ def gpt2_tokenizer(timeout_s: float | None = None) -> TiktokenTokenizer:
     )
 
 
+def _content(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def hf_tokenizer_config(directory: Path) -> dict:
+    """The tokenizer_config.json in `directory` ({} if there is none)."""
+    path = Path(directory) / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ShardlmError(f"{path} is not a tokenizer config (JSON)") from None
+    if not isinstance(config, dict):
+        raise ShardlmError(f"{path} is not a tokenizer config (a JSON object)")
+    return config
+
+
 def special_token(directory: Path, name: str) -> str | None:
     """The text of a special token ("eos_token", "bos_token") as the tokenizer_config.json in `directory` names
-    it (a string, or Hugging Face's {"content": ...} form)."""
-    path = Path(directory) / TOKENIZER_CONFIG_FILE
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get(name) if path.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        raise ShardlmError(f"{path} is not a tokenizer config (JSON with {name})") from None
-    return value.get("content") if isinstance(value, dict) else value
+    it."""
+    return _content(hf_tokenizer_config(directory).get(name))
 
 
 def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
@@ -237,13 +260,14 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
         hf = HF.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception
         raise ShardlmError(f"{path} is not a Hugging Face tokenizer file ({str(e)[:100]})") from None
-    eot = None if hf.token_to_id(EOT) is not None else special_token(path.parent, "eos_token")
-    return HFTokenizer(hf, source=str(path), eot=eot)
+    config = hf_tokenizer_config(path.parent)
+    eot = None if hf.token_to_id(EOT) is not None else _content(config.get("eos_token"))
+    return HFTokenizer(hf, source=str(path), eot=eot, hf_config=config)
 
 
-def load_hf_dir_tokenizer(directory: str | Path) -> Tokenizer:
+def load_hf_dir_tokenizer(directory: str | Path, *, tiktoken: bool = True) -> Tokenizer:
     """The tokenizer of a Hugging Face model directory: its `tokenizer.json`, else GPT-2's slow files (vocab.json
-    and merges.txt), else, for a GPT-2 checkpoint of GPT-2's vocabulary, tiktoken's gpt2."""
+    and merges.txt), else (with `tiktoken`), for a GPT-2 checkpoint of GPT-2's vocabulary, tiktoken's gpt2."""
     directory = Path(directory)
     if (directory / TOKENIZER_FILE).is_file():
         return load_hf_tokenizer(directory / TOKENIZER_FILE)
@@ -254,12 +278,16 @@ def load_hf_dir_tokenizer(directory: str | Path) -> Tokenizer:
         hf = HF(models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt")))
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
-        return HFTokenizer(hf, source=str(directory), eot=special_token(directory, "eos_token"))
+        config = hf_tokenizer_config(directory)
+        eot = EOT if hf.token_to_id(EOT) is not None else _content(config.get("eos_token"))
+        if eot is not None and hf.token_to_id(eot) is not None:
+            hf.add_special_tokens([eot])  # the separator is one token, never spelled out in pieces
+        return HFTokenizer(hf, source=str(directory), eot=eot, hf_config=config)
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         config = {}
-    if config.get("model_type") == "gpt2" and config.get("vocab_size") == 50257:
+    if tiktoken and config.get("model_type") == "gpt2" and config.get("vocab_size") == 50257:
         return gpt2_tokenizer()
     raise ShardlmError(f"hf:{directory} holds no tokenizer ({TOKENIZER_FILE}, or vocab.json and merges.txt); save "
                        "the tokenizer there too (tokenizer.save_pretrained), or set data.tokenizer")

@@ -106,7 +106,7 @@ def model_config_from(spec: str):
     weights). Missing keys in config.json are one-line errors naming them."""
     from shardlm.config import ModelConfig
 
-    directory = hf_dir(spec)
+    directory = hf_dir(spec).resolve()  # one spelling of the path, whatever the working directory
     tree = read_hf_config(directory)
     try:
         fields = model_fields(tree, directory)

@@ -78,6 +78,7 @@ def tokenizer_files(tokenizer, run_dir: Path, seq_len: int) -> dict[str, str]:
     from shardlm.data.tokenizer import EOT, TOKENIZER_FILE
 
     eot = getattr(tokenizer, "eot", EOT)
+    source = getattr(tokenizer, "hf_config", {})  # a Hugging Face tokenizer's own config travels on as it was
     if tokenizer.spec == "bpe":
         text = (Path(run_dir) / TOKENIZER_FILE).read_text(encoding="utf-8")
     else:
@@ -97,8 +98,8 @@ def tokenizer_files(tokenizer, run_dir: Path, seq_len: int) -> dict[str, str]:
         if hf.token_to_id(EOT) != tokenizer.eot_id:
             raise ShardlmError(f"internal: {EOT} became id {hf.token_to_id(EOT)}, not {tokenizer.eot_id}")
         text = hf.to_str()
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot, "eos_token": eot,
-              "unk_token": None, "model_max_length": seq_len, "clean_up_tokenization_spaces": False}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot, "eos_token": eot, "unk_token": None,
+              "clean_up_tokenization_spaces": False, **source, "model_max_length": seq_len}
     return {TOKENIZER_FILE: text, "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
@@ -152,6 +153,12 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
         raise ShardlmError(f"--out {out} exists and is not empty; pass --force to replace it, or another --out")
     if not (run_dir / CONFIG_FILE).is_file():
         raise ShardlmError(f"{run_dir} holds no shardlm run (no {CONFIG_FILE}); pass a training run's directory")
+    from shardlm.config import read_config_file
+
+    model = read_config_file(run_dir / CONFIG_FILE).get("model", {})
+    if model.get("family", "gpt") == "gpt" and model.get("use_bias") is False:
+        raise ShardlmError(f"{run_dir} trained a GPT without biases (model.use_bias=false), which transformers' "
+                           "GPT2LMHeadModel cannot hold; only GPT runs with biases export")
     steps = complete_steps(run_dir)
     if not steps:
         raise ShardlmError(f"{run_dir} has no complete checkpoint yet; train it first")
@@ -200,11 +207,13 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
                 (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                           "weight_map": weight_map}, indent=2) + "\n")
             eot = m.tokenizer.eot_id
-            config = hf_config(m.cfg.model, vocab, {"bos_token_id": eot, "eos_token_id": eot})
+            bos = getattr(m.tokenizer, "bos_id", None)
+            bos = eot if bos is None else bos
+            config = hf_config(m.cfg.model, vocab, {"bos_token_id": bos, "eos_token_id": eot})
             config["dtype"] = config["torch_dtype"] = dtype  # transformers 5 reads the first, 4.x the second
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             (tmp / "generation_config.json").write_text(json.dumps(
-                {"bos_token_id": eot, "eos_token_id": eot}, indent=2) + "\n")
+                {"bos_token_id": bos, "eos_token_id": eot}, indent=2) + "\n")
             for name, text in tokenizer_files(run_tokenizer(m.cfg, run_dir), run_dir, m.cfg.model.seq_len).items():
                 (tmp / name).write_text(text, encoding="utf-8")
             mode = 0o666 & ~_umask()  # safetensors writes its files private; give them the others' permissions

@@ -10,6 +10,7 @@ the checkpoint before the first byte is read (keys, shapes, the config), so noth
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def check_checkpoint(cfg, mesh) -> None:
 
     if not is_hf(cfg.init.from_):
         return
-    real, padded = vocab_sizes(cfg, cfg.model.vocab_size or 1, mesh.shape["tensor"])
+    real, padded = vocab_sizes(cfg, cfg.model.vocab_size, mesh.shape["tensor"])  # set by with_checkpoint_defaults
     parameter_views(cfg.model, real, padded, Checkpoint(hf_dir(cfg.init.from_)))
 
 
@@ -65,15 +66,16 @@ def import_params(spec: str, cfg, mesh, vocab_size: int, log=None):
 
 
 def _assemble(view, leaf) -> jax.Array:
-    """The global array of `leaf`'s shape and sharding, read shard by shard (a shard that several devices hold,
-    replicated, is read once)."""
-    shards, read = [], {}
+    """The global array of `leaf`'s shape and sharding, read shard by shard: each distinct block once (devices
+    holding the same block, replicated, get copies of it), one block alive at a time."""
+    by_block: dict[tuple, list] = {}
     for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
-        key = tuple((s.start, s.stop) for s in index)
-        if key not in read:
-            read.clear()  # one block alive at a time (devices holding the same block come one after another)
-            read[key] = np.asarray(view[index], leaf.dtype)
-        shards.append(jax.device_put(read[key], device))
+        by_block.setdefault(tuple((s.start, s.stop) for s in index), [index]).append(device)
+    shards = []
+    for index, *devices in by_block.values():
+        block = np.asarray(view[index], leaf.dtype)
+        shards += [jax.device_put(block, device) for device in devices]
+        del block
     return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
 
 
@@ -90,8 +92,8 @@ def load_hf_model(spec: str, *, overrides=(), devices=None, require_tokenizer: b
     if bad:
         raise ShardlmError(f"{bad[0]}: only mesh.* settings can be given when loading a Hugging Face model")
     cfg = load_config(None, [f"model={spec}", f"init.from={spec}", *overrides])
-    try:
-        tokenizer = load_hf_dir_tokenizer(hf_dir(spec))
+    try:  # tiktoken's gpt2 (a download, if not cached) only when the tokenizer is needed
+        tokenizer = load_hf_dir_tokenizer(hf_dir(spec), tiktoken=require_tokenizer)
     except ShardlmError:
         if require_tokenizer:
             raise
@@ -108,23 +110,35 @@ def is_hf(spec: str | Path) -> bool:
     return str(spec).startswith("hf:")
 
 
-def checkpoint_tokenizer(cfg):
-    """`cfg` with `data.tokenizer=auto` made the tokenizer of the checkpoint in `init.from`: the directory's
-    tokenizer.json (`bpe:DIR/tokenizer.json`), or tiktoken's gpt2 for a GPT-2 checkpoint of GPT-2's vocabulary.
-    Text in `data.path` is then prepared with it; a prepared directory must have been prepared with it (checked
-    when the data is opened)."""
+def with_checkpoint_defaults(cfg):
+    """`cfg` for a run that starts from the checkpoint in `init.from`: the model's vocabulary the checkpoint's
+    (when `model.vocab_size` is 0, as in the built-in presets), and `data.tokenizer=auto` the checkpoint's
+    tokenizer: its tokenizer.json (`bpe:DIR/tokenizer.json`), or tiktoken's gpt2 for a GPT-2 checkpoint of GPT-2's
+    vocabulary. A prepared data directory keeps its own tokenizer if it is that one (gpt2; or the same file,
+    checked when it is opened). A resumed run's config has both set already, and reads nothing here."""
     import dataclasses
 
+    from shardlm.data.prepare import META_FILE
     from shardlm.data.tokenizer import TOKENIZER_FILE
+    from shardlm.hf.config import read_hf_config
 
-    if not is_hf(cfg.init.from_) or cfg.data.tokenizer != "auto":
+    if not is_hf(cfg.init.from_) or (cfg.model.vocab_size and cfg.data.tokenizer != "auto"):
         return cfg
-    directory = hf_dir(cfg.init.from_)
-    if (directory / TOKENIZER_FILE).is_file():
-        spec = f"bpe:{directory / TOKENIZER_FILE}"
-    elif cfg.model.family == "gpt" and cfg.model.vocab_size == 50257:
-        spec = "gpt2"
-    else:
-        raise ShardlmError(f"init.from=hf:{directory} holds no {TOKENIZER_FILE} to tokenize the data with; save the "
-                           "tokenizer there (tokenizer.save_pretrained), or set data.tokenizer")
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+    directory = hf_dir(cfg.init.from_).resolve()
+    model = cfg.model
+    if not model.vocab_size:
+        model = dataclasses.replace(model, vocab_size=int(read_hf_config(directory).get("vocab_size") or 0))
+    tokenizer = cfg.data.tokenizer
+    if tokenizer == "auto":
+        prepared = Path(cfg.data.path) / META_FILE
+        gpt2 = model.family == "gpt" and model.vocab_size == 50257
+        if prepared.is_file() and gpt2 and json.loads(prepared.read_text()).get("tokenizer") == "gpt2":
+            tokenizer = "gpt2"
+        elif (directory / TOKENIZER_FILE).is_file():
+            tokenizer = f"bpe:{directory / TOKENIZER_FILE}"
+        elif gpt2:
+            tokenizer = "gpt2"
+        else:
+            raise ShardlmError(f"init.from=hf:{directory} holds no {TOKENIZER_FILE} to tokenize the data with; save "
+                               "the tokenizer there (tokenizer.save_pretrained), or set data.tokenizer")
+    return dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))

@@ -247,6 +247,9 @@ def parameter_views(m, vocab: int, padded: int, ckpt: Checkpoint) -> dict[str, V
     the checkpoint: a missing or unused key, or a shape that differs, is a one-line error naming it."""
     names = ckpt.names()
     if m.family == "gpt":
+        if not m.use_bias:
+            raise ShardlmError(f"hf:{ckpt.directory} is a GPT-2 checkpoint, whose layers have biases; drop "
+                               "model.use_bias=false")
         prefix = "transformer." if "transformer.wte.weight" in names else ""
         build = _gpt2_views
     else:

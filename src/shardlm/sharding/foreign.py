@@ -149,6 +149,10 @@ class Sharded:
         and its output spec on every output leaf of enough rank. Keyword arguments holding arrays are traced (and
         split like the first input when their leading dimension is its batch); the others are static (e.g.
         `deterministic=True`). Nothing is written back: RNG counters and batch statistics stay as they were."""
+        if not inputs:
+            raise ShardlmError("apply() takes the model's input as its first positional argument (it gets the "
+                               "plan's input spec); for a model called with keyword inputs, give shard() a call "
+                               "adapter, e.g. call=lambda m, tokens, **kw: m(input_ids=tokens, **kw)")
         if self.kind == "nnx":
             graphdef, params, rest = self._split()  # the module's current mode and state
         else:

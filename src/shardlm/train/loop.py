@@ -42,7 +42,7 @@ from shardlm.data.prepare import PreparedData, training_data
 from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
 from shardlm.generate import sample_text
-from shardlm.hf.importer import check_checkpoint, checkpoint_tokenizer, import_params
+from shardlm.hf.importer import check_checkpoint, import_params, with_checkpoint_defaults
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
 from shardlm.perf.flops import device_peak, flops_per_token
 from shardlm.sharding import batch_sharding
@@ -171,14 +171,15 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     `<run_dir>/summary.json` when the run reaches `train.steps`). `on_step(step)` is called after each step is
     dispatched (monitoring; the tests use it to send signals at a chosen step)."""
     t_start = time.perf_counter()
-    cfg = checkpoint_tokenizer(cfg)  # a model imported from Hugging Face reads text with its own tokenizer
+    cfg = with_checkpoint_defaults(cfg)  # a model imported from Hugging Face: its vocabulary and tokenizer
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     mesh = mesh_from_config(cfg.mesh, devices)
     check_batch(cfg, mesh)
     check_shardable(cfg, mesh)  # before the data, which may take minutes to prepare
-    check_checkpoint(cfg, mesh)  # so is a Hugging Face checkpoint to start from
     start = decide_start(run_dir, cfg, overwrite, _log)  # first: it also finds a run directory that is not shared
     agree_on_config(cfg, run_dir=str(run_dir), overwrite=overwrite)
+    if start.resume_step is None:
+        check_checkpoint(cfg, mesh)  # a Hugging Face checkpoint to start from, also before the data
     if start.finished:
         return _finished(run_dir, start)
     hosts = describe_hosts(mesh)
