@@ -39,6 +39,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 from tqdm.auto import tqdm
 
+from shardlm.atomic import partial_sibling, swap_into_place
 from shardlm.data.sources import INVALID_UTF8_POLICIES, ReadStats, identity, input_bytes, read_documents, resolve_inputs
 from shardlm.data.tokenizer import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, check_spec, load_tokenizer,
                                    train_bpe)
@@ -300,20 +301,14 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str = "bpe", vocab
             return open_prepared(out)
         tok = (train_tokenizer(files, vocab_size, max_bytes=BPE_TRAIN_MAX_BYTES, text_field=text_field,
                                invalid_utf8=invalid_utf8, log=log) if tokenizer == "bpe" else load_tokenizer(tokenizer))
-        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+        tmp = partial_sibling(out)
         tmp.mkdir()
         try:
             meta = _write(tmp, files, val_files, tok, token_dtype(tok.vocab_size), val_fraction, text_field,
                           invalid_utf8, progress, log)
             meta |= {"settings": settings, "fingerprint": fp}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-            if out.exists():  # swap; a kill between the renames is undone by the next `_clear_leftovers`
-                old = out.parent / f".{out.name}.old-{os.getpid()}"
-                os.rename(out, old)
-                os.rename(tmp, out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, out)
+            swap_into_place(tmp, out)  # a kill between its renames is undone by the next `_clear_leftovers`
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

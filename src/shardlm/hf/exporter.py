@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlm.atomic import partial_sibling, swap_into_place
 from shardlm.errors import ShardlmError
 from shardlm.hf.weights import INDEX_FILE, SAFETENSORS_FILE
 
@@ -175,7 +176,7 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
     cast = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     primary = distributed.is_primary()
 
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    tmp = partial_sibling(out)
     if primary:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -219,7 +220,7 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
             mode = 0o666 & ~_umask()  # safetensors writes its files private; give them the others' permissions
             for f in tmp.iterdir():
                 f.chmod(mode)
-            _swap_into_place(tmp, out)
+            swap_into_place(tmp, out)
         distributed.barrier("exported")
     except BaseException:
         if primary:
@@ -251,12 +252,3 @@ def _umask() -> int:
     os.umask(mask)
     return mask
 
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
