@@ -25,6 +25,7 @@ _LAZY = {
     "explain_state": "shardlm.sharding.explain",
     "format_explanation": "shardlm.sharding.explain",
     "load_model": "shardlm.load",
+    "export": "shardlm.hf.exporter",
 }
 # `shardlm.train` is a subpackage; the training loop's entry point is `shardlm.train.loop.train`.
 
