@@ -71,8 +71,9 @@ def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None):
     from shardlm.train.step import train_step_for
 
     cfg = load_config(None, overrides)
-    n = int(np.prod([d for d in degrees]))
-    mesh = make_mesh(*degrees, devices=jax.devices()[:n])
+    degrees = degrees if isinstance(degrees, dict) else dict(zip(("data", "fsdp", "tensor"), degrees))
+    n = int(np.prod(list(degrees.values())))
+    mesh = make_mesh(**degrees, devices=jax.devices()[:n])
     ts = create_train_state(cfg, mesh, vocab)
     bsh = batch_sharding(mesh)
     tokens = structured_tokens(40_000, vocab) if tokens is None else tokens

@@ -151,13 +151,14 @@ def test_restore_reads_each_array_into_the_new_sharding(reference):
     assert tensor_split >= 8  # attention and MLP weights of both layers, and their AdamW moments
 
 
-@pytest.mark.parametrize("mesh, devices", [(["mesh.data=2", "mesh.tensor=4"], 8), (["mesh.data=1"], 1)],
-                         ids=["dp2xtp4", "one-device"])
+@pytest.mark.parametrize("mesh, devices", [({"data": 2, "tensor": 4}, 8), ({"fsdp": 2, "context": 4}, 8),
+                                           ({"data": 1}, 1)], ids=["dp2xtp4", "fsdp2xcp4", "one-device"])
 def test_fsdp8_checkpoint_continues_on_another_mesh(reference, tmp_path, mesh, devices):
     run_dir = copy_run(reference, tmp_path, keep_steps=[6])
-    summary = train(cfg_for(*mesh), run_dir, progress=False, devices=jax.devices()[:devices])
-    expected_mesh = {"data": 2, "fsdp": 1, "tensor": 4} if devices == 8 else {"data": 1, "fsdp": 1, "tensor": 1}
-    assert summary["resumed_from"] == 6 and summary["mesh"] == expected_mesh
+    summary = train(cfg_for(*(f"mesh.{a}={d}" for a, d in mesh.items())), run_dir, progress=False,
+                    devices=jax.devices()[:devices])
+    assert summary["resumed_from"] == 6 and summary["mesh"] == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1,
+                                                                **mesh}
     want, got = losses(reference), losses(run_dir)
     assert sorted(got) == list(range(1, 11))
     for step in range(7, 11):
@@ -222,7 +223,7 @@ def test_readers_load_parameters_only(reference, tmp_path, capsys):
     run_dir = copy_run(reference, tmp_path, keep_steps=[10])
     shutil.rmtree(run_dir / "checkpoints/10/optimizer")  # a reader that touched the optimizer state would fail
     loaded = load_model(run_dir, overrides=["mesh.tensor=2"])
-    assert loaded.step == 10 and dict(loaded.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert loaded.step == 10 and dict(loaded.mesh.shape) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
     saved, _ = restore_arrays(reference, 10, make_mesh(1, 8, 1))
     assert set(nnx.to_pure_dict(loaded.state)) == set(nnx.to_pure_dict(saved["model"]))
     for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(saved["model"])):

@@ -101,7 +101,7 @@ def test_an_imported_checkpoint_computes_transformers_logits_on_a_mesh(hf_dirs, 
     m = load_model(f"hf:{hf_dirs[name]}", overrides=MESH)
     params = m.state
     # every array read back sits in its FSDP 4 x TP 2 sharding
-    assert m.mesh.shape == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert m.mesh.shape == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
     assert params["blocks"][0]["attn"]["wq"][...].sharding.spec == P("fsdp", "tensor", None)
     assert params["blocks"][0]["attn"]["wk"][...].sharding.spec == P("fsdp", "tensor", None)  # 2 kv heads / tp 2
     assert params["blocks"][0]["attn"]["wo"][...].sharding.spec == P("tensor", None, "fsdp")

@@ -15,10 +15,16 @@ from shardlm.mesh import make_mesh, resolve_degrees
         ((2, 2, 2), (2, 2, 2)),
         ((2, -1, 2), (2, 2, 2)),
         ((-1, 4, 2), (1, 4, 2)),
+        ((None, 1, 1, -1), (1, 1, 1, 8)),  # mesh.context=-1 alone: the whole sequence split
+        ((None, 2, 2, 2), (1, 2, 2, 2)),
+        ((None, 1, 2, 2), (2, 1, 2, 2)),
     ],
 )
 def test_resolve_degrees(degrees, expected):
-    assert resolve_degrees(*degrees, n_devices=8) == expected
+    data, fsdp, tensor, *context = degrees
+    got = resolve_degrees(data, fsdp, tensor, n_devices=8, context=context[0] if context else 1)
+    want = dict(zip(("data", "fsdp", "tensor", "context"), expected + (1,) * (4 - len(expected))))
+    assert got == want and list(got) == ["data", "fsdp", "context", "tensor"]
 
 
 @pytest.mark.parametrize(
@@ -37,6 +43,6 @@ def test_bad_mesh(degrees, fragment):
 
 def test_make_mesh_has_named_auto_axes():
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     assert mesh.devices.size == jax.device_count() == 8

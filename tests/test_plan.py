@@ -157,7 +157,7 @@ def test_indivisible_dimension_names_parameter_shape_axis_and_degree():
 
 
 def test_unknown_axis_name_and_malformed_specs():
-    assert "names 'modle', which is neither a mesh axis (data, fsdp, tensor) nor a logical axis name" in _error(
+    assert "names 'modle', which is neither a mesh axis (data, fsdp, context, tensor) nor a logical axis name" in _error(
         {"rules": [["kernel", [None, "modle"]]]})
     assert "the spec has 3 entries for 2 dimensions" in _error(
         {"rules": [["linear1/kernel", [None, "tensor", None]]], "unmatched": "replicate"})

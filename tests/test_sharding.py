@@ -10,7 +10,7 @@ from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.sharding.explain import explain_state, format_explanation
 from shardlm.mesh import make_mesh
-from shardlm.sharding import logical_to_spec
+from shardlm.sharding import batch_sharding, logical_to_spec
 from shardlm.sharding.rules import path_str
 from shardlm.train.state import create_train_state
 
@@ -39,9 +39,9 @@ EXPECTED_LOGICAL = {
 }
 
 
-def expected_spec(path: str) -> P:
+def expected_spec(path: str, shape=None, mesh=None) -> P:
     key = next(k for k in EXPECTED_LOGICAL if path == k or path.endswith("/" + k))
-    return logical_to_spec(EXPECTED_LOGICAL[key])
+    return logical_to_spec(EXPECTED_LOGICAL[key], shape=shape, mesh=mesh)
 
 
 def _same_spec(a: P, b: P) -> bool:
@@ -54,16 +54,16 @@ def _same_spec(a: P, b: P) -> bool:
     return norm(a) == norm(b)
 
 
-@pytest.mark.parametrize("degrees", [(8, 1, 1), (1, 8, 1), (4, 1, 2), (1, 4, 2), (2, 2, 2)])
+@pytest.mark.parametrize("degrees", [(8, 1, 1), (1, 8, 1), (4, 1, 2), (1, 4, 2), (2, 2, 2), {"fsdp": 2, "context": 4}])
 def test_every_leaf_is_placed_by_the_rule_table(degrees):
     cfg = load_config(None, MICRO)
-    mesh = make_mesh(*degrees)
+    mesh = make_mesh(**degrees) if isinstance(degrees, dict) else make_mesh(*degrees)
     state = create_train_state(cfg, mesh, 500).state
     checked = 0
     for path, arr in jax.tree_util.tree_flatten_with_path(state["model"])[0]:
         name = path_str(path)
         assert arr.sharding.mesh == mesh
-        assert _same_spec(arr.sharding.spec, expected_spec(name)), (name, arr.sharding.spec)
+        assert _same_spec(arr.sharding.spec, expected_spec(name, arr.shape, mesh)), (name, arr.sharding.spec)
         checked += 1
     assert checked == 4 + 2 * 16  # wte, wpe, ln_f x2, and 16 leaves per block
     # AdamW: every moment leaf has exactly its parameter's sharding; the step counters are replicated.
@@ -72,7 +72,7 @@ def test_every_leaf_is_placed_by_the_rule_table(degrees):
         keys = path_str(path).split("/")
         if "mu" in keys or "nu" in keys:
             param_path = "/".join(keys[keys.index("mu" if "mu" in keys else "nu") + 1:])
-            assert _same_spec(arr.sharding.spec, expected_spec(param_path)), (keys, arr.sharding.spec)
+            assert _same_spec(arr.sharding.spec, expected_spec(param_path, arr.shape, mesh)), (keys, arr.sharding.spec)
             moments += 1
         else:
             assert arr.ndim == 0 and arr.sharding.is_fully_replicated
@@ -80,16 +80,22 @@ def test_every_leaf_is_placed_by_the_rule_table(degrees):
 
 
 def test_rule_table_gives_megatron_and_zero3_placements():
-    """Anchors the table itself, written out by hand for FSDP x TP."""
-    assert logical_to_spec(("embed", "heads", "head_dim")) == P("fsdp", "tensor", None)  # q/k/v: column-parallel
-    assert logical_to_spec(("heads", "head_dim", "embed")) == P("tensor", None, "fsdp")  # out: row-parallel
-    assert logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
-    assert logical_to_spec(("mlp", "embed")) == P("tensor", "fsdp")
+    """Anchors the table itself, written out by hand for FSDP x context x TP (the context devices hold FSDP shards
+    of the weights too)."""
+    fc = ("fsdp", "context")
+    assert logical_to_spec(("embed", "heads", "head_dim")) == P(fc, "tensor", None)  # q/k/v: column-parallel
+    assert logical_to_spec(("heads", "head_dim", "embed")) == P("tensor", None, fc)  # out: row-parallel
+    assert logical_to_spec(("embed", "mlp")) == P(fc, "tensor")
+    assert logical_to_spec(("mlp", "embed")) == P("tensor", fc)
     assert logical_to_spec(("mlp",)) == P(("tensor", "fsdp"))  # biases are ZeRO-3 sharded too
     assert logical_to_spec(("heads", "head_dim")) == P("tensor", "fsdp")
-    assert logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
-    assert logical_to_spec(("batch", "seq")) == P(("data", "fsdp"), None)
-    assert logical_to_spec(("batch", "seq", "act_embed")) == P(("data", "fsdp"), None, None)
+    assert logical_to_spec(("vocab", "embed")) == P("tensor", fc)
+    assert logical_to_spec(("batch", "seq", "act_embed")) == P(("data", "fsdp"), "context", None)
+    assert logical_to_spec(("batch", "kv_seq", "act_kv_heads", "head_dim")) == P(("data", "fsdp"), None, "tensor",
+                                                                                 None)
+    assert batch_sharding(make_mesh(1, 2, 1, context=4)).spec == P(("data", "fsdp"), None)  # rows of seq_len + 1
+    # fsdp x context that does not divide an embed dimension gives way to fsdp alone.
+    assert logical_to_spec(("embed",), shape=(12,), mesh=make_mesh(1, 2, 1, context=4)) == P("fsdp")
     # A fallback rule that does not divide gives way; the last rule for a name is binding.
     mesh = make_mesh(1, 8, 1)
     assert logical_to_spec(("heads", "head_dim"), shape=(4, 4), mesh=mesh) == P("tensor", None)

@@ -327,15 +327,15 @@ def test_plan_cli_simulates_more_devices_than_the_host_and_emits_json():
         assert set(r["bytes_per_device"]) >= {"params", "optimizer", "total"}
         assert r["fits"] is True and r["est_step_s"] > 0 and r["flops"] > 0
         assert all(set(c) == {"kind", "count", "bytes"} for c in r["collectives"])
-    fsdp16 = next(r for r in rows if r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1})
-    dp16 = next(r for r in rows if r["mesh"] == {"data": 16, "fsdp": 1, "tensor": 1})
+    fsdp16 = next(r for r in rows if r["mesh"] == {"data": 1, "fsdp": 16, "context": 1, "tensor": 1})
+    dp16 = next(r for r in rows if r["mesh"] == {"data": 16, "fsdp": 1, "context": 1, "tensor": 1})
     assert dp16["bytes_per_device"]["params"] == 16 * fsdp16["bytes_per_device"]["params"]
     assert [r["rank"] for r in rows] == list(range(1, 13))
     assert "planned 12 strategies" in proc.stderr
     # 2 hosts of 8 at 400 Gb/s (6.25 GB/s per device): every strategy sends something across, and says what
     for r in rows:
         assert r["inter_node_bytes_per_device"] == sum(c["sent_per_device"] for c in r["cross_host_collectives"]) > 0
-    tp4 = next(r for r in rows if r["mesh"] == {"data": 4, "fsdp": 1, "tensor": 4})
+    tp4 = next(r for r in rows if r["mesh"] == {"data": 4, "fsdp": 1, "context": 1, "tensor": 4})
     assert [c["kind"] for c in tp4["cross_host_collectives"]] == ["all-reduce"]  # TP stays inside the hosts
 
 

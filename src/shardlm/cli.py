@@ -528,7 +528,7 @@ def _run(args: argparse.Namespace) -> int | None:
         from shardlm.sharding.explain import explain
         from shardlm.mesh import mesh_from_config
         from shardlm.train.loop import tokenizer_vocab
-        from shardlm.train.state import create_train_state
+        from shardlm.train.state import check_shardable, create_train_state, sequence_split_note
 
         from shardlm.mesh import axes_across_hosts, check_tensor_inside_hosts, describe_hosts
         from shardlm.train.loop import agree_on_config
@@ -537,7 +537,10 @@ def _run(args: argparse.Namespace) -> int | None:
         mesh = mesh_from_config(cfg.mesh)
         check_tensor_inside_hosts(mesh, _to_stderr)
         vocab = tokenizer_vocab(cfg, log=_to_stderr)  # stdout is the table (or JSON)
+        check_shardable(cfg, mesh)
         ex = explain(create_train_state(cfg, mesh, vocab).state, mesh)
+        if split := sequence_split_note(cfg, mesh):
+            ex.notes.append(split)
         if hosts := describe_hosts(mesh):
             ex.notes.append(f"{distributed.process_count()} processes on {hosts}")
             ex.axes_across_hosts = axes_across_hosts(mesh)

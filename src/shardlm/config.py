@@ -55,6 +55,8 @@ class MeshConfig:
     # None = all remaining devices (unless another axis is -1); -1 = all remaining devices.
     data: int | None = None
     fsdp: int = 1
+    # Splits each sequence of the activations (context parallelism): for sequences too long for one device.
+    context: int = 1
     tensor: int = 1
 
 
@@ -404,7 +406,7 @@ def validate(cfg: Config) -> None:
         raise ShardlmError(f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:
         raise ShardlmError(f"checkpoint.keep must be at least 1, got {cfg.checkpoint.keep}")
-    for axis in ("data", "fsdp", "tensor"):
+    for axis in ("data", "fsdp", "context", "tensor"):
         v = getattr(cfg.mesh, axis)
         if v is not None and v != -1 and v < 1:
             raise ShardlmError(f"mesh.{axis} must be a positive degree or -1 (the rest), got {v}")

@@ -11,7 +11,10 @@ so reading tokens for streaming and end-of-text checks overlaps the device's wor
 produced the end-of-text token, its token budget, or the end of the context.
 
 Everything runs on the mesh the parameters are sharded on: rows are split over data x fsdp (a batch is padded to
-a multiple of that), heads and the cache over tensor, exactly as in training.
+a multiple of that), heads and the cache over tensor, exactly as in training. The sequence is not split: a
+decode step has one token per row, so on a mesh with a context axis (a long-context run's own) the context
+devices hold the same rows and compute them as replicas, and the prefill does the same (prompts are short next
+to the training sequences context parallelism is for).
 """
 
 import dataclasses
@@ -27,7 +30,7 @@ from jax.sharding import NamedSharding
 from shardlm.errors import ShardlmError
 from shardlm.models.layers import CACHE_AXES, LayerCache
 from shardlm.sampling import Sampling, next_tokens
-from shardlm.sharding import batch_sharding, logical_to_spec, replicated, use_mesh_rules
+from shardlm.sharding import batch_sharding, logical_to_spec, replicated, use_mesh_rules, without_sequence_split
 
 MIN_BUCKET = 16  # prompt lengths are padded to 16, 32, 64, ... (capped at the context): one prefill compile each
 
@@ -158,14 +161,15 @@ class Generator:
         # The host reads every row's new token. In a run of several processes a process holds only its rows, so
         # there the tokens come out replicated (a few bytes gathered per step).
         new_s = replicated(mesh) if jax.process_count() > 1 else row_s
-        cache_s = NamedSharding(mesh, logical_to_spec(CACHE_AXES))
+        rules = without_sequence_split()  # a mesh's context devices serve as replicas (see the module docstring)
+        cache_s = NamedSharding(mesh, logical_to_spec(CACHE_AXES, rules))
         carry_s = [LayerCache(cache_s, cache_s)] * self.n_layers if use_cache else tok_s
 
         model_of = lambda params: nnx.merge(graphdef, jax.tree.unflatten(self.params_def, params))  # noqa: E731
 
         def prefill(params, tokens, lengths, sample_rows, seed):
             model = model_of(params)
-            with use_mesh_rules(mesh):
+            with use_mesh_rules(mesh, rules):
                 if use_cache:
                     logits, carry = model.prefill(tokens, model.init_cache(rows), at=lengths - 1)
                 else:
@@ -176,7 +180,7 @@ class Generator:
         def decode(params, tok, pos, sample_rows, seed, carry):
             model = model_of(params)
             at = jnp.minimum(pos, context - 1)  # rows already finished may run past the context; ignored
-            with use_mesh_rules(mesh):
+            with use_mesh_rules(mesh, rules):
                 if use_cache:
                     logits, carry = model.decode(tok[:, None], at, carry)
                 else:  # write the token into the padded context and re-run all of it

@@ -12,6 +12,11 @@ Design choices:
   `attention="auto"` asks for cuDNN's fused kernel on NVIDIA GPUs (Ampere or newer) when the inputs are 16-bit
   (the only dtypes it takes) and the head size suits it. The XLA path gets a causal mask built once per forward
   pass and shared by every layer; the cuDNN kernel is told `is_causal` and builds none.
+- Attention reads keys and values as `kv_seq` (every position) while queries, scores and outputs keep `seq`:
+  when the sharding rules split the sequence (context parallelism), each device attends its own block of
+  queries to all keys, and the causal mask, a global [T, T] array split by query rows, masks by global position.
+  Every device computes the same amount (its query block against every key), so the causal work is balanced
+  without reordering the sequence. cuDNN's fused kernel refuses a split sequence, so "auto" picks XLA's then.
 - Keys and values may have fewer heads than queries (grouped-query attention, `kv_heads` dividing `heads`; one
   kv head is multi-query attention). Query head n reads kv head n // (heads / kv_heads), so splitting both head
   dimensions over `tensor` in contiguous blocks keeps every group on one device.
@@ -30,7 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlm.sharding import constrain
+from shardlm.errors import ShardlmError
+from shardlm.sharding import active_degree, constrain
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
 CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")
@@ -79,12 +85,16 @@ class Context(NamedTuple):
     pos: jax.Array | None  # decoding: each row's position [batch]
 
 
-def attention_impl(requested: str, dtype, head_dim: int) -> str:
+def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1) -> str:
     """"auto": cuDNN's fused kernel where it applies (NVIDIA GPUs of compute capability 8.0 or newer, 16-bit
-    inputs, head_dim a multiple of 8 up to 128), else XLA's attention."""
+    inputs, head_dim a multiple of 8 up to 128, a sequence not split over devices), else XLA's attention."""
+    if requested == "cudnn" and seq_split > 1:
+        raise ShardlmError(f"model.attention=cudnn cannot take a sequence split {seq_split} ways over mesh.context "
+                           "(cuDNN's fused kernel refuses sequence sharding); use model.attention=auto or xla")
     if requested != "auto":
         return requested
-    if jax.default_backend() != "gpu" or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if seq_split > 1 or jax.default_backend() != "gpu" or not sixteen_bit:
         return "xla"
     try:
         capability = float(jax.devices()[0].compute_capability)
@@ -94,7 +104,9 @@ def attention_impl(requested: str, dtype, head_dim: int) -> str:
 
 
 def causal_mask(t: int) -> jax.Array:
-    return jnp.tril(jnp.ones((t, t), jnp.bool_))[None, None]
+    """[1, 1, T, T]: query position i sees key positions 0..i. Split by query rows like the queries, so under
+    context parallelism each device's rows mask its block by global position."""
+    return constrain(jnp.tril(jnp.ones((t, t), jnp.bool_))[None, None], None, None, "seq", "kv_seq")
 
 
 def _attend_to_cache(q, cache: LayerCache, pos):
@@ -119,10 +131,13 @@ def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
     position pos[b] of row b; its key and value are written there and it attends to positions 0..pos[b].
     """
     if ctx.pos is None:
+        # Every key and value position, as each query block needs: an all-gather over context when the sequence
+        # is split (and a reduce-scatter of their gradients), nothing otherwise. The cache keeps its own layout.
+        k_all, v_all = (constrain(t, "batch", "kv_seq", "act_kv_heads", "head_dim") for t in (k, v))
         if ctx.impl == "cudnn":
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            y = jax.nn.dot_product_attention(q, k_all, v_all, is_causal=True, implementation="cudnn")
         else:
-            y = jax.nn.dot_product_attention(q, k, v, mask=ctx.mask, implementation="xla")
+            y = jax.nn.dot_product_attention(q, k_all, v_all, mask=ctx.mask, implementation="xla")
         if cache is not None:
             t = q.shape[1]
             cache = LayerCache(*(constrain(c.at[:, :, :t].set(n.transpose(0, 2, 1, 3).astype(c.dtype)), *CACHE_AXES)
@@ -246,7 +261,7 @@ class CausalLM(nnx.Module):
         return self._forward(tokens, None, cache, pos)
 
     def _forward(self, tokens, rngs, cache=None, pos=None, at=None):
-        impl = attention_impl(self.attention, self.dtype, self.blocks[0].attn.wq.shape[2])
+        impl = attention_impl(self.attention, self.dtype, self.blocks[0].attn.wq.shape[2], active_degree("seq"))
         with jax.named_scope("embed"):
             # FSDP shards of the table are gathered before the lookup (what FSDP does for every weight): a lookup
             # into a table split over the same axis as the batch is otherwise fully rematerialised by XLA's

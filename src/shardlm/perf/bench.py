@@ -118,7 +118,6 @@ def warmed_up_step(cfg: Config, mesh, vocab: int, n_batches: int, warmup: int):
 def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log) -> Bench:
     import jax
 
-    from shardlm.mesh import make_mesh
     from shardlm.perf.flops import device_peak, model_flops_per_step
     from shardlm.errors import ShardlmError
     from shardlm.perf.strategies import rejection
@@ -134,7 +133,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
     b, t = cfg.train.batch_size, cfg.model.seq_len
     runs = []
     for s in strategies:
-        mesh = make_mesh(s.data, s.fsdp, s.tensor, devices=devices[:s.devices])
+        mesh = s.make_mesh(devices)
         step, state, batches, compile_s = warmed_up_step(cfg, mesh, vocab, 4, warmup)
         log(f"{s.name}: compiled in {compile_s:.1f} s")
         runs.append({"s": s, "step": step, "state": state, "batches": batches, "times": [], "compile_s": compile_s,

@@ -30,7 +30,7 @@ from shardlm.config import Config, describe
 from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
 from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak, issued, split_traffic
-from shardlm.perf.strategies import Strategy, all_strategies, rejection
+from shardlm.perf.strategies import Strategy, all_strategies, rejection, wants_context_splits
 
 
 @dataclasses.dataclass
@@ -135,11 +135,10 @@ def _lower(cfg: Config, strategy: Strategy, vocab: int, devices):
     """(lowered train step, param bytes/device, optimizer bytes/device, param count) for one strategy."""
     import jax
 
-    from shardlm.mesh import make_mesh
     from shardlm.train.state import TrainState, abstract_train_state
     from shardlm.train.step import batch_struct, train_step_for
 
-    mesh = make_mesh(strategy.data, strategy.fsdp, strategy.tensor, devices=devices[:strategy.devices])
+    mesh = strategy.make_mesh(devices)
     _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
     step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
     lowered = step.lower(abstract, batch_struct(cfg, mesh))
@@ -168,11 +167,11 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     log = log or (lambda m: None)
     vocab = vocab_size or tokenizer_vocab(cfg, log=log)
     candidates, rejected = [], []
-    for s in strategies or all_strategies(n):
+    for s in strategies or all_strategies(n, wants_context_splits(cfg, n)):
         why = rejection(cfg, s)
         (rejected.append((s, why)) if why else candidates.append(s))
     if not candidates:
-        raise ShardlmError(f"no assignment of {n} devices to data x fsdp x tensor suits this config: "
+        raise ShardlmError(f"no assignment of {n} devices to the mesh axes suits this config: "
                            + "; ".join(f"{s.name}: {why}" for s, why in rejected[:3]))
 
     results: list[StrategyPlan] = []
@@ -244,13 +243,14 @@ def format_plan(p: Plan) -> str:
         f"({fmt_bytes(p.hardware.memory_bytes)}) per device",
         "",
     ]
-    head = (f"{'rank':>4}  {'strategy':<16} {'params':>10} {'optimizer':>10} {'grads*':>10} {'temps':>10} "
+    w = max([16] + [len(r.strategy.name) for r in p.strategies])
+    head = (f"{'rank':>4}  {'strategy':<{w}} {'params':>10} {'optimizer':>10} {'grads*':>10} {'temps':>10} "
             f"{'peak':>10}  {'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} " + (f"{'x-host/dev':>10} " if hosts else "")
             + f"{'est step':>9}  collectives per step")
     lines += [head, "-" * len(head)]
     for r in p.strategies:
         lines.append(
-            f"{r.rank:>4}  {r.strategy.name:<16} {fmt_bytes(r.params):>10} {fmt_bytes(r.optimizer):>10} "
+            f"{r.rank:>4}  {r.strategy.name:<{w}} {fmt_bytes(r.params):>10} {fmt_bytes(r.optimizer):>10} "
             f"{fmt_bytes(r.gradients):>10} {fmt_bytes(r.temporaries):>10} {fmt_bytes(r.peak):>10}  "
             f"{'yes' if r.fits else 'NO':<4} {r.flops_per_device / 1e12:>9.3f} {fmt_bytes(r.est.traffic_bytes):>10} "
             + (f"{fmt_bytes(r.est.inter_node_bytes):>10} " if hosts else "")
@@ -263,7 +263,7 @@ def format_plan(p: Plan) -> str:
             cross = r.cross_host(p.hardware)
             what = ", ".join(f"{_ABBREV[c['kind']]} {c['count']}x {fmt_bytes(c['bytes'])} (sends "
                              f"{fmt_bytes(c['sent_per_device'])})" for c in cross)
-            lines.append(f"  {r.strategy.name:<16} {what or 'nothing crosses hosts'}")
+            lines.append(f"  {r.strategy.name:<{w}} {what or 'nothing crosses hosts'}")
         lines.append("")
     lines.append("bytes are per device; peak = params + optimizer + temps (activations, gradients, gathered "
                  "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps")

@@ -2,6 +2,7 @@
 
 from shardlm.sharding.rules import (
     LOGICAL_AXIS_RULES,
+    active_degree,
     batch_sharding,
     check_divisible,
     constrain,
@@ -10,10 +11,12 @@ from shardlm.sharding.rules import (
     state_partition_specs,
     state_shardings,
     use_mesh_rules,
+    without_sequence_split,
 )
 
 __all__ = [
     "LOGICAL_AXIS_RULES",
+    "active_degree",
     "batch_sharding",
     "check_divisible",
     "constrain",
@@ -22,4 +25,5 @@ __all__ = [
     "state_partition_specs",
     "state_shardings",
     "use_mesh_rules",
+    "without_sequence_split",
 ]

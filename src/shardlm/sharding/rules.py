@@ -2,13 +2,23 @@
 
 Model code names the axes of every parameter and of a few activations with logical names (`embed`, `heads`,
 `mlp`, `vocab`, `batch`, ...). This module is the only place that knows how those names land on the mesh axes
-(data, fsdp, tensor). Because a mesh axis of degree 1 shards nothing, this single table covers every strategy:
+(data, fsdp, context, tensor). Because a mesh axis of degree 1 shards nothing, this single table covers every
+strategy:
 
 - DP (data=N): only `batch` is split; parameters are replicated.
 - FSDP / ZeRO-3 (fsdp=N): `batch` is split over fsdp too, and every parameter's `embed` dimension is split over
   fsdp, so parameters, gradients and AdamW moments are all 1/N per device; XLA all-gathers weights per layer.
 - Megatron TP (tensor=N): attention heads (query and key/value), the MLP hidden dimension and the vocabulary are
   split over tensor (column-parallel in, row-parallel out, one all-reduce per attention or MLP half of a block).
+- Context parallelism (context=N): the `seq` dimension of every activation is split over context, so a device
+  holds 1/N of each sequence's tokens. Attention is the one place tokens meet: its keys and values are named
+  `kv_seq`, which stays whole, so XLA all-gathers K and V over context before attention (and reduce-scatters
+  their gradients after it), MaxText's all-gather form; queries, scores and outputs stay split. Parameters are
+  not split by position, so the context devices would each hold every weight, as data-parallel replicas do;
+  like MaxText, `embed` is sharded over fsdp x context instead (ZeRO-3 over the context devices too): the same
+  bytes on the wire as the gradient all-reduce replicas would need, and 1/N of the weights and AdamW moments,
+  which long sequences need most. Token batches are not split along the sequence (a row is seq_len + 1 tokens,
+  inputs and shifted targets); the model splits them as it embeds.
 - Hybrids: the product of the above.
 
 Parameters and activations differ in one name: a parameter's `embed` dimension is FSDP-sharded, while the
@@ -35,14 +45,16 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 LOGICAL_AXIS_RULES: Rules = (
     # activations
     ("batch", ("data", "fsdp")),
-    ("seq", None),
+    ("seq", "context"),
+    ("kv_seq", None),  # keys and values as attention reads them: every position, gathered over context
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
     # parameters
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),  # context devices are FSDP shards of the weights too (see above) ...
+    ("embed", "fsdp"),  # ... unless fsdp x context does not divide the dimension
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),  # grouped-query attention's key/value heads: the tensor degree must divide them too
@@ -64,7 +76,8 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *
     """('embed', 'mlp') -> P('fsdp', 'tensor'). Every name must have a rule (map it to None to replicate).
 
     Given the array's `shape` and the `mesh`, a rule that is not a name's last one is also skipped when its degree
-    does not divide that dimension (a bias with head_dim 64 under fsdp=128 falls back to replicated); the last
+    does not divide that dimension (a bias with head_dim 64 under fsdp=128 falls back to replicated) or when it
+    splits no more ways than the next rule for the name, made of fewer of its axes (`_no_more_than_next`); the last
     rule for a name is binding, and `check_divisible` reports it if it does not fit. Mesh axes in `taken` are
     already used by other dimensions (a plan that mixes mesh axes and logical names); with `strict`, a name none
     of whose rules could be applied because their axes were taken is an error instead of staying unsplit.
@@ -84,7 +97,8 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *
         for i, name in enumerate(names):
             if decided[i] or name != rule_name:
                 continue
-            fits = shape is None or r == last_rule[name] or shape[i] % axis_degree(mesh, axes) == 0
+            fits = shape is None or r == last_rule[name] or (
+                shape[i] % axis_degree(mesh, axes) == 0 and not _no_more_than_next(rules, r, mesh))
             if fits and used.isdisjoint(as_axes(axes)):
                 out[i], decided[i] = axes, True
                 used.update(as_axes(axes))
@@ -96,6 +110,15 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *
                 raise ShardlmError(f"logical axis '{name}' cannot be placed: its mesh axes ({', '.join(axes)}) "
                                    "already split another dimension; name a free mesh axis instead")
     return P(*out)
+
+
+def _no_more_than_next(rules: Rules, r: int, mesh) -> bool:
+    """Whether rule r splits its name no more ways on `mesh` than the name's next rule, whose axes are a subset of
+    its own: then the next, simpler rule is used (embed over (fsdp, context) with context 1 is embed over fsdp)."""
+    name, axes = rules[r]
+    nxt = next(ax for n, ax in rules[r + 1:] if n == name)
+    fewer = bool(as_axes(nxt)) and set(as_axes(nxt)) < set(as_axes(axes))
+    return fewer and axis_degree(mesh, nxt) == axis_degree(mesh, axes)
 
 
 def rules_for_mesh(mesh, rules: Rules | None = None) -> Rules:
@@ -128,6 +151,16 @@ def use_mesh_rules(mesh, rules: Rules | None = None):
         yield
     finally:
         _active.value = previous
+
+
+def active_degree(name: str) -> int:
+    """How many ways the active rules split logical axis `name` (1 outside `use_mesh_rules`): model code asks
+    whether the sequence is split without naming a mesh axis."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return 1
+    mesh, rules = active
+    return axis_degree(mesh, logical_to_spec((name,), rules)[0])
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
@@ -201,8 +234,16 @@ def check_divisible(abstract_state, specs, mesh) -> None:
 
 
 def batch_sharding(mesh, rules: Rules | None = None) -> NamedSharding:
-    """Sharding of a [batch, seq] token array: batch split over (data, fsdp)."""
-    return NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules))
+    """Sharding of a [batch, seq_len + 1] token array: batch split over (data, fsdp), each row whole (seq_len + 1
+    does not split evenly; the model splits the sequence over context as it embeds it)."""
+    return NamedSharding(mesh, logical_to_spec(("batch", None), rules))
+
+
+def without_sequence_split(rules: Rules | None = None) -> Rules:
+    """The table with `seq` left whole: generation's (a decode step has one token per row; the context devices
+    serve as replicas)."""
+    return tuple((name, None if name == "seq" else axes) for name, axes in (LOGICAL_AXIS_RULES if rules is None
+                                                                            else rules))
 
 
 def replicated(mesh) -> NamedSharding:

@@ -53,7 +53,7 @@ from shardlm.train.preemption import StopOnSignal
 from shardlm.train.rundir import (CONFIG_FILE, FINISHED_MARKER, RunStart, check_vocab_padding, claim,
                                   decide_start, default_run_dir, unreadable)
 from shardlm.train.state import (TrainState, abstract_train_state, check_shardable, create_train_state,
-                                 effective_warmup, train_state_with, vocab_sizes)
+                                 effective_warmup, sequence_split_note, train_state_with, vocab_sizes)
 from shardlm.train.step import make_eval_step, train_step_for
 
 
@@ -267,6 +267,8 @@ class Training:
             _log(format_explanation(ex))
         _log(f"model: {describe(cfg)} | {ex.param_count:,} parameters | per device: params "
              f"{fmt_bytes(ex.max_param_bytes)}, optimizer {fmt_bytes(ex.max_opt_bytes)}")
+        if split := sequence_split_note(cfg, self.mesh):
+            _log(split)
         warmup = effective_warmup(cfg)
         if warmup != cfg.train.warmup_steps:
             _log(f"note: train.warmup_steps={cfg.train.warmup_steps} would leave no decay in {cfg.train.steps} "

@@ -101,12 +101,36 @@ def check_shardable(cfg: Config, mesh) -> None:
     """Raise if a mesh degree does not divide a parameter dimension: shapes only, no data, no compile. The
     vocabulary is padded to a multiple of the tensor degree, so any vocabulary size gives the same verdict."""
     m, tp = cfg.model, mesh.shape["tensor"]
+    cp = mesh.shape.get("context", 1)
+    if m.seq_len % cp:
+        raise ShardlmError(f"model.seq_len={m.seq_len} is split over mesh.context={cp}, which does not divide it; "
+                           f"choose a mesh.context dividing {m.seq_len} or a seq_len that is a multiple of {cp}")
+    if cp > 1 and m.attention == "cudnn":
+        raise ShardlmError(f"model.attention=cudnn cannot take a sequence split over mesh.context={cp} (cuDNN's "
+                           "fused kernel refuses sequence sharding); use model.attention=auto or xla")
     kv = m.n_kv_heads or m.n_heads
     if kv % tp and not m.n_heads % tp:  # said in the model's terms before the generic per-parameter message
         raise ShardlmError(f"mesh.tensor={tp} must divide the key/value heads (model.n_kv_heads={kv}) as well as "
                            f"the query heads: choose mesh.tensor dividing {kv}, or more kv heads")
     with nnx.use_eager_sharding(False):
         state_shardings(nnx.state(nnx.eval_shape(_builder(cfg, mesh, 257))), mesh)
+
+
+def sequence_split_note(cfg: Config, mesh) -> str | None:
+    """What context parallelism does to `cfg` on `mesh`, in a line (None without it): the tokens each device
+    holds, and the keys and values each layer all-gathers for attention."""
+    cp = mesh.shape.get("context", 1)
+    if cp == 1:
+        return None
+    from shardlm.sharding.explain import fmt_bytes
+
+    m = cfg.model
+    rows = cfg.train.batch_size // cfg.train.grad_accum // (mesh.shape["data"] * mesh.shape["fsdp"])
+    kv_heads = (m.n_kv_heads or m.n_heads) // mesh.shape["tensor"]
+    gathered = 2 * rows * m.seq_len * kv_heads * (m.d_model // m.n_heads) * (2 if m.dtype == "bfloat16" else 4)
+    return (f"sequence split over context={cp}: each device holds {m.seq_len // cp} of every {m.seq_len} tokens; "
+            f"attention all-gathers keys and values over context, {fmt_bytes(gathered)} per layer per device "
+            "(reduce-scattered back as gradients)")
 
 
 def _placed(abstract_state, shardings):

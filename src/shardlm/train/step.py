@@ -72,7 +72,7 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rows, width = batch.shape
     micro = batch.reshape(rows // k, k, width).swapaxes(0, 1)  # [k, rows / k, width]
-    micro = constrain(micro, None, "batch", "seq")
+    micro = constrain(micro, None, "batch", None)  # rows whole, as `batch_sharding` holds them
 
     def micro_step(carry, xs):
         grad_sum, loss_sum = carry

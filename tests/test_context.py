@@ -1,0 +1,170 @@
+"""Context parallelism: the sequence split over the `context` mesh axis. Parity with one device for GPT and for
+Llama with grouped-query attention (dropout on), the collectives the design promises read from the compiled step,
+temporaries falling with the context degree, the one-line errors, and a run that trains on a context mesh,
+samples, and generates the same tokens on one device."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import MICRO, run_steps
+from shardlm.config import load_config
+from shardlm.errors import ShardlmError
+from shardlm.mesh import make_mesh
+from shardlm.models.layers import attention_impl
+from shardlm.perf import hlo
+from shardlm.perf.strategies import Strategy, all_strategies, parse_strategy, wants_context_splits
+from shardlm.train.state import abstract_train_state, check_shardable, TrainState
+from shardlm.train.step import batch_struct, train_step_for
+from test_cli import assert_one_line_error, shardlm
+
+LLAMA_GQA = MICRO + ["model.family=llama", "model.use_bias=false", "model.n_kv_heads=2", "model.d_mlp=96"]
+FAMILIES = {"gpt": MICRO + ["model.dropout=0.1"], "llama-gqa": LLAMA_GQA + ["model.dropout=0.1"]}
+SPLITS = {
+    "context 2": {"context": 2},
+    "context 4": {"context": 4},
+    "context 8": {"context": 8},
+    "fsdp 2 x context 2 x tensor 2": {"fsdp": 2, "context": 2, "tensor": 2},
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def trajectories(request):
+    """20 steps of each family on one device and on every context split: (family, {split: (losses, state)})."""
+    overrides = FAMILIES[request.param]
+    runs = {"1 device": run_steps(overrides, (1, 1, 1), steps=20)[:2]}
+    for name, degrees in SPLITS.items():
+        runs[name] = run_steps(overrides, degrees, steps=20)[:2]
+    return request.param, runs
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_context_split_matches_one_device(trajectories, split):
+    family, runs = trajectories
+    want, got = np.array(runs["1 device"][0]), np.array(runs[split][0])
+    assert want[-1] < want[0] - 0.5, f"{family} did not learn: {want[0]} -> {want[-1]}"
+    assert abs(got[0] - want[0]) / want[0] < 1e-5, (family, split, got[0], want[0])
+    assert abs(got[-1] - want[-1]) / want[-1] < 1e-3, (family, split, got[-1], want[-1])
+    # Read back from the arrays: the context devices hold FSDP shards of the weights (embed over fsdp x context).
+    wq = runs[split][1].state["model"]["blocks"][0]["attn"]["wq"][...]
+    assert wq.sharding.spec[0] == ("fsdp", "context")
+    degrees = SPLITS[split]
+    assert wq.addressable_shards[0].data.shape == (64 // (degrees.get("fsdp", 1) * degrees["context"]),
+                                                   4 // degrees.get("tensor", 1), 16)
+
+
+def _compiled_step(overrides, degrees):
+    cfg = load_config(None, overrides)
+    n = int(np.prod(list(degrees.values())))
+    mesh = make_mesh(**degrees, devices=jax.devices()[:n])
+    _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, 500)
+    step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
+    return step.lower(abstract, batch_struct(cfg, mesh)).compile(), mesh
+
+
+def _axis_groups(mesh, axis):
+    """Device positions (mesh order) of each group along `axis`, as hlo reports collective groups."""
+    positions = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    k = mesh.axis_names.index(axis)
+    return sorted(sorted(g) for g in np.moveaxis(positions, k, -1).reshape(-1, mesh.shape[axis]).tolist())
+
+
+def test_keys_and_values_are_all_gathered_over_context_and_nothing_else_is():
+    """fsdp 2 x context 2 x tensor 2, Llama with 2 kv heads: per layer, K and V (8 rows x 32 positions x 1 local kv
+    head x 16) are all-gathered over the context groups in the forward pass and their gradients reduce-scattered
+    back in the backward pass; queries, scores and outputs are never gathered."""
+    compiled, mesh = _compiled_step(LLAMA_GQA, {"fsdp": 2, "context": 2, "tensor": 2})
+    ops = hlo.collectives(compiled.as_text(), 8)
+    context_groups = _axis_groups(mesh, "context")
+    kv_bytes = 8 * 32 * 1 * 16 * 4
+    q_bytes = 8 * 32 * 2 * 16 * 4
+
+    def over_context(kind):
+        return [op for op in ops if op.kind == kind and sorted(sorted(g) for g in op.groups) == context_groups]
+
+    gathers = over_context("all-gather")
+    assert [op.bytes for op in gathers] == [kv_bytes] * 2 * 2  # K and V of both layers, and nothing else
+    # Their gradients, reduce-scattered back over context (XLA may issue a layer's two as one collective).
+    assert sum(op.bytes for op in over_context("reduce-scatter")) == 2 * 2 * kv_bytes
+    assert q_bytes not in [op.bytes for op in ops if op.kind == "all-gather"]  # queries stay split
+    assert not [op for op in ops if op.kind in ("all-to-all", "collective-permute") and op.bytes >= kv_bytes]
+
+
+def test_temporaries_fall_with_the_context_degree():
+    """One long-ish sequence (batch 1, 512 tokens): each device's temporaries, dominated by the attention scores,
+    fall roughly as 1/context."""
+    overrides = MICRO + ["model.seq_len=512", "train.batch_size=1"]
+    temps = {}
+    for cp in (1, 2, 4):
+        compiled, _ = _compiled_step(overrides, {"context": cp})
+        temps[cp] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps[2] < 0.6 * temps[1], temps
+    assert temps[4] < 0.35 * temps[1], temps
+
+
+def test_context_errors_and_plan_names():
+    cfg = load_config(None, MICRO + ["model.seq_len=36"])
+    with pytest.raises(ShardlmError, match=r"model.seq_len=36 is split over mesh.context=8, which does not divide"):
+        check_shardable(cfg, make_mesh(context=8))
+    with pytest.raises(ShardlmError, match="cuDNN's fused kernel refuses sequence sharding"):
+        check_shardable(load_config(None, MICRO + ["model.attention=cudnn"]), make_mesh(context=2))
+    with pytest.raises(ShardlmError, match="cuDNN's fused kernel refuses sequence sharding"):
+        attention_impl("cudnn", jnp.bfloat16, 64, seq_split=2)  # the model's own check, under the rules
+    assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2) == "xla"
+    assert parse_strategy("fsdp2+cp2+tp2", 8) == Strategy(1, 2, 2, 2)
+    assert parse_strategy("context", 8) == Strategy(1, 1, 1, 8)
+    assert parse_strategy("1x2x2x2", 8) == parse_strategy("fsdp2+cp2+tp2", 8)
+    assert parse_strategy("2x2x2", 8) == Strategy(2, 2, 2)
+    assert Strategy(1, 2, 2, 2).name == "fsdp2+cp2+tp2"
+    assert len(all_strategies(8)) == 10 and len(all_strategies(8, context=True)) == 20
+    assert not wants_context_splits(load_config(None, MICRO), 8)
+    assert wants_context_splits(load_config(None, MICRO + ["model.seq_len=4096"]), 8)
+    assert wants_context_splits(load_config(None, MICRO + ["train.batch_size=4"]), 8)
+
+
+def test_plan_enumerates_and_costs_context_splits_for_a_batch_smaller_than_the_devices():
+    """One sequence of 256 tokens on 4 devices: no data or FSDP split can take it; plan enumerates the context
+    splits itself and costs them, K and V's all-gathers included."""
+    proc = shardlm("plan", "--devices", "4", "--json", *MICRO, "train.batch_size=1", "model.seq_len=256")
+    assert proc.returncode == 0, proc.stderr
+    plans = {p["name"]: p for p in json.loads(proc.stdout)}
+    assert set(plans) == {"cp4", "cp2+tp2", "tp4"}, set(plans)
+    assert plans["cp4"]["mesh"] == {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+    assert plans["cp4"]["overrides"] == ["mesh.data=1", "mesh.fsdp=1", "mesh.context=4", "mesh.tensor=1"]
+    kv_bytes = 2 * 2 * 256 * 4 * 16 * 4  # K and V of 2 layers: [1 row, 256 positions, 4 heads, 16] float32
+    gathered = {c["kind"]: c["bytes"] for c in plans["cp4"]["collectives"]}["all-gather"]
+    full_weights = 4 * plans["cp4"]["bytes_per_device"]["params"]  # each device holds a quarter of them
+    assert kv_bytes + 0.9 * full_weights <= gathered <= kv_bytes + 1.5 * full_weights, (gathered, kv_bytes)
+    # Tensor parallelism splits the heads but leaves every token's residual stream whole on every device.
+    assert plans["cp4"]["bytes_per_device"]["temporaries"] < plans["tp4"]["bytes_per_device"]["temporaries"]
+    assert_one_line_error(shardlm("train", "--cpu-devices", "8", *MICRO, "model.seq_len=36", "mesh.context=8"),
+                          "model.seq_len=36 is split over mesh.context=8")
+
+
+def test_a_context_run_trains_samples_resumes_and_generates_the_same_on_one_device(tmp_path):
+    from shardlm.generate import Generator
+    from shardlm.load import load_model
+    from shardlm.sampling import Sampling
+    from shardlm.train.loop import train
+
+    run = ["model.n_layers=2", "model.d_model=64", "model.d_mlp=128", "model.seq_len=64", "train.batch_size=8",
+           "train.warmup_steps=1", "train.eval_interval=2", "train.eval_batches=1", "train.sample_tokens=8",
+           "data.tokenizer=bytes", "checkpoint.every=2", "mesh.fsdp=2", "mesh.context=4"]
+    run_dir = tmp_path / "run"
+    summary = train(load_config(None, run + ["train.steps=2"]), run_dir, progress=False)
+    assert summary["mesh"] == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    assert (run_dir / "samples.txt").read_text().strip()  # sampled on the context mesh
+    # Resumed onto another context degree.
+    summary = train(load_config(None, run[:-1] + ["train.steps=4", "mesh.context=2", "mesh.tensor=2"]), run_dir,
+                    progress=False)
+    assert summary["resumed_from"] == 2 and summary["mesh"] == {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}
+    prompt = [[ord(c) for c in "ROMEO:"]]
+    tokens = {}
+    for name, overrides, devices in (("run's mesh", (), None), ("one device", ["mesh.data=1"], jax.devices()[:1])):
+        m = load_model(run_dir, overrides=overrides, devices=devices)
+        gen = Generator(m.graphdef, m.state, m.mesh, eot_id=m.tokenizer.eot_id)
+        tokens[name] = gen.generate(prompt, 12, Sampling(temperature=0))[0].ids
+    assert tokens["run's mesh"] == tokens["one device"] and len(tokens["one device"]) == 12
