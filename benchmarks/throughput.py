@@ -98,11 +98,11 @@ def main() -> None:
         results.append(json.loads(line[len("RESULT "):]))
 
     base = results[0]["tokens_per_s"]
-    print(f"{'devices':>7}  {'mesh (data x fsdp x tensor)':<28} {'step ms':>8} {'tokens/s':>9} "
+    print(f"{'devices':>7}  {'mesh (data x fsdp x context x tensor)':<38} {'step ms':>8} {'tokens/s':>9} "
           f"{'TFLOP/s/dev':>11} {'MFU':>6} {'vs first':>8}")
     for r in results:
         mesh = " x ".join(str(v) for v in r["mesh"].values())
-        print(f"{r['devices']:>7}  {mesh:<28} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>9.0f} "
+        print(f"{r['devices']:>7}  {mesh:<38} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>9.0f} "
               f"{r['tflops_per_device']:>11.4f} {r['mfu']:>6.1%} {r['tokens_per_s'] / base:>7.2f}x")
     print(f"FLOPs/token {results[0]['flops_per_token'] / 1e6:.1f}M (6*N_matmul + 12*L*T*d, attention not halved)")
     for r in results:

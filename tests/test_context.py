@@ -17,7 +17,7 @@ from shardlm.mesh import make_mesh
 from shardlm.models.layers import attention_impl
 from shardlm.perf import hlo
 from shardlm.perf.strategies import Strategy, all_strategies, parse_strategy, wants_context_splits
-from shardlm.train.state import abstract_train_state, check_shardable, TrainState
+from shardlm.train.state import TrainState, abstract_train_state, check_shardable, sequence_split_note
 from shardlm.train.step import batch_struct, train_step_for
 from test_cli import assert_one_line_error, shardlm
 
@@ -56,6 +56,14 @@ def test_context_split_matches_one_device(trajectories, split):
                                                    4 // degrees.get("tensor", 1), 16)
 
 
+def test_context_composes_with_remat_and_grad_accumulation():
+    """Llama with GQA, dropout, remat full and 2 microbatches: fsdp 2 x context 2 x tensor 2 against one device."""
+    overrides = FAMILIES["llama-gqa"] + ["model.remat=full", "train.grad_accum=2"]
+    want = np.array(run_steps(overrides, (1, 1, 1), steps=10)[0])
+    got = np.array(run_steps(overrides, {"fsdp": 2, "context": 2, "tensor": 2}, steps=10)[0])
+    assert np.all(np.abs(got - want) / want < 1e-5), (got, want)
+
+
 def _compiled_step(overrides, degrees):
     cfg = load_config(None, overrides)
     n = int(np.prod(list(degrees.values())))
@@ -90,6 +98,9 @@ def test_keys_and_values_are_all_gathered_over_context_and_nothing_else_is():
     # Their gradients, reduce-scattered back over context (XLA may issue a layer's two as one collective).
     assert sum(op.bytes for op in over_context("reduce-scatter")) == 2 * 2 * kv_bytes
     assert q_bytes not in [op.bytes for op in ops if op.kind == "all-gather"]  # queries stay split
+    # What the run header and `explain` say it costs is what the compiled step gathers.
+    note = sequence_split_note(load_config(None, LLAMA_GQA), mesh)
+    assert "each device holds 16 of every 32 tokens" in note and f"{2 * kv_bytes // 1024}.00 KiB per layer" in note
     assert not [op for op in ops if op.kind in ("all-to-all", "collective-permute") and op.bytes >= kv_bytes]
 
 

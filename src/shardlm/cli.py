@@ -86,7 +86,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     explain.add_argument("--json", action="store_true", help="the same as JSON, with per-device totals")
 
     plan = sub.add_parser("plan", help="compile the train step for every data/fsdp/tensor split of N devices "
-                                       "(nothing runs) and rank them by memory and estimated step time")
+                                       "(and context splits for long sequences or small batches; nothing runs) "
+                                       "and rank them by memory and estimated step time")
     plan.add_argument("--devices", type=int, metavar="N",
                       help="devices to plan for (simulated on the CPU host; default: the devices JAX sees)")
     plan.add_argument("--config", metavar="FILE", help="YAML config file (overrides apply on top)")

@@ -1,6 +1,7 @@
 """`shardlm plan`: what every strategy costs before anything runs.
 
-For each assignment of N devices to (data, fsdp, tensor) that the config allows, the real train step (the one
+For each assignment of N devices to (data, fsdp, tensor) that the config allows (and to context too, for long
+sequences or a batch smaller than the devices: `strategies.wants_context_splits`), the real train step (the one
 `shardlm train` runs: model, AdamW, loss, gradient clipping) is lowered and compiled against N devices, and read:
 
 - bytes per device: parameters and optimizer state from the shardings of the state (exactly what each device

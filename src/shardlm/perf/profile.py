@@ -94,10 +94,12 @@ def profile(cfg: Config, log_dir: str | Path, steps: int = 3, warmup: int = 2, l
     from shardlm.mesh import mesh_from_config
     from shardlm.perf.bench import warmed_up_step
     from shardlm.train.loop import check_batch, tokenizer_vocab
+    from shardlm.train.state import check_shardable
 
     log = log or (lambda m: None)
     mesh = mesh_from_config(cfg.mesh)
     check_batch(cfg, mesh)
+    check_shardable(cfg, mesh)
     vocab = tokenizer_vocab(cfg, log=log)
     compiled, state, batches, _ = warmed_up_step(cfg, mesh, vocab, 2, warmup)
     log_dir = Path(log_dir)

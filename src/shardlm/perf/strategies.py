@@ -28,6 +28,9 @@ LONG_SEQUENCE = 4096  # from here on, `shardlm plan` also enumerates context spl
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Strategy:
+    """Degrees per axis. `context` comes last (and defaults to 1) so that the three-axis `Strategy(d, f, t)` of
+    every strategy without a sequence split keeps its meaning; `mesh` lists the axes in mesh order."""
+
     data: int
     fsdp: int
     tensor: int
@@ -80,7 +83,8 @@ def wants_context_splits(cfg, n_devices: int) -> bool:
 
 
 def parse_strategy(text: str, n_devices: int) -> Strategy:
-    """'fsdp4+tp2', 'dp', 'data2+tensor4', '2x2x2' or 'single' -> a Strategy over `n_devices`."""
+    """'fsdp4+tp2', 'dp', 'data2+tensor4', 'fsdp2+cp2+tp2', '2x2x2', '1x2x2x2' (DxFxCxT) or 'single' -> a
+    Strategy over `n_devices`."""
     t = text.strip().lower()
     if t in ("single", "1") and n_devices == 1:
         return Strategy(1, 1, 1)

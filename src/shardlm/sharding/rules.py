@@ -168,7 +168,10 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
+    # Shape-aware, as parameters' shardings are: a weight cast to the compute dtype (`use`) is pinned to exactly
+    # its own spec, fallback rules included.
+    spec = logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 # --- parameter and state shardings ------------------------------------------------------------------------------
