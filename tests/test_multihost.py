@@ -125,8 +125,10 @@ def launched(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("processes, devices", [(2, 4), (4, 2)])
-@pytest.mark.parametrize("name, mesh", [("fsdp4_tp2", FSDP4_TP2), ("dp2_fsdp2_tp2", DP2_FSDP2_TP2)])
+# Each layout once and each hybrid once (the suite's budget: a launched run costs ~30 s on 2 cores); the multihost
+# benchmark runs both hybrids on both layouts.
+@pytest.mark.parametrize("processes, devices, name, mesh", [(2, 4, "fsdp4_tp2", FSDP4_TP2),
+                                                             (4, 2, "dp2_fsdp2_tp2", DP2_FSDP2_TP2)])
 def test_processes_train_like_one_process(reference, launched, processes, devices, name, mesh):
     ref = reference(name, mesh)
     run_dir, logs = launched(processes, devices, name, mesh)
