@@ -46,6 +46,11 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return out
 
 
+def _replace(seq, dim: int, *values, width: int = 1):
+    """`seq` (a shape tuple or a bounds list) with its `width` entries from `dim` replaced by `values`."""
+    return seq[:dim] + type(seq)(values) + seq[dim + width:]
+
+
 class View:
     shape: tuple[int, ...]
 
@@ -92,15 +97,14 @@ class Split(View):
 
     @property
     def shape(self):
-        s = self.inner.shape
-        return s[:self.dim] + self.parts + s[self.dim + 1:]
+        return _replace(self.inner.shape, self.dim, *self.parts)
 
     def block(self, bounds):
         (a0, a1), (b0, b1) = bounds[self.dim], bounds[self.dim + 1]
         b = self.parts[1]
-        outer = bounds[:self.dim] + [(a0 * b, a1 * b)] + bounds[self.dim + 2:]
+        outer = _replace(bounds, self.dim, (a0 * b, a1 * b), width=2)
         x = self.inner.block(outer)
-        x = x.reshape(x.shape[:self.dim] + (a1 - a0, b) + x.shape[self.dim + 1:])
+        x = x.reshape(_replace(x.shape, self.dim, a1 - a0, b))
         return np.take(x, range(b0, b1), axis=self.dim + 1)
 
 
@@ -115,12 +119,11 @@ class Window(View):
 
     @property
     def shape(self):
-        s = self.inner.shape
-        return s[:self.dim] + (self.length,) + s[self.dim + 1:]
+        return _replace(self.inner.shape, self.dim, self.length)
 
     def block(self, bounds):
         a, b = bounds[self.dim]
-        return self.inner.block(bounds[:self.dim] + [(a + self.offset, b + self.offset)] + bounds[self.dim + 1:])
+        return self.inner.block(_replace(bounds, self.dim, (a + self.offset, b + self.offset)))
 
 
 @dataclasses.dataclass
@@ -133,15 +136,14 @@ class Padded(View):
 
     @property
     def shape(self):
-        s = self.inner.shape
-        return s[:self.dim] + (self.size,) + s[self.dim + 1:]
+        return _replace(self.inner.shape, self.dim, self.size)
 
     def block(self, bounds):
         a, b = bounds[self.dim]
         real = self.inner.shape[self.dim]
         if a >= real:  # a shard of padding only (the caller casts it to the parameter's dtype)
             return np.zeros([hi - lo for lo, hi in bounds], np.float32)
-        x = self.inner.block(bounds[:self.dim] + [(a, min(b, real))] + bounds[self.dim + 1:])
+        x = self.inner.block(_replace(bounds, self.dim, (a, min(b, real))))
         if b <= real:
             return x
         pad = [(0, 0)] * x.ndim
