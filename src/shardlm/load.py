@@ -11,6 +11,7 @@ from pathlib import Path
 from shardlm.config import Config, config_from_dict
 from shardlm.data.tokenizer import Tokenizer, load_tokenizer
 from shardlm.errors import ShardlmError
+from shardlm.hf.config import is_hf
 from shardlm.mesh import mesh_from_config
 from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, complete_steps
 from shardlm.train.rundir import CONFIG_FILE, check_vocab_padding, unreadable
@@ -38,7 +39,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
     """The model of the run in `run_dir` at `step` (default: the newest checkpoint), or of the Hugging Face
     checkpoint `hf:DIR`. `overrides` (`mesh.*=...`) choose the mesh to load onto; by default the run's own mesh
     settings (a Hugging Face checkpoint: data parallel over every device)."""
-    if str(run_dir).startswith("hf:"):
+    if is_hf(run_dir):
         from shardlm.hf.importer import load_hf_model
 
         if step is not None:

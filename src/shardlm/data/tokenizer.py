@@ -244,12 +244,6 @@ def hf_tokenizer_config(directory: Path) -> dict:
     return config
 
 
-def special_token(directory: Path, name: str) -> str | None:
-    """The text of a special token ("eos_token", "bos_token") as the tokenizer_config.json in `directory` names
-    it."""
-    return _content(hf_tokenizer_config(directory).get(name))
-
-
 def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
     from tokenizers import Tokenizer as HF
 

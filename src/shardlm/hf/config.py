@@ -23,6 +23,11 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 LLAMA_DEFAULT_CONTEXT = 2048  # Llama 3's 131,072 positions would be the default context otherwise
 
 
+def is_hf(spec: str | Path) -> bool:
+    """Whether a model or checkpoint spec names a Hugging Face directory ('hf:DIR')."""
+    return str(spec).startswith(HF_PREFIX)
+
+
 def hf_dir(spec: str) -> Path:
     """'hf:DIR' -> DIR."""
     return Path(spec[len(HF_PREFIX):]).expanduser()

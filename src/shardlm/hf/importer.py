@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from shardlm.errors import ShardlmError
-from shardlm.hf.config import hf_dir
+from shardlm.hf.config import hf_dir, is_hf
 from shardlm.hf.weights import Checkpoint, parameter_views
 from shardlm.sharding.rules import path_str
 
@@ -104,10 +104,6 @@ def load_hf_model(spec: str, *, overrides=(), devices=None, require_tokenizer: b
     mesh = mesh_from_config(cfg.mesh, devices)
     graphdef, state = import_params(spec, cfg, mesh, cfg.model.vocab_size)
     return LoadedModel(cfg, mesh, graphdef, state, tokenizer, 0)
-
-
-def is_hf(spec: str | Path) -> bool:
-    return str(spec).startswith("hf:")
 
 
 def with_checkpoint_defaults(cfg):

@@ -32,9 +32,9 @@ PRESET_NAMES = tuple(_PRESETS)
 
 def model_preset(name: str) -> ModelConfig:
     """A built-in preset, or `hf:DIR`: the architecture of a Hugging Face checkpoint (`shardlm.hf.config`)."""
-    if name.startswith("hf:"):
-        from shardlm.hf.config import model_config_from
+    from shardlm.hf.config import is_hf, model_config_from
 
+    if is_hf(name):
         return model_config_from(name)
     if name not in _PRESETS:
         raise ShardlmError(f"unknown model preset '{name}'; choose one of: {', '.join(PRESET_NAMES)}, or "
