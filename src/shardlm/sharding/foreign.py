@@ -223,15 +223,17 @@ def shard(model, plan: Plan | str | dict = "dp", mesh=None, *, variables=None, c
         if variables is None:
             raise ShardlmError("a Linen module needs its variables: shard(module, plan, mesh, variables=module.init(...))"
                                " or variables=lambda: module.init(...)")
-        return dataclasses.replace(_shard_linen(model, variables, plan, mesh), call=call)
-    if variables is not None:
+        sharded = _shard_linen(model, variables, plan, mesh)
+    elif variables is not None:
         raise ShardlmError("variables= is for Linen modules; an NNX module carries its own")
-    if isinstance(model, nnx.Module):
-        return dataclasses.replace(_shard_nnx(model, None, plan, mesh), call=call)
-    if callable(model):
-        return dataclasses.replace(_shard_nnx(None, model, plan, mesh), call=call)
-    raise ShardlmError(f"cannot shard a {type(model).__name__}: pass an nnx.Module, a function that builds one, or a "
-                       "Linen module with variables=")
+    elif isinstance(model, nnx.Module):
+        sharded = _shard_nnx(model, None, plan, mesh)
+    elif callable(model):
+        sharded = _shard_nnx(None, model, plan, mesh)
+    else:
+        raise ShardlmError(f"cannot shard a {type(model).__name__}: pass an nnx.Module, a function that builds one, "
+                           "or a Linen module with variables=")
+    return dataclasses.replace(sharded, call=call)
 
 
 def _refuse_wrappers(model) -> None:
