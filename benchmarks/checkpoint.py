@@ -45,7 +45,8 @@ def main() -> None:
     from shardlm.config import load_config
     from shardlm.mesh import make_mesh
     from shardlm.sharding import batch_sharding
-    from shardlm.sharding.explain import explain_state, fmt_bytes
+    from shardlm.explanation import explain_state
+    from shardlm.units import fmt_bytes
     from shardlm.train.checkpoint import RunCheckpoints
     from shardlm.train.state import abstract_train_state, create_train_state, make_schedule
     from shardlm.train.step import make_train_step

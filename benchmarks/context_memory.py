@@ -11,7 +11,7 @@ keys and values of every layer), and the cost model's step estimate on H100s.
     python benchmarks/context_memory.py --seq-len 8192 --contexts 1,2,4,8 model=llama-350m
 
 Compiles run on XLA:CPU (simulated devices), whose attention materialises the [T/C, T] scores as a GPU's XLA
-attention would; see the README's "Long sequences" for what cuDNN changes.
+attention would; see docs/strategies.md, "Long sequences", for what cuDNN changes.
 """
 
 import argparse
@@ -35,7 +35,7 @@ def main() -> None:
     from shardlm.errors import ShardlmError
     from shardlm.perf.planner import plan, planning_flags
     from shardlm.perf.strategies import Strategy
-    from shardlm.sharding.explain import fmt_bytes
+    from shardlm.units import fmt_bytes
 
     planning_flags()
     cfg = load_config(None, [*args.overrides, f"model.seq_len={args.seq_len}", f"train.batch_size={args.batch}",

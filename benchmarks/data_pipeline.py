@@ -1,7 +1,7 @@
 """Data pipeline throughput against the `tiny` model's training consumption, measured in one run.
 
     python benchmarks/data_pipeline.py                                  # 64 MB of TinyStories-format text
-    python benchmarks/data_pipeline.py --input TinyStories-valid.txt    # the real file (download: see README)
+    python benchmarks/data_pipeline.py --input TinyStories-valid.txt    # the real file (download: see docs/data.md)
     python benchmarks/data_pipeline.py --mb 256 --tokenizers bytes,bpe,gpt2
 
 1. Prepare: `shardlm.data.prepare.prepare` on the text with each tokenizer; MB/s of input text (the tokenizer is
@@ -59,7 +59,6 @@ def main() -> int:
         simulate_cpu_devices(args.cpu_devices)
 
     import jax
-    import numpy as np
 
     from shardlm.config import load_config
     from shardlm.data.loader import BatchLoader

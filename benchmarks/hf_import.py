@@ -40,7 +40,7 @@ def child(directory: str, way: str, processes: int, pid: int, port: int) -> dict
     import jax
     import numpy as np
 
-    import shardlm.hf.importer  # noqa: F401 - every module loaded before the baseline
+    import shardlm.train.init_from  # noqa: F401 - every module loaded before the baseline
     import shardlm.load  # noqa: F401
 
     jax.numpy.zeros(1).block_until_ready()  # the runtime up before the baseline
@@ -68,7 +68,7 @@ def child(directory: str, way: str, processes: int, pid: int, port: int) -> dict
         from shardlm.config import load_config
         from shardlm.hf.weights import Checkpoint, parameter_views
         from shardlm.mesh import mesh_from_config
-        from shardlm.sharding.rules import path_str
+        from shardlm.trees import path_str
         from shardlm.train.state import abstract_model, vocab_sizes
 
         cfg = load_config(None, [f"model=hf:{directory}", "mesh.data=1", "mesh.fsdp=-1"])

@@ -7,7 +7,7 @@ state/step code: compile, 3 warm-up steps, then the median of `--steps` timed st
     python benchmarks/throughput.py            # 1 CPU device, then 8 simulated CPU devices as FSDP 4 x TP 2
     python benchmarks/throughput.py --steps 20 --configs 1:1,1,1 8:1,4,2 8:8,1,1
 
-Prints tokens/s, step time, TFLOP/s per device and MFU (convention and peak in `shardlm.perf.flops`), and the
+Prints tokens/s, step time, TFLOP/s per device and MFU (convention and peak in `shardlm.flops`), and the
 ratio of each configuration's tokens/s to the first one's. On a CPU host the 8 simulated devices share the same
 cores, so the ratio measures sharding overhead, not speed-up.
 """
@@ -34,7 +34,7 @@ def child(n_devices: int, degrees: tuple[int, int, int], steps: int, platform: s
 
     from shardlm.config import load_config
     from shardlm.mesh import make_mesh
-    from shardlm.perf.flops import device_peak, flops_per_token
+    from shardlm.flops import device_peak, flops_per_token
     from shardlm.sharding import batch_sharding
     from shardlm.train.state import create_train_state, make_schedule
     from shardlm.train.step import make_train_step

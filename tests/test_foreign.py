@@ -18,7 +18,7 @@ import shardlm
 from conftest import structured_tokens
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh
-from shardlm.sharding.rules import path_str
+from shardlm.trees import path_str
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

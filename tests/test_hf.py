@@ -5,7 +5,6 @@ copy of its file that openai-whisper's source package ships."""
 
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -26,7 +25,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.generate import Generator
-from shardlm.hf.exporter import export
+from shardlm.exporter import export
 from shardlm.load import load_model
 from shardlm.sampling import Sampling
 from shardlm.sharding import use_mesh_rules
@@ -176,7 +175,7 @@ def test_fine_tuning_an_imported_model_starts_from_it_resumes_and_exports(hf_dir
     train(cfg, reference, progress=False)
     rows = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
     # step 0: the imported model's loss on the two fixed validation batches, computed by transformers
-    from shardlm.train.loop import load_data
+    from shardlm.train.data import load_data
 
     val = load_data(load_config(None, FINETUNE)).tokens("val")
     windows = np.stack([val[i * 32: i * 32 + 33] for i in range(32)]).astype(np.int64)
@@ -211,7 +210,7 @@ def test_fine_tuning_an_imported_model_starts_from_it_resumes_and_exports(hf_dir
 def test_init_from_takes_the_checkpoints_architecture_under_the_configs_own_model_settings(hf_dirs, tmp_path):
     """init.from=hf:DIR is the preset when no layer names one, applied under every layer's model fields; a
     built-in preset of the same shapes takes the checkpoint's vocabulary."""
-    from shardlm.hf.importer import check_checkpoint, with_checkpoint_defaults
+    from shardlm.train.init_from import check_checkpoint, with_checkpoint_defaults
     from shardlm.mesh import make_mesh
 
     (tmp_path / "ft.yaml").write_text("model: {dtype: bfloat16, remat: full, seq_len: 32}\n")
@@ -280,9 +279,9 @@ def test_export_shards_above_the_size_limit_and_is_atomic(trained, tmp_path, mon
     before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
     with pytest.raises(ShardlmError, match="exists and is not empty; pass --force"):
         export(run, out, log=lambda m: None)
-    import shardlm.hf.weights as weights
+    import shardlm.exporter as exporter
 
-    real = weights.hf_tensors
+    real = exporter.hf_tensors
 
     def failing(*args):
         for i, item in enumerate(real(*args)):
@@ -290,12 +289,12 @@ def test_export_shards_above_the_size_limit_and_is_atomic(trained, tmp_path, mon
                 raise OSError("disk full")
             yield item
 
-    monkeypatch.setattr(weights, "hf_tensors", failing)
+    monkeypatch.setattr(exporter, "hf_tensors", failing)
     with pytest.raises(OSError, match="disk full"):
         export(run, out, force=True, log=lambda m: None)
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before  # untouched
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no partial directory left
-    monkeypatch.setattr(weights, "hf_tensors", real)
+    monkeypatch.setattr(exporter, "hf_tensors", real)
     (tmp_path / "nobias").mkdir()
     (tmp_path / "nobias" / "config.yaml").write_text("model: {family: gpt, use_bias: false}\n")
     with pytest.raises(ShardlmError, match="GPT without biases"):

@@ -190,7 +190,7 @@ def optax_norm(tree):
 def test_grad_accum_errors():
     with pytest.raises(ShardlmError, match="does not split into train.grad_accum=3"):
         load_config(None, LLAMA + ["train.grad_accum=3"])
-    from shardlm.train.loop import check_batch
+    from shardlm.train.state import check_batch
 
     cfg = load_config(None, LLAMA + ["train.grad_accum=4"])  # 16 / 4 = 4 sequences per microbatch
     with pytest.raises(ShardlmError, match="multiple of 32"):

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlm.errors import ShardlmError
 from shardlm.parallax.manual_sharding_linen import _seed_repr
-from shardlm.sharding.layout import canonical
+from shardlm.foreign.layout import canonical
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "parallax_notebook.py"
 VOCAB, SEQ, BATCH = 64, 16, 16

@@ -7,8 +7,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh, make_named_mesh
-from shardlm.sharding.layout import Leaf, resolve
-from shardlm.sharding.plan import Plan, Rule, matches, preset
+from shardlm.foreign.layout import Leaf, resolve
+from shardlm.foreign.plan import Plan, Rule, matches, preset
 
 # A miniGPT-shaped parameter list (NNX paths), 4 heads, embed 32, ff 64, vocab 64.
 LEAVES = [

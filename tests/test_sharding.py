@@ -8,10 +8,10 @@ from jax.sharding import PartitionSpec as P
 from conftest import MICRO
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
-from shardlm.sharding.explain import explain_state, format_explanation
+from shardlm.explanation import explain_state, format_explanation
 from shardlm.mesh import make_mesh
 from shardlm.sharding import batch_sharding, logical_to_spec
-from shardlm.sharding.rules import path_str
+from shardlm.trees import path_str
 from shardlm.train.state import create_train_state
 
 # What each parameter must look like, in logical names: the model's contract with the rule table.

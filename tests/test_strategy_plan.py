@@ -13,9 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardlm.config import load_config
 from shardlm.perf import hlo
-from shardlm.perf.costmodel import Hardware, estimate, issued, parse_rate, split_traffic, traffic_factor
+from shardlm.perf.costmodel import Hardware, estimate, issued, split_traffic, traffic_factor
 from shardlm.perf.planner import _lower, plan
 from shardlm.perf.strategies import Strategy, all_strategies, parse_strategies, parse_strategy
+from shardlm.units import parse_rate
 
 from conftest import MICRO
 from test_cli import assert_one_line_error, shardlm

@@ -15,7 +15,7 @@ import shardlm
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh, make_named_mesh
-from shardlm.sharding.plan import Plan
+from shardlm.foreign.plan import Plan
 from test_cli import assert_one_line_error, shardlm as run_cli
 
 VOCAB, D, HEADS, SEQ, BATCH = 64, 32, 4, 16, 8

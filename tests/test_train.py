@@ -10,7 +10,7 @@ from flax import nnx
 from conftest import MICRO
 from shardlm.config import load_config
 from shardlm.models.gpt import padded_vocab_size
-from shardlm.perf.flops import flops_per_token, matmul_params, table_peak
+from shardlm.flops import flops_per_token, matmul_params, table_peak
 from shardlm.train.state import effective_warmup, make_optimizer, make_schedule, model_factory
 
 

@@ -18,7 +18,9 @@
 Every command that runs a model also takes `--coordinator HOST:PORT --num-processes N --process-id I` (or their
 environment variables, or a cluster JAX detects) to be one process of a multi-process run (`shardlm.distributed`).
 
-JAX is imported only after the arguments are parsed, so `--cpu-devices` can still set the simulated device count.
+The command line only parses and calls: every command is a function of the library (`train.loop.train`,
+`train.explain.explain_run`, `perf.planner.plan`, `exporter.export`, ...), so what it does can be done from Python
+too. JAX is imported only after the arguments are parsed, so `--cpu-devices` can still set the simulated device count.
 Bad input (a `ShardlmError`) prints one line and exits with 2; set SHARDLM_DEBUG=1 to see its traceback. In a
 multi-process run every process ends with that line, not only the one that found the problem.
 """
@@ -30,6 +32,7 @@ import sys
 from shardlm import distributed
 from shardlm.distributed import add_options as add_distributed_options
 from shardlm.errors import ShardlmError
+from shardlm.units import parse_bytes
 
 EXIT_USAGE = 2
 
@@ -48,6 +51,15 @@ def _common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="shardlm", description="Pretrain GPT-style models with JAX on any mesh.")
     sub = parser.add_subparsers(dest="command", required=True)
+    commands = {name: add(sub) for name, add in (
+        ("train", _train_parser), ("generate", _generate_parser), ("explain", _explain_parser),
+        ("plan", _plan_parser), ("bench", _bench_parser), ("profile", _profile_parser), ("data", _data_parser),
+        ("tokenizer", _tokenizer_parser), ("export", _export_parser), ("launch", _launch_parser))}
+    # `data` and `tokenizer` are parsed by argparse's subcommands; the rest by `parse_args` below.
+    return parser, {k: v for k, v in commands.items() if k not in ("data", "tokenizer")}
+
+
+def _train_parser(sub) -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (default: tiny GPT on the built-in Shakespeare corpus)")
     _common(train)
     train.add_argument("--run-dir", metavar="DIR", help="where the run's files go (default: runs/<name>)")
@@ -55,6 +67,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="replace the run in --run-dir (by default a run there is resumed from its checkpoint)")
     train.add_argument("--explain", action="store_true", help="print every parameter's placement before training")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    return train
+
+
+def _generate_parser(sub) -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="sample text from a trained run's newest checkpoint, or a Hugging Face "
                                           "model directory (KV-cache decoding)")
     gen.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory, or hf:DIR (a Hugging Face model "
@@ -81,10 +97,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("overrides", nargs="*", metavar="mesh.*=value",
                      help="the mesh to decode on, e.g. mesh.tensor=2 (default: the run's)")
     add_distributed_options(gen)
+    return gen
+
+
+def _explain_parser(sub) -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="print every parameter's shape, partition spec and bytes per device")
     _common(explain)
     explain.add_argument("--json", action="store_true", help="the same as JSON, with per-device totals")
+    return explain
 
+
+def _plan_parser(sub) -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="compile the train step for every data/fsdp/tensor split of N devices "
                                        "(and context splits for long sequences or small batches; nothing runs) "
                                        "and rank them by memory and estimated step time")
@@ -113,7 +136,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     plan.add_argument("--latency-us", type=float, default=10, metavar="US", help="per collective (default 10)")
     plan.add_argument("--json", action="store_true", help="a JSON list, one object per strategy, ranked")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model=gpt2-small")
+    return plan
 
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run strategies on the local (or simulated) devices, interleaved: step "
                                          "time, tokens/s, TFLOP/s per device, MFU")
     _common(bench)
@@ -123,13 +149,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps after compiling (default 2)")
     bench.add_argument("--json", action="store_true", help="the results as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of tokens/s and MFU")
+    return bench
+
+
+def _profile_parser(sub) -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="capture a jax.profiler trace of a few train steps after warm-up, with "
                                           "named scopes per layer and per step")
     _common(prof)
     prof.add_argument("--steps", type=int, default=3, metavar="N", help="steps to trace (default 3)")
     prof.add_argument("--warmup", type=int, default=2, metavar="N", help="untraced steps first (default 2)")
     prof.add_argument("--out", metavar="DIR", help="where the trace goes (default runs/profile-<name or preset>)")
+    return prof
 
+
+def _data_parser(sub) -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="prepare token files for training")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser(
@@ -149,7 +182,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     _reading_options(prep)
     prep.add_argument("--force", action="store_true", help="replace DIR if it holds other prepared data")
     prep.add_argument("--no-progress", action="store_true")
+    return data
 
+
+def _tokenizer_parser(sub) -> argparse.ArgumentParser:
     tok = sub.add_parser("tokenizer", help="train a tokenizer")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
     tok_train = tok_sub.add_parser("train", help="train a byte-level BPE with Hugging Face tokenizers")
@@ -160,7 +196,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                            help="train on at most this much text (default: all of it)")
     _reading_options(tok_train)
     tok_train.add_argument("--force", action="store_true", help="replace PATH if it exists")
+    return tok
 
+
+def _export_parser(sub) -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export", help="write a run's checkpoint as a Hugging Face model directory (config, safetensors, tokenizer)",
         description="Writes config.json, model.safetensors (sharded with an index above --max-shard-size), "
@@ -176,7 +215,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     export.add_argument("--force", action="store_true", help="replace DIR if it is not empty")
     export.add_argument("--cpu-devices", type=int, metavar="N", help=CPU_DEVICES_HELP)
     add_distributed_options(export)
+    return export
 
+
+def _launch_parser(sub) -> argparse.ArgumentParser:
     launch = sub.add_parser(
         "launch", help="run N processes of a command on this host as one multi-process run (like torchrun)",
         usage="shardlm launch --processes N [--cpu-devices K] [options] -- COMMAND [ARGS...]",
@@ -193,8 +235,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     launch.add_argument("--heartbeat-timeout", type=int, metavar="S",
                         help="the processes stop S seconds after one stops responding (default 30)")
     launch.add_argument("--port", type=int, metavar="P", help="the coordinator's port (default: a free one)")
-    return parser, {"train": train, "explain": explain, "generate": gen, "plan": plan, "bench": bench,
-                    "profile": prof, "export": export, "launch": launch}
+    return launch
 
 
 def _reading_options(p: argparse.ArgumentParser) -> None:
@@ -225,8 +266,8 @@ def _data_prepare(args: argparse.Namespace) -> None:
     if args.val and args.val_fraction is not None:
         raise ShardlmError("--val and --val-fraction both choose the validation split; pass one of them")
     data = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, val_inputs=args.val,
-                   val_fraction=0.05 if args.val_fraction is None else args.val_fraction, text_field=args.text_field, invalid_utf8=args.invalid_utf8,
-                   force=args.force, progress=not args.no_progress)
+                   val_fraction=0.05 if args.val_fraction is None else args.val_fraction, text_field=args.text_field,
+                   invalid_utf8=args.invalid_utf8, force=args.force, progress=not args.no_progress)
     meta = data.meta
     print(f"{data.path}: {meta['num_documents']:,} documents, "
           + ", ".join(f"{s} {meta['splits'][s]['num_tokens']:,} tokens" for s in ("train", "val"))
@@ -299,102 +340,46 @@ def _generate(args: argparse.Namespace) -> None:
           f"compiling took {gen.compile_s:.1f} s)", file=sys.stderr)
 
 
-def parse_bytes(text: str, flag: str = "--memory") -> float:
-    """'80GB' -> 80e9, '24GiB' -> 24 * 2**30, '16e9' -> 16e9."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", text.lower())
-    if not m or float(m.group(1)) <= 0:
-        raise ShardlmError(f"{flag} {text!r} is not a size; write e.g. 80GB, 24GiB or 16e9")
-    unit = (m.group(2) or "b").rstrip("b") or "b"
-    scale = {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-    return float(m.group(1)) * scale[unit]
-
-
 def _plan(args: argparse.Namespace) -> None:
     import json
 
+    import jax
+
     from shardlm.config import load_config
-    from shardlm.perf.costmodel import Hardware, h100_peak
+    from shardlm.perf.costmodel import hardware_for
     from shardlm.perf.planner import format_plan, plan, report_progress
     from shardlm.perf.strategies import parse_strategies
 
-    import jax
-
-    memory = parse_bytes(args.memory)
-    given_peak = 1 if args.peak_tflops is None else args.peak_tflops
-    for flag, value in (("--peak-tflops", given_peak), ("--intra-node-gbs", args.intra_node_gbs),
-                        ("--inter-node-gbs", args.inter_node_gbs), ("--devices-per-node", args.devices_per_node),
-                        ("--hosts", args.hosts)):
-        if value is not None and value <= 0:
-            raise ShardlmError(f"{flag} must be positive, got {value}")
-    if args.latency_us < 0:
-        raise ShardlmError(f"--latency-us must be >= 0, got {args.latency_us}")
     n = args.devices or jax.device_count()
-    per_host = _devices_per_host(args, n)
-    per_device_bw = _inter_host_bw_per_device(args, per_host)
     cfg = load_config(args.config, args.overrides)
+    hw = hardware_for(n, cfg.model.dtype, memory_bytes=parse_bytes(args.memory), peak_tflops=args.peak_tflops,
+                      intra_node_gbs=args.intra_node_gbs, hosts=args.hosts, devices_per_node=args.devices_per_node,
+                      inter_host_bandwidth=args.inter_host_bandwidth, inter_node_gbs=args.inter_node_gbs,
+                      latency_us=args.latency_us)
     if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
         print("note: plan tries every mesh (or --strategies); the mesh.* overrides are ignored", file=sys.stderr)
-    h100 = h100_peak(cfg.model.dtype) / 1e12
-    peak = h100 if args.peak_tflops is None else args.peak_tflops
-    hw = Hardware(peak_flops=peak * 1e12, memory_bytes=memory, intra_node_bw=args.intra_node_gbs * 1e9,
-                  inter_node_bw=per_device_bw, devices_per_node=per_host, latency_s=args.latency_us * 1e-6,
-                  name="H100 SXM" if (peak, args.intra_node_gbs, per_device_bw, args.latency_us)
-                  == (h100, 450, 50e9, 10) else "custom")
-    strategies = None
-    if args.strategies is not None:
-        strategies = parse_strategies(args.strategies, n)
+    strategies = parse_strategies(args.strategies, n) if args.strategies is not None else None
     p = plan(cfg, args.devices, hw, strategies=strategies, log=report_progress)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s")
 
 
-def _devices_per_host(args: argparse.Namespace, n: int) -> int:
-    if args.hosts is not None and args.devices_per_node is not None:
-        raise ShardlmError("--hosts and --devices-per-node both say how devices group into hosts; pass one")
-    if args.hosts is None:
-        return args.devices_per_node or 8
-    if n % args.hosts:
-        raise ShardlmError(f"--hosts {args.hosts} does not divide the {n} devices evenly; choose a host count that "
-                           f"divides {n}")
-    return n // args.hosts
-
-
-def _inter_host_bw_per_device(args: argparse.Namespace, per_host: int) -> float:
-    """Bytes/s one device gets between hosts: its share of the host's network."""
-    from shardlm.perf.costmodel import parse_rate
-
-    if args.inter_host_bandwidth is not None and args.inter_node_gbs is not None:
-        raise ShardlmError("--inter-host-bandwidth and --inter-node-gbs both give the bandwidth between hosts; "
-                           "pass one")
-    if args.inter_host_bandwidth is None:
-        return (50 if args.inter_node_gbs is None else args.inter_node_gbs) * 1e9
-    try:
-        return parse_rate(args.inter_host_bandwidth) / per_host
-    except ValueError as e:
-        raise ShardlmError(f"--inter-host-bandwidth {e}") from None
-
-
 def _bench(args: argparse.Namespace) -> None:
     import json
+    from pathlib import Path
 
     import jax
 
-    from shardlm.config import load_config
+    from shardlm.config import agree_on_config, load_config
     from shardlm.perf.bench import bench, format_bench, plot_bench
     from shardlm.perf.strategies import parse_strategies
-    from shardlm.train.loop import agree_on_config
 
     if args.steps < 1 or args.warmup < 0:
         raise ShardlmError("--steps must be >= 1 and --warmup >= 0")
-    if args.plot:
-        from pathlib import Path
-
-        if not args.plot.lower().endswith((".png", ".svg", ".pdf")):
-            raise ShardlmError(f"--plot {args.plot}: name a .png (or .svg, .pdf) file")
-        if not Path(args.plot).resolve().parent.is_dir():
-            raise ShardlmError(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
+    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+        raise ShardlmError(f"--plot {args.plot}: name a .png (or .svg, .pdf) file")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise ShardlmError(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
     cfg = load_config(args.config, args.overrides)
     agree_on_config(cfg)
     strategies = parse_strategies(args.strategies, jax.device_count())
@@ -408,9 +393,8 @@ def _bench(args: argparse.Namespace) -> None:
 def _profile(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from shardlm.config import load_config, model_label
+    from shardlm.config import agree_on_config, load_config, model_label
     from shardlm.perf.profile import format_profile, profile
-    from shardlm.train.loop import agree_on_config
 
     if args.steps < 1 or args.warmup < 0:
         raise ShardlmError("--steps must be >= 1 and --warmup >= 0")
@@ -424,12 +408,28 @@ def _profile(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from shardlm.hf.exporter import export
+    from shardlm.exporter import export
 
     if args.step is not None and args.step < 0:
         raise ShardlmError(f"--step must be >= 0, got {args.step}")
     export(args.run_dir, args.out, step=args.step, dtype=args.dtype,
            max_shard_bytes=parse_bytes(args.max_shard_size, "--max-shard-size"), force=args.force, log=_to_stderr)
+
+
+def _train(args: argparse.Namespace) -> None:
+    from shardlm.train.loop import train
+    from shardlm.train.rundir import run_config
+
+    cfg, run_dir = run_config(args.config, args.overrides, args.run_dir, args.overwrite)
+    train(cfg, run_dir, overwrite=args.overwrite, progress=not args.no_progress, explain=args.explain)
+
+
+def _explain(args: argparse.Namespace) -> None:
+    from shardlm.config import load_config
+    from shardlm.train.explain import explain_run
+
+    ex = explain_run(load_config(args.config, args.overrides), log=_to_stderr)  # stdout is the table (or JSON)
+    print(ex.to_json() if args.json else ex)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -470,82 +470,35 @@ def _join(args: argparse.Namespace) -> None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
 
 
-def _run(args: argparse.Namespace) -> int | None:
-    if args.command == "launch":
-        return _launch(args)
-    if args.command == "data":
-        return _data_prepare(args)
-    if args.command == "tokenizer":
-        return _tokenizer_train(args)
+def _simulate_devices(args: argparse.Namespace) -> None:
+    """`--cpu-devices N` (`plan --devices N`: N devices to compile for, with the planning flags), before JAX starts."""
+    from shardlm.mesh import simulate_cpu_devices
+
     if args.command == "plan":
         if args.devices is not None and args.devices < 1:
             raise ShardlmError(f"--devices must be at least 1, got {args.devices}")
         if args.devices is not None:
-            from shardlm.mesh import simulate_cpu_devices
             from shardlm.perf.planner import planning_flags
 
             simulate_cpu_devices(args.devices)
             planning_flags()
-        return _plan(args)
-    if args.cpu_devices is not None:
-        from shardlm.mesh import simulate_cpu_devices
-
+    elif args.cpu_devices is not None:
         simulate_cpu_devices(args.cpu_devices)
-    _join(args)
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "export":
-        return _export(args)
-    if args.command == "bench":
-        return _bench(args)
-    if args.command == "profile":
-        return _profile(args)
-    from shardlm.config import load_config
 
-    if args.command == "train":
-        from pathlib import Path
 
-        from shardlm.train.loop import train
-        from shardlm.train.rundir import CONFIG_FILE, default_run_dir, holds_run
+# Commands that run no model: no devices to simulate, no run of several processes to join.
+LOCAL_COMMANDS = {"launch": _launch, "data": _data_prepare, "tokenizer": _tokenizer_train}
+MODEL_COMMANDS = {"train": _train, "generate": _generate, "explain": _explain, "plan": _plan, "bench": _bench,
+                  "profile": _profile, "export": _export}
 
-        from shardlm.config import read_config_file
 
-        cfg = load_config(args.config, args.overrides)
-        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-        # Resuming: the run's own config is the base, so `shardlm train --run-dir DIR` alone continues it; --config
-        # and key=value overrides (more steps, a new mesh) apply on top. mesh.* overrides describe the whole new
-        # mesh (as for `generate`): `mesh.tensor=4` alone means tensor 4 x data for the rest. Process 0 reads it
-        # for every process of a run (the others look into the run directory only once it is known to exist).
-        base = distributed.broadcast("resume-config", lambda: read_config_file(run_dir / CONFIG_FILE)
-                                     if holds_run(run_dir) and not args.overwrite else None)
-        if base is not None:
-            if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
-                base.pop("mesh", None)
-            cfg = load_config(args.config, args.overrides, base=base)
-        train(cfg, run_dir, overwrite=args.overwrite, progress=not args.no_progress, explain=args.explain)
-        return
-    cfg = load_config(args.config, args.overrides)
-    if args.command == "explain":
-        from shardlm.sharding.explain import explain
-        from shardlm.mesh import mesh_from_config
-        from shardlm.train.loop import tokenizer_vocab
-        from shardlm.train.state import check_shardable, create_train_state, sequence_split_note
-
-        from shardlm.mesh import axes_across_hosts, check_tensor_inside_hosts, describe_hosts
-        from shardlm.train.loop import agree_on_config
-
-        agree_on_config(cfg)
-        mesh = mesh_from_config(cfg.mesh)
-        check_tensor_inside_hosts(mesh, _to_stderr)
-        vocab = tokenizer_vocab(cfg, log=_to_stderr)  # stdout is the table (or JSON)
-        check_shardable(cfg, mesh)
-        ex = explain(create_train_state(cfg, mesh, vocab).state, mesh)
-        if split := sequence_split_note(cfg, mesh):
-            ex.notes.append(split)
-        if hosts := describe_hosts(mesh):
-            ex.notes.append(f"{distributed.process_count()} processes on {hosts}")
-            ex.axes_across_hosts = axes_across_hosts(mesh)
-        print(ex.to_json() if args.json else ex)
+def _run(args: argparse.Namespace) -> int | None:
+    if args.command in LOCAL_COMMANDS:
+        return LOCAL_COMMANDS[args.command](args)
+    _simulate_devices(args)
+    if args.command != "plan":  # a plan compiles on this process's (simulated) devices only
+        _join(args)
+    return MODEL_COMMANDS[args.command](args)
 
 
 def _to_stderr(msg: str) -> None:

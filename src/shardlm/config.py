@@ -3,8 +3,11 @@
 Design choices:
 - Every section is a frozen-free dataclass with typed fields; values from YAML or the command line are checked
   against the field's type, so `train.steps=abc` fails at load time naming the key, not deep inside JAX.
-- `model=<preset>` replaces the whole model section with a preset (see `shardlm.models.presets`); field
-  overrides such as `model.n_layers=2` then apply on top, whatever their order on the command line.
+- `model=<preset>` replaces the whole model section with a preset (see `shardlm.models.presets`), or with the
+  architecture of a Hugging Face checkpoint (`model=hf:DIR`, `shardlm.hf.config`); field overrides such as
+  `model.n_layers=2` then apply on top, whatever their order on the command line. `hf:` names are resolved here
+  and nowhere else in the config: as a preset, as `init.from`'s default architecture, and in run labels.
+- The model section's own checks live with `ModelConfig` (`shardlm.models.config`); this module checks the rest.
 - `mesh.data` defaults to None, meaning "the rest of the devices, unless another axis is -1" so that the
   single override `mesh.fsdp=-1` gives pure FSDP without also writing `mesh.data=1`.
 """
@@ -19,35 +22,12 @@ from typing import Any
 
 import yaml
 
-from shardlm.errors import ShardlmError, yaml_problem
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    preset: str = "tiny"
-    family: str = "gpt"  # "gpt" (GPT-2: LayerNorm, learned positions, GELU) or "llama" (RMSNorm, RoPE, SwiGLU, GQA)
-    n_layers: int = 4
-    n_heads: int = 4
-    # Key/value heads (grouped-query attention; 1 = multi-query). 0 = n_heads. Llama family only.
-    n_kv_heads: int = 0
-    d_model: int = 128
-    d_mlp: int = 512
-    seq_len: int = 128
-    # 0 = take the tokenizer's vocabulary size. Either way it is padded up (see `padded_vocab_size`).
-    vocab_size: int = 0
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    use_bias: bool = True
-    layer_norm_eps: float = 1e-5  # the epsilon of LayerNorm (gpt) or RMSNorm (llama)
-    rope_theta: float = 10000.0  # rotary embedding base (llama)
-    # Compute dtype of matmuls and activations; norms, softmax and the loss stay float32 whatever it is.
-    dtype: str = "float32"
-    param_dtype: str = "float32"  # the master weights (and so the gradients and AdamW moments)
-    # Rematerialise each block in the backward pass: none | full | dots_saveable | dots_with_no_batch_dims_saveable
-    remat: str = "none"
-    # jax.nn.dot_product_attention implementation: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes, else XLA) | xla
-    # | cudnn
-    attention: str = "auto"
+from shardlm.errors import ShardlmError, check_in_range, check_positive
+from shardlm.files import read_mapping
+from shardlm.hf.config import HF_PREFIX, is_hf, model_config_from
+from shardlm.hf.config import model_label as hf_model_label
+from shardlm.models.config import ModelConfig, check_model
+from shardlm.models.presets import model_preset
 
 
 @dataclasses.dataclass
@@ -138,9 +118,12 @@ class Config:
 
 def model_label(m: ModelConfig) -> str:
     """The preset's name as a file name: 'hf:/ckpt/TinyLlama-1.1B' -> 'hf-TinyLlama-1.1B'."""
-    if m.preset.startswith("hf:"):
-        return "hf-" + (Path(m.preset[3:]).expanduser().resolve().name or "model")
-    return m.preset
+    return hf_model_label(m.preset) if is_hf(m.preset) else m.preset
+
+
+def model_section(name: str) -> ModelConfig:
+    """`model=NAME`: a built-in preset, or `hf:DIR`, the architecture of a Hugging Face checkpoint."""
+    return model_config_from(name) if is_hf(name) else model_preset(name)
 
 
 def describe(cfg: Config) -> str:
@@ -216,9 +199,7 @@ def _set(cfg: Config, key: str, value: Any) -> None:
     if len(parts) == 1:
         fields = {f.name: f for f in dataclasses.fields(Config)}
         if key == "model":  # a preset name
-            from shardlm.models.presets import model_preset
-
-            cfg.model = model_preset(_coerce(key, _value_for(value, str), str))
+            cfg.model = model_section(_coerce(key, _value_for(value, str), str))
             return
         if key not in fields or key in _SECTIONS:
             allowed = [n for n in fields if n not in _SECTIONS] + ["model (a preset name)"]
@@ -280,17 +261,8 @@ def _apply(cfg: Config, items: list[tuple[str, Any]]) -> None:
 
 
 def read_config_file(p: Path) -> dict[str, Any]:
-    if not p.is_file():
-        raise ShardlmError(f"config file {p} does not exist; pass an existing YAML file to --config")
-    try:
-        tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise ShardlmError(f"config file {p} is not valid YAML: {yaml_problem(e)}") from None
-    except UnicodeDecodeError:
-        raise ShardlmError(f"config file {p} is not UTF-8 text; pass a YAML file") from None
-    if not isinstance(tree, dict):
-        raise ShardlmError(f"config file {p} must hold a mapping of keys, not {type(tree).__name__}")
-    return tree
+    return read_mapping(p, "config file", missing="pass an existing YAML file to --config",
+                        not_mapping="a config file holds keys and values (see configs/)", allow_empty=True)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
@@ -313,7 +285,7 @@ def _build(layers: list[list[tuple[str, Any]]]) -> Config:
     cfg = Config()
     named = any(k in ("model", "model.preset") for layer in layers for k, _ in layer)
     starts = [v for layer in layers for k, v in layer if k == "init.from"]
-    if not named and starts and str(starts[-1]).startswith("hf:"):
+    if not named and starts and is_hf(str(starts[-1])):
         layers = [[("model", str(starts[-1]))]] + layers
     for layer in layers:
         _apply(cfg, layer)
@@ -321,70 +293,20 @@ def _build(layers: list[list[tuple[str, Any]]]) -> Config:
     return cfg
 
 
-def _positive(key: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):  # also rejects nan and inf
-        raise ShardlmError(f"{key} must be a positive finite number, got {value}")
-
-
-def _in_range(key: str, value: float, lo: float, hi: float) -> None:
-    if not lo <= value < hi:  # nan fails too
-        raise ShardlmError(f"{key} must be in [{lo}, {hi}), got {value}")
-
-
-def _one_of(key: str, value: str, allowed, hint: str = "") -> None:
-    if value not in allowed:
-        raise ShardlmError(f"{key}={value!r} is not one of: {', '.join(allowed)}{hint}")
-
-
-def _check_model_kinds(m: ModelConfig) -> None:
-    """Family, head layout, dtypes and the remat/attention choices."""
-    from shardlm.models.layers import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES
-
-    _one_of("model.family", m.family, ("gpt", "llama"))
-    _one_of("model.dtype", m.dtype, DTYPES, " (float16 would need loss scaling: use bfloat16)")
-    _one_of("model.param_dtype", m.param_dtype, DTYPES)
-    _one_of("model.remat", m.remat, REMAT_POLICIES)
-    _one_of("model.attention", m.attention, ATTENTION_IMPLS)
-    _positive("model.rope_theta", m.rope_theta)
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_kv_heads < 0 or m.n_heads % kv:
-        raise ShardlmError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (each kv head "
-                           "serves a group of query heads; 1 = multi-query, 0 = one per query head)")
-    if m.family == "gpt" and kv != m.n_heads:
-        raise ShardlmError("model.n_kv_heads applies to the llama family; GPT has one kv head per query head: "
-                           "drop it, or use model=llama-tiny (or another llama preset)")
-    if m.family == "llama":
-        if m.use_bias:
-            raise ShardlmError("the llama family has no biases: set model.use_bias=false (llama presets do)")
-        if (m.d_model // m.n_heads) % 2:
-            raise ShardlmError(f"rotary embeddings need an even head size, not d_model / n_heads = "
-                               f"{m.d_model // m.n_heads}; change model.d_model or model.n_heads")
-
-
 def validate(cfg: Config) -> None:
     """Value checks that need no devices. Mesh/shape divisibility is checked against the mesh in `shardlm.mesh`."""
-    m, t, d = cfg.model, cfg.train, cfg.data
-    for key in ("n_layers", "n_heads", "d_model", "d_mlp", "seq_len"):
-        _positive(f"model.{key}", getattr(m, key))
-    if m.vocab_size < 0:
-        raise ShardlmError(f"model.vocab_size must be >= 0 (0 = the tokenizer's), got {m.vocab_size}")
-    if m.d_model % m.n_heads:
-        raise ShardlmError(
-            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a head count dividing it"
-        )
-    _check_model_kinds(m)
-    _in_range("model.dropout", m.dropout, 0.0, 1.0)
-    _positive("model.layer_norm_eps", m.layer_norm_eps)
-    _in_range("seed", cfg.seed, 0, 2**32)
+    t, d = cfg.train, cfg.data
+    check_model(cfg.model)
+    check_in_range("seed", cfg.seed, 0, 2**32)
     for key in ("steps", "batch_size", "grad_accum", "lr", "log_interval", "eval_interval", "eval_batches"):
-        _positive(f"train.{key}", getattr(t, key))
+        check_positive(f"train.{key}", getattr(t, key))
     if t.batch_size % t.grad_accum:
         raise ShardlmError(f"train.batch_size={t.batch_size} does not split into train.grad_accum={t.grad_accum} "
                            "equal microbatches; use a grad_accum dividing the batch size")
     for key in ("warmup_steps", "sample_tokens", "weight_decay", "grad_clip"):
-        _in_range(f"train.{key}", getattr(t, key), 0, math.inf)
-    _in_range("train.beta1", t.beta1, 0.0, 1.0)
-    _in_range("train.beta2", t.beta2, 0.0, 1.0)
+        check_in_range(f"train.{key}", getattr(t, key), 0, math.inf)
+    check_in_range("train.beta1", t.beta1, 0.0, 1.0)
+    check_in_range("train.beta2", t.beta2, 0.0, 1.0)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ShardlmError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     if not 0.0 < d.val_fraction < 0.5:  # nan fails too
@@ -399,9 +321,9 @@ def validate(cfg: Config) -> None:
         raise ShardlmError("data.path and data.text_field must not be empty")
     if d.tokenizer_vocab < 257:
         raise ShardlmError(f"data.tokenizer_vocab must be at least 257 (bytes + end of text), got {d.tokenizer_vocab}")
-    if cfg.init.from_ and not cfg.init.from_.startswith("hf:"):
-        raise ShardlmError(f"init.from={cfg.init.from_!r} is not a checkpoint to start from; use hf:DIR, a Hugging "
-                           "Face model directory (config.json and *.safetensors), or leave it empty")
+    if cfg.init.from_ and not is_hf(cfg.init.from_):
+        raise ShardlmError(f"init.from={cfg.init.from_!r} is not a checkpoint to start from; use {HF_PREFIX}DIR, a "
+                           "Hugging Face model directory (config.json and *.safetensors), or leave it empty")
     if cfg.checkpoint.every < 0:
         raise ShardlmError(f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:
@@ -410,3 +332,11 @@ def validate(cfg: Config) -> None:
         v = getattr(cfg.mesh, axis)
         if v is not None and v != -1 and v < 1:
             raise ShardlmError(f"mesh.{axis} must be a positive degree or -1 (the rest), got {v}")
+
+
+def agree_on_config(cfg: Config, **extra) -> None:
+    """Every process of a run must have been started with the same config (one-line error on all if not)."""
+    from shardlm import distributed
+
+    distributed.agree("config", {**dict(flatten(cfg.to_dict())), **extra}, "the config",
+                      "start every process with the same command line and config file")

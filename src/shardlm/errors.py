@@ -1,4 +1,4 @@
-"""The one exception type a user is meant to read.
+"""The one exception type a user is meant to read, and the value checks that raise it.
 
 Anything raised as `ShardlmError` is printed by the CLI as a single line (problem and fix) with exit code 2 and no
 traceback; every other exception is a bug and keeps its traceback.
@@ -9,17 +9,20 @@ class ShardlmError(Exception):
     """Bad input: a config key, a mesh, a path. The message names the problem and the fix."""
 
 
-def yaml_problem(e: Exception) -> str:
-    """A PyYAML error in one line, with its position and reason: "line 4, column 5: expected ',' or ']', but got
-    ':' (while parsing a flow sequence that starts at line 3, column 5)". PyYAML's own text spreads that over six
-    lines, with the source echoed."""
-    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
-    if not problem:
-        return (str(e).splitlines() or [type(e).__name__])[0]
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
-    within = ""
-    if context:
-        within = f" ({context}" + (f" that starts at line {cmark.line + 1}, column {cmark.column + 1}"
-                                   if cmark is not None else "") + ")"
-    return f"{where}{problem}{within}"
+# --- value checks that raise it, shared by every config section ----------------------------------------------------
+
+def check_positive(key: str, value: float) -> None:
+    import math
+
+    if not (value > 0 and math.isfinite(value)):  # also rejects nan and inf
+        raise ShardlmError(f"{key} must be a positive finite number, got {value}")
+
+
+def check_in_range(key: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value < hi:  # nan fails too
+        raise ShardlmError(f"{key} must be in [{lo}, {hi}), got {value}")
+
+
+def check_one_of(key: str, value: str, allowed, hint: str = "") -> None:
+    if value not in allowed:
+        raise ShardlmError(f"{key}={value!r} is not one of: {', '.join(allowed)}{hint}")

@@ -1,4 +1,5 @@
-"""Loading a trained model from a run directory, for readers such as `shardlm generate`.
+"""Loading a trained model from a run directory, or a Hugging Face checkpoint (`hf:DIR`), for readers such as
+`shardlm generate` and `shardlm export`.
 
 Readers restore the `params` item of a checkpoint and nothing else: no optimizer state (two thirds of the bytes
 under AdamW) is read or allocated. The parameters are read straight into the shardings of the mesh the reader
@@ -8,12 +9,13 @@ asks for, which need not be the mesh the run trained on.
 import dataclasses
 from pathlib import Path
 
-from shardlm.config import Config, config_from_dict
-from shardlm.data.tokenizer import Tokenizer, load_tokenizer
+from shardlm.config import Config, config_from_dict, load_config
+from shardlm.data.tokenizer import Tokenizer, load_hf_dir_tokenizer, load_tokenizer
 from shardlm.errors import ShardlmError
-from shardlm.hf.config import is_hf
+from shardlm.hf.config import hf_dir, is_hf
 from shardlm.mesh import mesh_from_config
 from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, complete_steps
+from shardlm.train.init_from import import_params
 from shardlm.train.rundir import CONFIG_FILE, check_vocab_padding, unreadable
 from shardlm.train.state import abstract_model, vocab_sizes
 
@@ -40,8 +42,6 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
     checkpoint `hf:DIR`. `overrides` (`mesh.*=...`) choose the mesh to load onto; by default the run's own mesh
     settings (a Hugging Face checkpoint: data parallel over every device)."""
     if is_hf(run_dir):
-        from shardlm.hf.importer import load_hf_model
-
         if step is not None:
             raise ShardlmError("--step applies to a training run's checkpoints, not to a Hugging Face directory")
         return load_hf_model(str(run_dir), overrides=overrides, devices=devices, require_tokenizer=require_tokenizer)
@@ -59,9 +59,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
         elif step not in steps:
             raise ShardlmError(f"{run_dir} has no checkpoint at step {step}; it has steps "
                                f"{', '.join(map(str, steps))}")
-        bad = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("mesh.")]
-        if bad:
-            raise ShardlmError(f"{bad[0]}: only mesh.* settings can change when loading a trained model")
+        _check_mesh_only(overrides, "can change when loading a trained model")
         try:
             meta = reader.read_meta(step)
         except CheckpointError as e:
@@ -83,3 +81,29 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
     finally:
         reader.close()
     return LoadedModel(cfg, mesh, graphdef, state, run_tokenizer(cfg, run_dir), step)
+
+
+def load_hf_model(spec: str, *, overrides=(), devices=None, require_tokenizer: bool = False) -> LoadedModel:
+    """The checkpoint `hf:DIR` for readers: the architecture from config.json, the weights onto the mesh
+    `overrides` (`mesh.*=...`) describe (default: data parallel over every device), the tokenizer from the
+    directory's tokenizer files (None if it has none, unless `require_tokenizer`)."""
+    _check_mesh_only(overrides, "can be given when loading a Hugging Face model")
+    cfg = load_config(None, [f"model={spec}", f"init.from={spec}", *overrides])
+    try:  # tiktoken's gpt2 (a download, if not cached) only when the tokenizer is needed
+        tokenizer = load_hf_dir_tokenizer(hf_dir(spec), tiktoken=require_tokenizer)
+    except ShardlmError:
+        if require_tokenizer:
+            raise
+        tokenizer = None  # a model without its tokenizer still computes logits of token ids
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ShardlmError(f"hf:{hf_dir(spec)}: its tokenizer has {tokenizer.vocab_size} tokens but config.json's "
+                           f"vocab_size is {cfg.model.vocab_size}")
+    mesh = mesh_from_config(cfg.mesh, devices)
+    graphdef, state = import_params(spec, cfg, mesh, cfg.model.vocab_size)
+    return LoadedModel(cfg, mesh, graphdef, state, tokenizer, 0)
+
+
+def _check_mesh_only(overrides, what: str) -> None:
+    bad = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("mesh.")]
+    if bad:
+        raise ShardlmError(f"{bad[0]}: only mesh.* settings {what}")

@@ -16,11 +16,18 @@ import json
 from pathlib import Path
 
 from shardlm.errors import ShardlmError
+from shardlm.files import read_mapping
+from shardlm.models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
 HF_PREFIX = "hf:"
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 LLAMA_DEFAULT_CONTEXT = 2048  # Llama 3's 131,072 positions would be the default context otherwise
+
+
+def model_label(spec: str) -> str:
+    """A file-name-safe label for `hf:DIR`: 'hf:/ckpt/TinyLlama-1.1B' -> 'hf-TinyLlama-1.1B'."""
+    return "hf-" + (hf_dir(spec).resolve().name or "model")
 
 
 def is_hf(spec: str | Path) -> bool:
@@ -35,19 +42,13 @@ def hf_dir(spec: str) -> Path:
 
 def read_hf_config(directory: str | Path) -> dict:
     directory = Path(directory)
-    path = directory / CONFIG_FILE
     if not directory.is_dir():
         raise ShardlmError(f"hf:{directory} is not a directory; give a local directory as save_pretrained writes it "
                            "(config.json and *.safetensors); shardlm does not download")
-    if not path.is_file():
+    if not (directory / CONFIG_FILE).is_file():
         raise ShardlmError(f"hf:{directory} holds no {CONFIG_FILE}; give the directory save_pretrained wrote")
-    try:
-        tree = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ShardlmError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(tree, dict):
-        raise ShardlmError(f"{path} must hold a JSON object")
-    return tree
+    return read_mapping(directory / CONFIG_FILE, "", missing="give the directory save_pretrained wrote",
+                        not_mapping="a Hugging Face config.json holds one JSON object")
 
 
 def _refuse(path: Path, key: str, value, why: str) -> ShardlmError:
@@ -106,11 +107,9 @@ def _llama_fields(t: dict, d: Path) -> dict:
                 layer_norm_eps=t.get("rms_norm_eps", 1e-6), rope_theta=float(theta), dropout=0.0)
 
 
-def model_config_from(spec: str):
+def model_config_from(spec: str) -> ModelConfig:
     """`model=hf:DIR`: the ModelConfig of that checkpoint (its architecture; `init.from=hf:DIR` also loads the
     weights). Missing keys in config.json are one-line errors naming them."""
-    from shardlm.config import ModelConfig
-
     directory = hf_dir(spec).resolve()  # one spelling of the path, whatever the working directory
     tree = read_hf_config(directory)
     try:
@@ -121,7 +120,7 @@ def model_config_from(spec: str):
     return ModelConfig(preset=f"{HF_PREFIX}{directory}", **fields)
 
 
-def hf_config(m, vocab_size: int, special: dict[str, int | None]) -> dict:
+def hf_config(m: ModelConfig, vocab_size: int, special: dict[str, int | None]) -> dict:
     """config.json for a shardlm model config `m` (vocabulary without its padding); `special` holds
     bos_token_id and eos_token_id."""
     common = {"vocab_size": vocab_size, "tie_word_embeddings": m.tie_embeddings, "dtype": "float32",

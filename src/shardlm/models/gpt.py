@@ -20,9 +20,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlm.config import ModelConfig
-from shardlm.models.layers import (CACHE_AXES, DTYPES, Attention, CausalLM, LayerCache, PreNormBlock,
-                                   padded_vocab_size, param, use)
+from shardlm.models.config import ModelConfig
+from shardlm.models.layers import (
+    CACHE_AXES,
+    DTYPES,
+    Attention,
+    CausalLM,
+    LayerCache,
+    PreNormBlock,
+    padded_vocab_size,
+    param,
+    use,
+)
 from shardlm.sharding import constrain
 
 __all__ = ["GPT", "CACHE_AXES", "LayerCache", "padded_vocab_size"]

@@ -85,12 +85,18 @@ class Context(NamedTuple):
     pos: jax.Array | None  # decoding: each row's position [batch]
 
 
-def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1) -> str:
-    """"auto": cuDNN's fused kernel where it applies (NVIDIA GPUs of compute capability 8.0 or newer, 16-bit
-    inputs, head_dim a multiple of 8 up to 128, a sequence not split over devices), else XLA's attention."""
+def check_attention(requested: str, seq_split: int) -> None:
+    """cuDNN's fused kernel refuses a sequence split over devices: said when the mesh is known (before compiling)
+    and again when the model is traced under the rules."""
     if requested == "cudnn" and seq_split > 1:
         raise ShardlmError(f"model.attention=cudnn cannot take a sequence split {seq_split} ways over mesh.context "
                            "(cuDNN's fused kernel refuses sequence sharding); use model.attention=auto or xla")
+
+
+def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1) -> str:
+    """"auto": cuDNN's fused kernel where it applies (NVIDIA GPUs of compute capability 8.0 or newer, 16-bit
+    inputs, head_dim a multiple of 8 up to 128, a sequence not split over devices), else XLA's attention."""
+    check_attention(requested, seq_split)
     if requested != "auto":
         return requested
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

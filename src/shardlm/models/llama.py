@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlm.config import ModelConfig
+from shardlm.models.config import ModelConfig
 from shardlm.models.layers import DTYPES, Attention, CausalLM, PreNormBlock, param, rope_tables, use
 from shardlm.sharding import constrain
 

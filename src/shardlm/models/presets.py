@@ -2,8 +2,8 @@
 published Llama-style models (SwiGLU hidden ~8/3 d_model or more, grouped-query attention, no biases); the counts
 are for a 32,000-token vocabulary (Llama 2's), tied, and move by d_model x vocabulary with the tokenizer."""
 
-from shardlm.config import ModelConfig
 from shardlm.errors import ShardlmError
+from shardlm.models.config import ModelConfig
 
 _LLAMA = dict(family="llama", use_bias=False, tie_embeddings=True)
 
@@ -31,11 +31,7 @@ PRESET_NAMES = tuple(_PRESETS)
 
 
 def model_preset(name: str) -> ModelConfig:
-    """A built-in preset, or `hf:DIR`: the architecture of a Hugging Face checkpoint (`shardlm.hf.config`)."""
-    from shardlm.hf.config import is_hf, model_config_from
-
-    if is_hf(name):
-        return model_config_from(name)
+    """A built-in preset. (`hf:DIR`, a Hugging Face checkpoint's architecture, is resolved by the run config.)"""
     if name not in _PRESETS:
         raise ShardlmError(f"unknown model preset '{name}'; choose one of: {', '.join(PRESET_NAMES)}, or "
                            "hf:DIR (a Hugging Face checkpoint's architecture)")

@@ -24,9 +24,9 @@ from flax import traverse_util
 from jax.sharding import NamedSharding
 
 from shardlm.errors import ShardlmError
+from shardlm.foreign.plan import Plan
+from shardlm.foreign.shard import shard
 from shardlm.mesh import balanced_degrees, make_named_mesh
-from shardlm.sharding.foreign import shard
-from shardlm.sharding.plan import Plan
 
 CONFIG_KEYS = {"mesh_axes", "mesh_shape", "in", "out", "parameters", "unmatched"}
 

@@ -7,7 +7,7 @@ rotates every round, so that drift of a shared, noisy machine falls on every str
 state and program stay on the devices for the whole run: benchmarking K strategies needs K times the memory of
 one (a model near the limit is benched one strategy per call). Reported per
 strategy: median step time, tokens/s, model TFLOP/s per device and MFU (convention and peak in
-`shardlm.perf.flops`), and the loss after the last step, equal across strategies up to float rounding, since they
+`shardlm.flops`), and the loss after the last step, equal across strategies up to float rounding, since they
 compute the same training run.
 """
 
@@ -118,10 +118,10 @@ def warmed_up_step(cfg: Config, mesh, vocab: int, n_batches: int, warmup: int):
 def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log) -> Bench:
     import jax
 
-    from shardlm.perf.flops import device_peak, model_flops_per_step
     from shardlm.errors import ShardlmError
+    from shardlm.flops import device_peak, model_flops_per_step
     from shardlm.perf.strategies import rejection
-    from shardlm.train.loop import tokenizer_vocab
+    from shardlm.train.data import tokenizer_vocab
 
     log = log or (lambda m: None)
     devices = jax.devices()

@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardlm.errors import ShardlmError
+from shardlm.flops import table_peak
 from shardlm.perf.hlo import CollectiveOp
+from shardlm.units import format_rate, parse_rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,28 +61,58 @@ class Hardware:
                 f"device), +{self.latency_s * 1e6:g} us each; no overlap")
 
 
-def format_rate(bytes_per_s: float) -> str:
-    """50e9 -> '400 Gb/s', 400e9 -> '3.2 Tb/s': network rates in bits, as NICs are sold."""
-    bits = bytes_per_s * 8
-    return f"{bits / 1e12:g} Tb/s" if bits >= 1e12 else f"{bits / 1e9:g} Gb/s"
-
-
-def parse_rate(text: str) -> float:
-    """'400Gb/s', '400 Gbps', '3.2Tb/s', '50GB/s' -> bytes per second. b = bits, B = bytes."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKMGT]?)(b|B)(?:/s|ps)\s*", text)
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a rate; write e.g. 400Gb/s, 3.2Tb/s or 50GB/s (b = bits, B = bytes)")
-    scale = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[m.group(2)]
-    return float(m.group(1)) * scale / (8 if m.group(3) == "b" else 1)
-
-
 def h100_peak(dtype: str) -> float:
     """The default hardware's dense peak FLOP/s for a compute dtype (494.5e12 float32 as TF32, 989e12 bfloat16)."""
-    from shardlm.perf.flops import table_peak
-
     return table_peak("NVIDIA H100 80GB HBM3", dtype)
+
+
+def hardware_for(n_devices: int, dtype: str, *, memory_bytes: float = 80e9, peak_tflops: float | None = None,
+                 intra_node_gbs: float = 450, hosts: int | None = None, devices_per_node: int | None = None,
+                 inter_host_bandwidth: str | None = None, inter_node_gbs: float | None = None,
+                 latency_us: float = 10) -> Hardware:
+    """The hardware `shardlm plan`'s options describe for `n_devices` computing in `dtype`: the defaults are an
+    H100 SXM node's (named so), any option changed makes it "custom". Hosts are given as a count (`hosts`) or as
+    devices per host (`devices_per_node`), the network between them per host (`inter_host_bandwidth`, a rate such
+    as '400Gb/s') or per device (`inter_node_gbs`)."""
+    for flag, value in (("--peak-tflops", peak_tflops), ("--intra-node-gbs", intra_node_gbs),
+                        ("--inter-node-gbs", inter_node_gbs), ("--devices-per-node", devices_per_node),
+                        ("--hosts", hosts)):
+        if value is not None and value <= 0:
+            raise ShardlmError(f"{flag} must be positive, got {value}")
+    if latency_us < 0:
+        raise ShardlmError(f"--latency-us must be >= 0, got {latency_us}")
+    per_host = _devices_per_host(n_devices, hosts, devices_per_node)
+    per_device_bw = _inter_host_bw_per_device(per_host, inter_host_bandwidth, inter_node_gbs)
+    h100 = h100_peak(dtype) / 1e12
+    peak = h100 if peak_tflops is None else peak_tflops
+    default = (peak, intra_node_gbs, per_device_bw, latency_us) == (h100, 450, 50e9, 10)
+    return Hardware(peak_flops=peak * 1e12, memory_bytes=memory_bytes, intra_node_bw=intra_node_gbs * 1e9,
+                    inter_node_bw=per_device_bw, devices_per_node=per_host, latency_s=latency_us * 1e-6,
+                    name="H100 SXM" if default else "custom")
+
+
+def _devices_per_host(n: int, hosts: int | None, devices_per_node: int | None) -> int:
+    if hosts is not None and devices_per_node is not None:
+        raise ShardlmError("--hosts and --devices-per-node both say how devices group into hosts; pass one")
+    if hosts is None:
+        return devices_per_node or 8
+    if n % hosts:
+        raise ShardlmError(f"--hosts {hosts} does not divide the {n} devices evenly; choose a host count that "
+                           f"divides {n}")
+    return n // hosts
+
+
+def _inter_host_bw_per_device(per_host: int, inter_host_bandwidth: str | None, inter_node_gbs: float | None) -> float:
+    """Bytes/s one device gets between hosts: its share of the host's network."""
+    if inter_host_bandwidth is not None and inter_node_gbs is not None:
+        raise ShardlmError("--inter-host-bandwidth and --inter-node-gbs both give the bandwidth between hosts; "
+                           "pass one")
+    if inter_host_bandwidth is None:
+        return (50 if inter_node_gbs is None else inter_node_gbs) * 1e9
+    try:
+        return parse_rate(inter_host_bandwidth) / per_host
+    except ValueError as e:
+        raise ShardlmError(f"--inter-host-bandwidth {e}") from None
 
 
 def traffic_factor(kind: str, n: int) -> float:

@@ -32,6 +32,7 @@ from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
 from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak, issued, split_traffic
 from shardlm.perf.strategies import Strategy, all_strategies, rejection, wants_context_splits
+from shardlm.units import fmt_bytes
 
 
 @dataclasses.dataclass
@@ -44,7 +45,7 @@ class StrategyPlan:
     peak: int  # arguments + outputs - donated aliases + temporaries: everything the step holds at its peak
     collectives: list[hlo.CollectiveOp]
     flops_per_device: float
-    model_flops: float  # per step, all devices: 6 N_matmul + 12 L T d per token (`shardlm.perf.flops`)
+    model_flops: float  # per step, all devices: 6 N_matmul + 12 L T d per token (`shardlm.flops`)
     est: Estimate | None  # set by `rank`, for a given hardware
     fits: bool
     compile_s: float
@@ -154,8 +155,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     them on a CPU host). `hardware` defaults to an H100 SXM at its dense peak for `model.dtype`."""
     import jax
 
-    from shardlm.perf.flops import model_flops_per_step
-    from shardlm.train.loop import tokenizer_vocab
+    from shardlm.flops import model_flops_per_step
+    from shardlm.train.data import tokenizer_vocab
 
     hardware = hardware or Hardware(peak_flops=h100_peak(cfg.model.dtype))
     t0 = time.perf_counter()
@@ -226,14 +227,10 @@ _ABBREV = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-
 
 
 def _short_collectives(ops: list[hlo.CollectiveOp]) -> str:
-    from shardlm.sharding.explain import fmt_bytes
-
     return " ".join(f"{_ABBREV[c['kind']]} {c['count']}x {fmt_bytes(c['bytes'])}" for c in hlo.summarize(ops)) or "none"
 
 
 def format_plan(p: Plan) -> str:
-    from shardlm.sharding.explain import fmt_bytes
-
     m, t = p.cfg.model, p.cfg.train
     hosts = p.hosts > 1
     lines = [
@@ -288,8 +285,6 @@ def _format_seconds(s: float) -> str:
 
 
 def recommendation(p: Plan) -> str:
-    from shardlm.sharding.explain import fmt_bytes
-
     best = p.best
     if best is None:
         low = min(p.strategies, key=lambda r: r.peak)

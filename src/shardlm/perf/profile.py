@@ -93,8 +93,8 @@ def profile(cfg: Config, log_dir: str | Path, steps: int = 3, warmup: int = 2, l
 
     from shardlm.mesh import mesh_from_config
     from shardlm.perf.bench import warmed_up_step
-    from shardlm.train.loop import check_batch, tokenizer_vocab
-    from shardlm.train.state import check_shardable
+    from shardlm.train.data import tokenizer_vocab
+    from shardlm.train.state import check_batch, check_shardable
 
     log = log or (lambda m: None)
     mesh = mesh_from_config(cfg.mesh)

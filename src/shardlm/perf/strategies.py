@@ -129,10 +129,9 @@ def parse_strategies(text: str, n_devices: int) -> list[Strategy]:
 def rejection(cfg, strategy: Strategy) -> str | None:
     """Why `cfg` cannot train with `strategy` (a mesh degree that does not divide a dimension, or the batch), or
     None. Shapes only: nothing is compiled."""
-    from shardlm.train.loop import check_batch
-    from shardlm.train.state import check_shardable
-
     import jax
+
+    from shardlm.train.state import check_batch, check_shardable
 
     mesh = strategy.make_mesh(jax.devices())
     try:

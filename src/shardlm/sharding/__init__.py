@@ -1,4 +1,10 @@
-"""Sharding: the logical-axis rule table and the code that applies it (the only code that knows the mesh)."""
+"""Sharding: the logical-axis rule table and the code that applies it to shardlm's own models and their activations.
+
+`rules` is the one place that maps logical axis names (`embed`, `heads`, `batch`, ...) onto the mesh axes; it also
+holds the activation constraints model code calls (`constrain`), the parameter and state shardings derived from
+the names, and the divisibility checks. Plans for models shardlm did not write are `shardlm.foreign`; where arrays
+ended up is `shardlm.explanation`.
+"""
 
 from shardlm.sharding.rules import (
     LOGICAL_AXIS_RULES,

@@ -31,9 +31,11 @@ import threading
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardlm.errors import ShardlmError
+from shardlm.trees import path_str
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -182,17 +184,6 @@ def _logical_names(variable: Any) -> tuple[str | None, ...] | None:
     if names is None:
         names = variable.get_metadata().get("out_sharding") if hasattr(variable, "get_metadata") else None
     return tuple(names) if names is not None else None
-
-
-def path_str(path) -> str:
-    """A pytree key path as 'blocks/0/mha/value/kernel'. The `.value` attribute of an NNX Variable is dropped;
-    a module or dict entry named 'value' (attention's value projection) is kept."""
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
-            continue
-        parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
-    return "/".join(parts)
 
 
 def state_partition_specs(abstract_state, mesh, rules: Rules | None = None):

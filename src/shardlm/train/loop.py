@@ -36,76 +36,48 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from shardlm import distributed
-from shardlm.config import Config, describe, flatten
+from shardlm.config import Config, agree_on_config, describe
 from shardlm.data.loader import BatchLoader
-from shardlm.data.prepare import PreparedData, training_data
+from shardlm.data.prepare import PreparedData
 from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
+from shardlm.explanation import explain_state, format_explanation
+from shardlm.flops import device_peak, flops_per_token
 from shardlm.generate import sample_text
-from shardlm.hf.importer import check_checkpoint, import_params, with_checkpoint_defaults
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
-from shardlm.perf.flops import device_peak, flops_per_token
 from shardlm.sharding import batch_sharding
-from shardlm.sharding.explain import explain_state, fmt_bytes, format_explanation
 from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, local_steps
+from shardlm.train.data import load_data
+from shardlm.train.init_from import check_checkpoint, import_params, with_checkpoint_defaults
 from shardlm.train.metrics import MetricsLogger
 from shardlm.train.preemption import StopOnSignal
-from shardlm.train.rundir import (CONFIG_FILE, FINISHED_MARKER, RunStart, check_vocab_padding, claim,
-                                  decide_start, default_run_dir, unreadable)
-from shardlm.train.state import (TrainState, abstract_train_state, check_shardable, create_train_state,
-                                 effective_warmup, sequence_split_note, train_state_with, vocab_sizes)
+from shardlm.train.rundir import (
+    CONFIG_FILE,
+    FINISHED_MARKER,
+    RunStart,
+    check_vocab_padding,
+    claim,
+    decide_start,
+    default_run_dir,
+    unreadable,
+)
+from shardlm.train.state import (
+    TrainState,
+    abstract_train_state,
+    check_batch,
+    check_shardable,
+    create_train_state,
+    effective_warmup,
+    sequence_split_note,
+    train_state_with,
+    vocab_sizes,
+)
 from shardlm.train.step import make_eval_step, train_step_for
-
-
-def check_batch(cfg: Config, mesh) -> None:
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    if cfg.train.batch_size % dp:
-        raise ShardlmError(
-            f"train.batch_size={cfg.train.batch_size} is split over data x fsdp = {dp} devices, which does not "
-            f"divide it; use a multiple of {dp}"
-        )
-    k = cfg.train.grad_accum
-    if (cfg.train.batch_size // k) % dp:
-        raise ShardlmError(
-            f"train.grad_accum={k} microbatches of {cfg.train.batch_size // k} sequences do not split over data x "
-            f"fsdp = {dp} devices; use a train.batch_size that is a multiple of {k * dp}, or a smaller grad_accum"
-        )
-    if cfg.train.batch_size % jax.process_count():
-        raise ShardlmError(f"train.batch_size must be a multiple of the {jax.process_count()} processes")
-
-
-def load_data(cfg: Config, progress: bool = False, log=None) -> PreparedData:
-    """The prepared data (preparing text into the cache first if needed), checked against model.vocab_size. In a
-    run of several processes, process 0 prepares text while the others wait, then they find it ready (on a
-    filesystem they share; elsewhere each host prepares its own copy, and `agree` checks that they match)."""
-    if distributed.is_multiprocess() and not distributed.is_primary():
-        distributed.barrier("data-prepared")
-    data = training_data(cfg.data, progress=progress, log=log or _log)
-    if distributed.is_multiprocess() and distributed.is_primary():
-        distributed.barrier("data-prepared")
-    vocab = data.tokenizer.vocab_size
-    if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
-        raise ShardlmError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; "
-            "set model.vocab_size=0 to use the tokenizer's"
-        )
-    return data
-
-
-def tokenizer_vocab(cfg: Config, log=None) -> int:
-    """The vocabulary the model is built for: `model.vocab_size`, else the data's tokenizer's (preparing the data
-    first if it is text that was never prepared)."""
-    return cfg.model.vocab_size or load_data(cfg, log=log).tokenizer.vocab_size
+from shardlm.units import fmt_bytes
 
 
 def _log(msg: str) -> None:
     tqdm.write(msg)
-
-
-def agree_on_config(cfg: Config, **extra) -> None:
-    """Every process of a run must have been started with the same config (one-line error on all if not)."""
-    distributed.agree("config", {**dict(flatten(cfg.to_dict())), **extra}, "the config",
-                      "start every process with the same command line and config file")
 
 
 def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int]) -> dict:
@@ -216,7 +188,7 @@ class Training:
     # --- before the run directory is touched ------------------------------------------------------------------
     def open_data(self, progress: bool) -> None:
         cfg = self.cfg
-        data = load_data(cfg, progress and self.primary)
+        data = load_data(cfg, progress and self.primary, log=_log)
         tokenizer, splits = data.tokenizer, data.meta["splits"]
         distributed.agree("data", {"train_sha256": splits["train"]["sha256"], "val_sha256": splits["val"]["sha256"]},
                           "the training data", "give every process the same data.path, prepared from the same "

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from shardlm import distributed
-from shardlm.config import Config, ModelConfig, config_from_dict, flatten, model_label
+from shardlm.config import Config, ModelConfig, config_from_dict, flatten, load_config, model_label, read_config_file
 from shardlm.errors import ShardlmError
 from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, incomplete_steps
 
@@ -52,6 +52,24 @@ def default_run_dir(cfg: Config) -> Path:
 
 def holds_run(run_dir: Path) -> bool:
     return (Path(run_dir) / CONFIG_FILE).exists()
+
+
+def run_config(config_file: str | None, overrides: list[str], run_dir: str | None,
+               overwrite: bool = False) -> tuple[Config, Path]:
+    """(config, run directory) of `shardlm train [--config FILE] [--run-dir DIR] [overrides]`. Resuming, the run's
+    own config is the base, so `shardlm train --run-dir DIR` alone continues it; the file and the overrides (more
+    steps, a new mesh) apply on top. mesh.* overrides describe the whole new mesh (as for `generate`):
+    `mesh.tensor=4` alone means tensor 4 x data for the rest. Process 0 reads the run's config for every process
+    of a run (the others look into the run directory only once it is known to exist)."""
+    cfg = load_config(config_file, overrides)
+    run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
+    base = distributed.broadcast("resume-config", lambda: read_config_file(run_dir / CONFIG_FILE)
+                                 if holds_run(run_dir) and not overwrite else None)
+    if base is not None:
+        if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in overrides):
+            base.pop("mesh", None)
+        cfg = load_config(config_file, overrides, base=base)
+    return cfg, run_dir
 
 
 def check_writable(run_dir: Path) -> None:

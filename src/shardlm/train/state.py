@@ -18,8 +18,10 @@ from flax import nnx
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
 from shardlm.models import FAMILIES, padded_vocab_size
-from shardlm.sharding.rules import path_str
+from shardlm.models.layers import check_attention
 from shardlm.sharding import state_shardings
+from shardlm.trees import path_str
+from shardlm.units import fmt_bytes
 
 
 def effective_warmup(cfg: Config) -> int:
@@ -105,9 +107,7 @@ def check_shardable(cfg: Config, mesh) -> None:
     if m.seq_len % cp:
         raise ShardlmError(f"model.seq_len={m.seq_len} is split over mesh.context={cp}, which does not divide it; "
                            f"choose a mesh.context dividing {m.seq_len} or a seq_len that is a multiple of {cp}")
-    if cp > 1 and m.attention == "cudnn":
-        raise ShardlmError(f"model.attention=cudnn cannot take a sequence split over mesh.context={cp} (cuDNN's "
-                           "fused kernel refuses sequence sharding); use model.attention=auto or xla")
+    check_attention(m.attention, cp)
     kv = m.n_kv_heads or m.n_heads
     if kv % tp and not m.n_heads % tp:  # said in the model's terms before the generic per-parameter message
         raise ShardlmError(f"mesh.tensor={tp} must divide the key/value heads (model.n_kv_heads={kv}) as well as "
@@ -116,14 +116,31 @@ def check_shardable(cfg: Config, mesh) -> None:
         state_shardings(nnx.state(nnx.eval_shape(_builder(cfg, mesh, 257))), mesh)
 
 
+def check_batch(cfg: Config, mesh) -> None:
+    """Raise if the global batch (or each of its `train.grad_accum` microbatches) does not split over data x fsdp,
+    or over the processes."""
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.train.batch_size % dp:
+        raise ShardlmError(
+            f"train.batch_size={cfg.train.batch_size} is split over data x fsdp = {dp} devices, which does not "
+            f"divide it; use a multiple of {dp}"
+        )
+    k = cfg.train.grad_accum
+    if (cfg.train.batch_size // k) % dp:
+        raise ShardlmError(
+            f"train.grad_accum={k} microbatches of {cfg.train.batch_size // k} sequences do not split over data x "
+            f"fsdp = {dp} devices; use a train.batch_size that is a multiple of {k * dp}, or a smaller grad_accum"
+        )
+    if cfg.train.batch_size % jax.process_count():
+        raise ShardlmError(f"train.batch_size must be a multiple of the {jax.process_count()} processes")
+
+
 def sequence_split_note(cfg: Config, mesh) -> str | None:
     """What context parallelism does to `cfg` on `mesh`, in a line (None without it): the tokens each device
     holds, and the keys and values each layer all-gathers for attention."""
     cp = mesh.shape.get("context", 1)
     if cp == 1:
         return None
-    from shardlm.sharding.explain import fmt_bytes
-
     m = cfg.model
     rows = cfg.train.batch_size // cfg.train.grad_accum // (mesh.shape["data"] * mesh.shape["fsdp"])
     kv_heads = (m.n_kv_heads or m.n_heads) // mesh.shape["tensor"]

@@ -1,9 +1,14 @@
-"""`explain`: where every parameter lives, read back from the real (sharded) arrays, not from the plan.
+"""`explain`: where every parameter lives, read back from the real (sharded) arrays, not from a plan or a rule.
 
     print(shardlm.explain(sharded))            # a table: path, shape, dtype, spec, bytes per device, placed by
     shardlm.explain(trainer).to_json()         # the same as JSON, with per-device totals incl. optimizer state
+    shardlm.explain(train_state, mesh)         # shardlm's own {"model", "optimizer"} state
 
-Works for a model placed by a plan (`shardlm.shard`, or its `Trainer`) and for shardlm's own train state.
+Design choices:
+- It reads arrays and a mesh, nothing else, so it sits below everything that makes arrays: shardlm's train state
+  is explained here (`explain_state`), and an object that knows how to describe itself (a model placed by a plan,
+  its trainer: `shardlm.foreign`) provides an `explanation()` method built from `explain_trees`. `explain(obj)`
+  calls that method, so this module imports none of the packages above it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlm.mesh import describe_mesh
 from shardlm.sharding.rules import path_str
+from shardlm.units import fmt_bytes
 
 
 @dataclasses.dataclass
@@ -95,42 +101,25 @@ def _rows_and_usage(tree, placed_by: dict[str, str] | None = None) -> tuple[list
 
 def explain_state(state, mesh) -> Explanation:
     """`state` is the nnx.State {"model", "optimizer"} built by `create_train_state`."""
-    rows, p_usage = _rows_and_usage(state["model"])  # the GPT's only variables are its parameters
-    _, o_usage = _rows_and_usage(state["optimizer"])
-    return Explanation(describe_mesh(mesh), rows, p_usage, o_usage, dict(mesh.shape))
+    return explain_trees(state["model"], state["optimizer"], mesh)  # the models' only variables are parameters
 
 
-def explain_sharded(sharded, opt_state=None) -> Explanation:
-    """A model placed by a plan (`shardlm.shard`), and its optimizer state if a trainer made one."""
-    tree = {"params": sharded.params} if sharded.kind == "linen" else sharded.params  # paths as the plan saw them
-    placed_by = {p.path: p.placed_by for p in sharded.layout.placements}
-    rows, p_usage = _rows_and_usage(tree, placed_by)
+def explain_trees(params, opt_state, mesh, placed_by: dict[str, str] | None = None,
+                  notes: list[str] | None = None) -> Explanation:
+    """Any parameter tree (and optimizer state, or None) on `mesh`; `placed_by` names what placed each path."""
+    rows, p_usage = _rows_and_usage(params, placed_by)
     o_usage = _rows_and_usage(opt_state)[1] if opt_state is not None else {}
-    return Explanation(describe_mesh(sharded.mesh), rows, p_usage, o_usage, dict(sharded.mesh.shape),
-                       sharded.layout.notes())
+    return Explanation(describe_mesh(mesh), rows, p_usage, o_usage, dict(mesh.shape), list(notes or []))
 
 
 def explain(obj, mesh=None) -> Explanation:
     """`explain(sharded)`, `explain(trainer)` (adds optimizer state), or `explain(train_state, mesh)`.
     `str()` of the result is the table; `.to_json()` the same data as JSON."""
-    from shardlm.sharding.foreign import Sharded
-    from shardlm.train.runner import Trainer
-
-    if isinstance(obj, Trainer):
-        return explain_sharded(obj.sharded, obj.opt_state)
-    if isinstance(obj, Sharded):
-        return explain_sharded(obj)
+    if callable(getattr(obj, "explanation", None)):
+        return obj.explanation()
     if mesh is None:
         raise TypeError("explain(state, mesh) needs the mesh for a train state")
     return explain_state(obj, mesh)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def format_explanation(ex: Explanation) -> str:
@@ -148,8 +137,8 @@ def format_explanation(ex: Explanation) -> str:
     total_p = sum(r.total_bytes for r in ex.params)
     totals = f"per device: parameters {fmt_bytes(ex.max_param_bytes)} (of {fmt_bytes(total_p)} in all)"
     if ex.opt_bytes_per_device:
-        totals += (f", optimizer state {fmt_bytes(ex.max_opt_bytes)}, total "
-                   f"{fmt_bytes(max(ex.param_bytes_per_device[d] + ex.opt_bytes_per_device.get(d, 0) for d in ex.param_bytes_per_device))}")
+        most = max(b + ex.opt_bytes_per_device.get(d, 0) for d, b in ex.param_bytes_per_device.items())
+        totals += f", optimizer state {fmt_bytes(ex.max_opt_bytes)}, total {fmt_bytes(most)}"
     lines += ["", totals]
     lines += [f"note: {n}" for n in ex.notes]
     return "\n".join(lines)

@@ -31,12 +31,12 @@ does not use is not an error.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any
 
-from shardlm.errors import ShardlmError, yaml_problem
+from shardlm.errors import ShardlmError
+from shardlm.files import read_mapping
 
 UNMATCHED = ("error", "replicate")
 PLAN_KEYS = {"mesh", "rules", "inputs", "outputs", "unmatched", "preset", "report_replicated_bytes", "strict"}
@@ -112,25 +112,8 @@ class Plan:
                 f"plan '{text}' is neither a preset ({', '.join(PRESETS)}) nor a .yaml/.yml/.json file; "
                 "name a preset or a plan file"
             )
-        if not path.is_file():
-            raise ShardlmError(f"plan file {path} does not exist; check the path")
-        import yaml
-
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise ShardlmError(f"plan file {path} could not be read: {e.strerror}") from e
-        is_json = path.suffix.lower() == ".json"
-        try:
-            data = json.loads(text) if is_json else yaml.safe_load(text)
-        except json.JSONDecodeError as e:
-            raise ShardlmError(f"plan file {path} is not valid JSON: line {e.lineno}, column {e.colno}: "
-                               f"{e.msg}") from None
-        except yaml.YAMLError as e:
-            raise ShardlmError(f"plan file {path} is not valid YAML: {yaml_problem(e)}") from None
-        if not isinstance(data, dict):
-            raise ShardlmError(f"plan file {path} must hold a mapping with a 'rules' list; see README, "
-                               "'Shard your own model'")
+        data = read_mapping(path, "plan file", missing="check the path",
+                            not_mapping="a plan holds a 'rules' list; see docs/your-own-model.md")
         return cls.from_dict(data, name=path.name)
 
     @classmethod

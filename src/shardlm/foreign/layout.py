@@ -22,8 +22,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from shardlm.errors import ShardlmError
-from shardlm.sharding.plan import COLUMN, ROW, Largest, Plan, Rule, matches
+from shardlm.foreign.plan import COLUMN, ROW, Largest, Plan, Rule, matches
 from shardlm.sharding.rules import LOGICAL_AXIS_RULES, as_axes, axis_degree, logical_to_spec, rules_for_mesh
+from shardlm.units import fmt_bytes
 
 LOGICAL_NAMES = tuple(dict.fromkeys(name for name, _ in LOGICAL_AXIS_RULES))
 UNMATCHED_NOTE = "no rule (replicated)"
@@ -73,8 +74,6 @@ class Layout:
                 and p.nbytes >= self.plan.report_replicated_bytes]
 
     def notes(self) -> list[str]:
-        from shardlm.sharding.explain import fmt_bytes
-
         notes = megatron_problems(self.placements, self.mesh)
         big = self.replicated_large()
         if not big:

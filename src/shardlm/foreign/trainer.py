@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shardlm.sharding.foreign import signature
-from shardlm.sharding.rules import path_str, replicated
+from shardlm.sharding.rules import replicated
 from shardlm.train.step import cross_entropy
+from shardlm.trees import path_str, signature
 
 
 def next_token_loss(model: Callable, batch: jax.Array) -> jax.Array:
@@ -113,6 +113,10 @@ class Trainer:
                 in_shardings=state + (s.batch_shardings(batch), replicated(self.mesh)),
                 out_shardings=state + (replicated(self.mesh),), donate_argnums=(0, 1, 2))
         return self._compiled[key]
+
+    def explanation(self):
+        """Where every parameter and optimizer-state leaf lives: `shardlm.explain(trainer)`."""
+        return self.sharded.explanation(self.opt_state)
 
     def step(self, batch) -> dict[str, Any]:
         """One update on `batch` (split over the mesh by the plan's input spec). Returns {"loss", "grad_norm"}

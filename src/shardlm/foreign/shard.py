@@ -37,9 +37,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardlm.errors import ShardlmError
-from shardlm.sharding.layout import Layout, Leaf, resolve
-from shardlm.sharding.plan import Plan
-from shardlm.sharding.rules import as_axes, axis_degree, path_str, replicated
+from shardlm.explanation import Explanation, explain_trees
+from shardlm.foreign.layout import Layout, Leaf, resolve
+from shardlm.foreign.plan import Plan
+from shardlm.sharding.rules import as_axes, axis_degree, replicated
+from shardlm.trees import dtype_name, path_str, signature
 
 log = logging.getLogger("shardlm")
 
@@ -192,9 +194,15 @@ class Sharded:
         forward pass (the NNX module itself; for Linen, the module applied to the current variables, with a fresh
         dropout key each step and its non-parameter collections updated; with a `call` adapter, the model run
         through it). Default: next-token cross entropy on a [batch, seq + 1] token array."""
-        from shardlm.train.runner import Trainer
+        from shardlm.foreign.trainer import Trainer
 
         return Trainer(self, tx, loss_fn, seed=seed)
+
+    def explanation(self, opt_state=None) -> Explanation:
+        """Where every parameter (and optimizer-state leaf, given `opt_state`) lives: `shardlm.explain(sharded)`."""
+        tree = {"params": self.params} if self.kind == "linen" else self.params  # paths as the plan saw them
+        placed_by = {p.path: p.placed_by for p in self.layout.placements}
+        return explain_trees(tree, opt_state, self.mesh, placed_by, self.layout.notes())
 
 
 # --- entry point ------------------------------------------------------------------------------------------------
@@ -265,16 +273,6 @@ def check_auto_mesh(mesh) -> None:
             f"mesh axes {', '.join(explicit)} are not AxisType.Auto (jax.make_mesh makes Explicit axes); build the "
             "mesh with shardlm.make_mesh / shardlm.make_named_mesh, or pass axis_types=(AxisType.Auto,) * n"
         )
-
-
-def dtype_name(x) -> str:
-    """An array's dtype (including JAX key types, which NumPy cannot name), or a Python scalar's."""
-    return str(x.dtype) if hasattr(x, "dtype") else str(np.result_type(x))
-
-
-def signature(tree) -> str:
-    """Structure, shapes and dtypes: what a jitted function is compiled for."""
-    return str(jax.tree.structure(tree)) + str([(np.shape(x), dtype_name(x)) for x in jax.tree.leaves(tree)])
 
 
 def _leaves(tree, is_param: bool) -> list[Leaf]:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardlm.config import ModelConfig
+from shardlm.models.config import ModelConfig
 
 
 def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
@@ -66,7 +66,8 @@ def table_peak(device_kind: str, dtype: str = "float32") -> float | None:
 
 def measure_matmul_peak(devices, n: int = 1024, repeats: int = 5) -> float:
     """Per-device fp32 matmul FLOP/s with every device busy at once (simulated CPU devices share cores)."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.asarray(devices), ("d",))
     sharding = NamedSharding(mesh, P("d"))

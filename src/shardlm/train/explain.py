@@ -1,0 +1,26 @@
+"""`shardlm explain`: the training state built exactly as `shardlm train` would build it for a config, and where
+every parameter and optimizer-state leaf of it lives (`shardlm.explain`), with the notes a run header gives: the
+sequence split's traffic and which mesh axes cross hosts. Nothing is trained and nothing is written."""
+
+from shardlm import distributed
+from shardlm.config import Config, agree_on_config
+from shardlm.explanation import Explanation, explain_state
+from shardlm.mesh import axes_across_hosts, check_tensor_inside_hosts, describe_hosts, mesh_from_config
+from shardlm.train.data import tokenizer_vocab
+from shardlm.train.state import check_shardable, create_train_state, sequence_split_note
+
+
+def explain_run(cfg: Config, log) -> Explanation:
+    """The explanation of `cfg`'s train state on its mesh; `log` takes the progress lines (data preparation)."""
+    agree_on_config(cfg)
+    mesh = mesh_from_config(cfg.mesh)
+    check_tensor_inside_hosts(mesh, log)
+    vocab = tokenizer_vocab(cfg, log=log)
+    check_shardable(cfg, mesh)
+    ex = explain_state(create_train_state(cfg, mesh, vocab).state, mesh)
+    if split := sequence_split_note(cfg, mesh):
+        ex.notes.append(split)
+    if hosts := describe_hosts(mesh):
+        ex.notes.append(f"{distributed.process_count()} processes on {hosts}")
+        ex.axes_across_hosts = axes_across_hosts(mesh)
+    return ex
