@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from shardlm.accelerator import resolve_dtype
 from shardlm.errors import ShardlmError, check_in_range, check_positive
 from shardlm.files import read_mapping
 from shardlm.hf.config import HF_PREFIX, is_hf, model_config_from
@@ -290,6 +291,9 @@ def _build(layers: list[list[tuple[str, Any]]]) -> Config:
     for layer in layers:
         _apply(cfg, layer)
     validate(cfg)
+    # model.dtype=auto becomes the dtype it stands for on the accelerator compiled for (the local devices, or a
+    # `--target`'s), so the run's saved config, its header and its FLOP peak all name the real one.
+    cfg.model.dtype = resolve_dtype(cfg.model.dtype)
     return cfg
 
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardlm.accelerator import resolve_dtype
 from shardlm.models.config import ModelConfig
 
 
@@ -58,6 +59,7 @@ _PEAKS: list[tuple[str, dict[str, float]]] = [
 
 
 def table_peak(device_kind: str, dtype: str = "float32") -> float | None:
+    dtype = resolve_dtype(dtype)
     for pattern, peaks in _PEAKS:
         if re.search(pattern, device_kind):
             return peaks.get(dtype)

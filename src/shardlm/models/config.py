@@ -32,8 +32,9 @@ class ModelConfig:
     use_bias: bool = True
     layer_norm_eps: float = 1e-5  # the epsilon of LayerNorm (gpt) or RMSNorm (llama)
     rope_theta: float = 10000.0  # rotary embedding base (llama)
-    # Compute dtype of matmuls and activations; norms, softmax and the loss stay float32 whatever it is.
-    dtype: str = "float32"
+    # Compute dtype of matmuls and activations; norms, softmax and the loss stay float32 whatever it is. auto:
+    # bfloat16 on GPUs and TPUs, float32 on a CPU (resolved when the config is loaded: `shardlm.accelerator`).
+    dtype: str = "auto"
     param_dtype: str = "float32"  # the master weights (and so the gradients and AdamW moments)
     # Rematerialise each block in the backward pass: none | full | dots_saveable | dots_with_no_batch_dims_saveable
     remat: str = "none"
@@ -62,10 +63,10 @@ def check_model(m: ModelConfig) -> None:
 
 def _check_kinds(m: ModelConfig) -> None:
     """Family, head layout, dtypes and the remat/attention choices."""
-    from shardlm.models.layers import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES
+    from shardlm.models.layers import ATTENTION_IMPLS, COMPUTE_DTYPES, DTYPES, REMAT_POLICIES
 
     check_one_of("model.family", m.family, FAMILY_NAMES)
-    check_one_of("model.dtype", m.dtype, DTYPES, " (float16 would need loss scaling: use bfloat16)")
+    check_one_of("model.dtype", m.dtype, COMPUTE_DTYPES, " (float16 would need loss scaling: use bfloat16)")
     check_one_of("model.param_dtype", m.param_dtype, DTYPES)
     check_one_of("model.remat", m.remat, REMAT_POLICIES)
     check_one_of("model.attention", m.attention, ATTENTION_IMPLS)

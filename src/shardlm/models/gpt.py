@@ -24,6 +24,7 @@ from shardlm.models.config import ModelConfig
 from shardlm.models.layers import (
     CACHE_AXES,
     DTYPES,
+    compute_dtype,
     Attention,
     CausalLM,
     LayerCache,
@@ -55,7 +56,7 @@ class LayerNorm(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_mlp, DTYPES[cfg.param_dtype]
-        self.dtype = DTYPES[cfg.dtype]
+        self.dtype = compute_dtype(cfg.dtype)
         self.w_in = param(rngs, nnx.initializers.normal(0.02), (d, f), ("embed", "mlp"), pd)
         self.w_out = param(rngs, nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers)), (f, d),
                            ("mlp", "embed"), pd)
@@ -73,7 +74,7 @@ class MLP(nnx.Module):
 
 class Block(PreNormBlock):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dt, pd = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        dt, pd = compute_dtype(cfg.dtype), DTYPES[cfg.param_dtype]
         self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.n_layers, cfg.use_bias, dt, pd, rngs)
         self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
@@ -86,7 +87,7 @@ class GPT(CausalLM):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
-        self.dtype, self.attention, self.remat = DTYPES[cfg.dtype], cfg.attention, cfg.remat
+        self.dtype, self.attention, self.remat = compute_dtype(cfg.dtype), cfg.attention, cfg.remat
         pd = DTYPES[cfg.param_dtype]
         init = nnx.initializers.normal(0.02)
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd)

@@ -35,12 +35,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlm.accelerator import current, resolve_dtype
 from shardlm.errors import ShardlmError
 from shardlm.sharding import active_degree, constrain
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
 CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bfloat16 on GPUs and TPUs, float32 on a CPU (`shardlm.accelerator`)
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -48,6 +50,11 @@ REMAT_POLICIES = {
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+def compute_dtype(name: str):
+    """The jnp dtype a block computes in for `model.dtype` (auto resolved for the accelerator compiled for)."""
+    return DTYPES[resolve_dtype(name)]
 
 
 def padded_vocab_size(vocab_size: int, tensor_degree: int = 1) -> int:
@@ -95,18 +102,17 @@ def check_attention(requested: str, seq_split: int) -> None:
 
 def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1) -> str:
     """"auto": cuDNN's fused kernel where it applies (NVIDIA GPUs of compute capability 8.0 or newer, 16-bit
-    inputs, head_dim a multiple of 8 up to 128, a sequence not split over devices), else XLA's attention."""
+    inputs, head_dim a multiple of 8 up to 128, a sequence not split over devices), else XLA's attention. The GPU
+    is the one being compiled for (`shardlm.accelerator.current`), so a compile for an H100 from a CPU host picks
+    what a run on the H100 would."""
     check_attention(requested, seq_split)
     if requested != "auto":
         return requested
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if seq_split > 1 or jax.default_backend() != "gpu" or not sixteen_bit:
+    target = current()
+    if seq_split > 1 or target.platform != "gpu" or not sixteen_bit or target.compute_capability is None:
         return "xla"
-    try:
-        capability = float(jax.devices()[0].compute_capability)
-    except (AttributeError, TypeError, ValueError):
-        return "xla"
-    return "cudnn" if capability >= 8.0 and head_dim % 8 == 0 and head_dim <= 128 else "xla"
+    return "cudnn" if target.compute_capability >= 8.0 and head_dim % 8 == 0 and head_dim <= 128 else "xla"
 
 
 def causal_mask(t: int) -> jax.Array:
@@ -292,15 +298,34 @@ class CausalLM(nnx.Module):
         with jax.named_scope("head"):
             x = self.ln_f(x)
             if self.lm_head is None:  # tied: contract with the table as stored; a `wte.T` operand made XLA:CPU
-                logits = jnp.einsum("bte,ve->btv", x, table,  # copy the transposed table (all of it) every call
-                                    preferred_element_type=jnp.float32)
+                logits = float32_logits("bte,ve->btv", x, table)  # copy the transposed table every call
             else:
-                logits = jnp.einsum("bte,ev->btv", x, use(self.lm_head, self.dtype),
-                                    preferred_element_type=jnp.float32)
+                logits = float32_logits("bte,ev->btv", x, use(self.lm_head, self.dtype))
             logits = constrain(logits, "batch", "seq", "act_vocab")
             if self.padded_vocab != self.vocab_size:  # padded rows never receive probability mass
                 logits = jnp.where(jnp.arange(self.padded_vocab) < self.vocab_size, logits, -jnp.inf)
         return logits, new_cache
+
+
+def float32_logits(contraction: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """The output head: `einsum(contraction, x, w)` accumulated and returned in float32 (the loss never sees
+    bfloat16 logits), whose gradient flows back in the compute dtype. Left to autodiff, the float32 cotangent of
+    the logits would make both backward matmuls float32 (XLA:GPU compiled them so, at half the tensor cores'
+    bfloat16 rate): it is cast to `x`'s dtype first, as the forward matmul's inputs are."""
+
+    @jax.custom_vjp
+    def head(x, w):
+        return jnp.einsum(contraction, x, w, preferred_element_type=jnp.float32)
+
+    def forward(x, w):
+        return head(x, w), (x, w)
+
+    def backward(saved, g):
+        x, w = saved
+        return jax.vjp(lambda a, b: jnp.einsum(contraction, a, b), x, w)[1](g.astype(x.dtype))
+
+    head.defvjp(forward, backward)
+    return head(x, w)
 
 
 def _remat_block(block, x, rngs, ctx: Context, policy):

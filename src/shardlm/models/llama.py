@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlm.models.config import ModelConfig
-from shardlm.models.layers import DTYPES, Attention, CausalLM, PreNormBlock, param, rope_tables, use
+from shardlm.models.layers import DTYPES, Attention, CausalLM, PreNormBlock, compute_dtype, param, rope_tables, use
 from shardlm.sharding import constrain
 
 
@@ -40,7 +40,7 @@ class RMSNorm(nnx.Module):
 class SwiGLU(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_mlp, DTYPES[cfg.param_dtype]
-        self.dtype = DTYPES[cfg.dtype]
+        self.dtype = compute_dtype(cfg.dtype)
         init = nnx.initializers.normal(0.02)
         self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.w_up = param(rngs, init, (d, f), ("embed", "mlp"), pd)
@@ -54,7 +54,7 @@ class SwiGLU(nnx.Module):
 
 class Block(PreNormBlock):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dt, pd = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        dt, pd = compute_dtype(cfg.dtype), DTYPES[cfg.param_dtype]
         # ln1 / ln2 / ln_f: RMSNorms, named as the GPT family's norms (and Hugging Face's "input_layernorm").
         self.ln1 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, dt, pd,
@@ -69,7 +69,7 @@ class Llama(CausalLM):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
-        self.dtype, self.attention, self.remat = DTYPES[cfg.dtype], cfg.attention, cfg.remat
+        self.dtype, self.attention, self.remat = compute_dtype(cfg.dtype), cfg.attention, cfg.remat
         self.head_dim, self.rope_theta = cfg.d_model // cfg.n_heads, cfg.rope_theta
         pd = DTYPES[cfg.param_dtype]
         init = nnx.initializers.normal(0.02)

@@ -1,0 +1,136 @@
+"""Which accelerator the programs being traced are for: the seam between "where shardlm runs" and "what it compiles
+for".
+
+Two choices depend on the accelerator and are made while a program is traced: the compute dtype that
+`model.dtype=auto` stands for (bfloat16 over float32 master weights on GPUs and TPUs, float32 on a CPU, which
+emulates bfloat16 slowly), and the attention implementation that `model.attention=auto` picks (cuDNN's fused
+kernel on NVIDIA GPUs of compute capability 8.0 or newer). Both read `current()`.
+
+Design choices:
+- `current()` describes the devices JAX runs on, unless a compile for another target is being traced:
+  `compiling_for(Accelerator(...))` says so for the duration of a block (`shardlm.perf.targets` uses it when it
+  compiles for an H100 or a TPU from a CPU host, and tests use it to resolve the GPU defaults without a GPU).
+- A module-level value, not a context variable: tracing happens on the thread that calls `lower`, and XLA's
+  compile threads never read it.
+- This module imports JAX only when asked about the local devices, so configs can be read before JAX starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    platform: str  # "cpu", "gpu" or "tpu", as jax.Device.platform
+    device_kind: str  # e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite", "cpu"
+    compute_capability: float | None = None  # NVIDIA GPUs only, e.g. 9.0
+
+
+_override: Accelerator | None = None
+
+
+def local() -> Accelerator:
+    """The accelerator of the devices this process runs on."""
+    import jax
+
+    device = jax.devices()[0]
+    try:
+        capability = float(device.compute_capability) if device.platform == "gpu" else None
+    except (AttributeError, TypeError, ValueError):
+        capability = None
+    return Accelerator(device.platform, device.device_kind, capability)
+
+
+def current() -> Accelerator:
+    """The accelerator being compiled for: a target inside `compiling_for`, else the local devices'."""
+    return _override if _override is not None else local()
+
+
+@contextlib.contextmanager
+def compiling_for(accelerator: Accelerator):
+    """Trace for `accelerator` within the block, whatever devices this process has."""
+    global _override
+    before, _override = _override, accelerator
+    try:
+        yield accelerator
+    finally:
+        _override = before
+
+
+def default_compute_dtype(platform: str) -> str:
+    """What `model.dtype=auto` computes in: bfloat16 where the matrix units run it natively (GPU, TPU)."""
+    return "bfloat16" if platform in ("gpu", "tpu") else "float32"
+
+
+def resolve_dtype(name: str) -> str:
+    """A compute dtype's name with "auto" resolved for the accelerator being compiled for."""
+    return default_compute_dtype(current().platform) if name == "auto" else name
+
+
+def visible_accelerator() -> bool:
+    """Whether this host shows an NVIDIA or AMD GPU or a TPU chip to JAX (read from /proc and /sys by JAX's own
+    checks; nothing is initialised)."""
+    try:
+        from jax._src import hardware_utils as hw
+    except ImportError:  # a JAX that moved its checks: assume there may be one
+        return True
+    try:
+        return bool(hw.has_visible_nvidia_gpu() or hw.num_available_amd_gpus(stop_at=1)
+                    or hw.num_available_tpu_chips_and_device_id()[0])
+    except Exception:  # noqa: BLE001 - a check that cannot read the host says nothing either way
+        return True
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """File descriptor 2 goes to /dev/null inside the block. libtpu and the CUDA plugin log from C++ when they
+    load on a host without their hardware ("could not determine TPU accelerator type", "Could not find cuda
+    drivers"): expected there, and nothing the user can act on. Python's errors still reach the caller as
+    exceptions."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def cpu_unless_accelerator() -> bool:
+    """With the `targets` extra installed (the CUDA PJRT plugin, libtpu) on a host without a GPU or TPU, JAX
+    would try every plugin at start-up and print their failures (a traceback from the CUDA plugin, libtpu's
+    errors) before settling on the CPU. When the user has chosen no platform and the host shows no accelerator,
+    start on the CPU directly. True if JAX will run on the CPU alone (so chosen here or by the user). Call before JAX's backends start; then `start_cpu_quietly`."""
+    import logging
+    import os
+
+    # The CUDA plugin's optional extension (GPU memory stats) is absent without a GPU runtime; nothing needs it.
+    logging.getLogger("jax_plugins.xla_cuda12").setLevel(logging.ERROR)
+
+    chosen = os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME")
+    if chosen:
+        return chosen.strip().lower() == "cpu"
+    if visible_accelerator():
+        return False
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
+def start_cpu_quietly() -> None:
+    """Start JAX's backends (the CPU's, with the installed plugins registered) with the plugins' C++ start-up
+    lines silenced: on a host `cpu_unless_accelerator` found without accelerators they only say so. After a
+    multi-process run has joined (`jax.distributed` must come before the backends)."""
+    import jax
+
+    with native_stderr_silenced():
+        jax.devices()
