@@ -30,6 +30,7 @@ import os
 import sys
 
 from shardlm import distributed
+from shardlm.accelerator import cpu_unless_accelerator, start_cpu_quietly
 from shardlm.distributed import add_options as add_distributed_options
 from shardlm.errors import ShardlmError
 from shardlm.units import parse_bytes
@@ -67,7 +68,23 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                        help="replace the run in --run-dir (by default a run there is resumed from its checkpoint)")
     train.add_argument("--explain", action="store_true", help="print every parameter's placement before training")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    train.add_argument("--compile-only", action="store_true",
+                       help="do everything a run does up to the first step, compile the step, report its memory, "
+                            "fit, collectives and estimated time, and exit (1 if it does not fit); writes nothing")
+    _target_options(train)
     return train
+
+
+TARGET_HELP = ("compile for this accelerator instead of the local devices, from any host (nothing runs): h100, h200, "
+               "a100-80gb, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e (needs the `targets` extra)")
+
+
+def _target_options(p: argparse.ArgumentParser, devices: bool = True) -> None:
+    p.add_argument("--target", metavar="NAME", help=TARGET_HELP)
+    if devices:
+        p.add_argument("--devices", type=int, metavar="N", help="with --target: how many of its devices (default 1)")
+        p.add_argument("--hosts", type=int, metavar="H", help="with --target: over how many hosts (default: full "
+                                                              "hosts, 8 GPUs or 4 TPU chips each)")
 
 
 def _generate_parser(sub) -> argparse.ArgumentParser:
@@ -104,6 +121,7 @@ def _explain_parser(sub) -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="print every parameter's shape, partition spec and bytes per device")
     _common(explain)
     explain.add_argument("--json", action="store_true", help="the same as JSON, with per-device totals")
+    _target_options(explain)
     return explain
 
 
@@ -114,8 +132,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--devices", type=int, metavar="N",
                       help="devices to plan for (simulated on the CPU host; default: the devices JAX sees)")
     plan.add_argument("--config", metavar="FILE", help="YAML config file (overrides apply on top)")
-    plan.add_argument("--memory", metavar="BYTES", default="80GB",
-                      help="memory per device, e.g. 80GB, 24GiB, 16e9 (default 80GB, an H100)")
+    plan.add_argument("--memory", metavar="BYTES", default=None,
+                      help="memory per device, e.g. 80GB, 24GiB, 16e9 (default: the target's, or 80GB, an H100)")
+    _target_options(plan, devices=False)
     plan.add_argument("--strategies", metavar="LIST",
                       help="only these strategies, comma-separated as plan names them (e.g. fsdp8,fsdp4+tp2)")
     plan.add_argument("--peak-tflops", type=float, default=None, metavar="T",
@@ -345,21 +364,26 @@ def _plan(args: argparse.Namespace) -> None:
 
     import jax
 
-    from shardlm.config import load_config
     from shardlm.perf.costmodel import hardware_for
     from shardlm.perf.planner import format_plan, plan, report_progress
     from shardlm.perf.strategies import parse_strategies
 
-    n = args.devices or jax.device_count()
-    cfg = load_config(args.config, args.overrides)
-    hw = hardware_for(n, cfg.model.dtype, memory_bytes=parse_bytes(args.memory), peak_tflops=args.peak_tflops,
-                      intra_node_gbs=args.intra_node_gbs, hosts=args.hosts, devices_per_node=args.devices_per_node,
-                      inter_host_bandwidth=args.inter_host_bandwidth, inter_node_gbs=args.inter_node_gbs,
-                      latency_us=args.latency_us)
+    target = _target(args)
+    n = args.devices or (1 if target else jax.device_count())
+    cfg = _load_for(target, args)
+    memory = parse_bytes(args.memory) if args.memory else None
+    if target:
+        hw = target.hardware(cfg.model.dtype, n, args.hosts, memory)
+    else:
+        hw = hardware_for(n, cfg.model.dtype, memory_bytes=memory or 80e9, peak_tflops=args.peak_tflops,
+                          intra_node_gbs=args.intra_node_gbs, hosts=args.hosts,
+                          devices_per_node=args.devices_per_node, inter_host_bandwidth=args.inter_host_bandwidth,
+                          inter_node_gbs=args.inter_node_gbs, latency_us=args.latency_us)
     if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
         print("note: plan tries every mesh (or --strategies); the mesh.* overrides are ignored", file=sys.stderr)
     strategies = parse_strategies(args.strategies, n) if args.strategies is not None else None
-    p = plan(cfg, args.devices, hw, strategies=strategies, log=report_progress)
+    p = plan(cfg, n if target else args.devices, hw, strategies=strategies, log=report_progress, target=target,
+             hosts=args.hosts)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s")
 
@@ -416,20 +440,77 @@ def _export(args: argparse.Namespace) -> None:
            max_shard_bytes=parse_bytes(args.max_shard_size, "--max-shard-size"), force=args.force, log=_to_stderr)
 
 
-def _train(args: argparse.Namespace) -> None:
+def _target(args: argparse.Namespace):
+    """The `--target` of a command (checked: known, and its compiler installed), or None."""
+    if getattr(args, "target", None) is None:
+        for flag in ("devices", "hosts"):
+            if getattr(args, flag, None) is not None and args.command != "plan":
+                raise ShardlmError(f"--{flag} counts a target's devices; pass --target too (e.g. --target h100), "
+                                   "or --cpu-devices to simulate local ones")
+        return None
+    from shardlm.perf import targets
+
+    target = targets.get(args.target)
+    targets.check_installed(target)
+    return target
+
+
+def _load_for(target, args: argparse.Namespace):
+    """The command's config, with model.dtype=auto resolved for the target (or the local devices)."""
+    import contextlib
+
+    from shardlm.accelerator import compiling_for
+    from shardlm.config import load_config
+
+    with compiling_for(target.accelerator) if target else contextlib.nullcontext():
+        return load_config(args.config, args.overrides)
+
+
+def _compile_only(args: argparse.Namespace) -> int:
+    from shardlm.perf.compile_only import compile_train_step, format_report
+
+    target = _target(args)
+    report = compile_train_step(_load_for(target, args), target=target, n_devices=args.devices, hosts=args.hosts,
+                                log=_to_stderr)
+    print(format_report(report))
+    return 0 if report.fits else 1
+
+
+def _train(args: argparse.Namespace) -> int | None:
     from shardlm.train.loop import train
     from shardlm.train.rundir import run_config
 
+    if args.compile_only:
+        return _compile_only(args)
+    if args.target:
+        raise ShardlmError(f"--target {args.target} compiles for devices this host does not have; add "
+                           "--compile-only to compile the step and report, or use shardlm plan --target")
+
+    _target(args)  # --devices or --hosts without a target
     cfg, run_dir = run_config(args.config, args.overrides, args.run_dir, args.overwrite)
     train(cfg, run_dir, overwrite=args.overwrite, progress=not args.no_progress, explain=args.explain)
 
 
 def _explain(args: argparse.Namespace) -> None:
-    from shardlm.config import load_config
+    import json
+
     from shardlm.train.explain import explain_run
 
-    ex = explain_run(load_config(args.config, args.overrides), log=_to_stderr)  # stdout is the table (or JSON)
-    print(ex.to_json() if args.json else ex)
+    target = _target(args)
+    cfg = _load_for(target, args)
+    if target is None:
+        ex = explain_run(cfg, log=_to_stderr)  # stdout is the table (or JSON)
+        print(ex.to_json() if args.json else ex)
+        return
+    from shardlm.perf import targets
+    from shardlm.perf.compile_only import compile_train_step, format_report
+
+    ex = explain_run(cfg, log=_to_stderr, devices=list(targets.topology(target, args.devices or 1, args.hosts).devices))
+    report = compile_train_step(cfg, target=target, n_devices=args.devices, hosts=args.hosts, log=_to_stderr)
+    if args.json:
+        print(json.dumps(ex.to_dict() | {"compiled": report.to_dict()}, indent=2))
+    else:
+        print(f"{ex}\n\n{format_report(report)}")
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -474,6 +555,8 @@ def _simulate_devices(args: argparse.Namespace) -> None:
     """`--cpu-devices N` (`plan --devices N`: N devices to compile for, with the planning flags), before JAX starts."""
     from shardlm.mesh import simulate_cpu_devices
 
+    if args.command == "plan" and args.target:
+        return  # a target's devices are abstract: nothing to simulate
     if args.command == "plan":
         if args.devices is not None and args.devices < 1:
             raise ShardlmError(f"--devices must be at least 1, got {args.devices}")
@@ -495,9 +578,12 @@ MODEL_COMMANDS = {"train": _train, "generate": _generate, "explain": _explain, "
 def _run(args: argparse.Namespace) -> int | None:
     if args.command in LOCAL_COMMANDS:
         return LOCAL_COMMANDS[args.command](args)
+    cpu_only = cpu_unless_accelerator()
     _simulate_devices(args)
     if args.command != "plan":  # a plan compiles on this process's (simulated) devices only
         _join(args)
+    if cpu_only:
+        start_cpu_quietly()
     return MODEL_COMMANDS[args.command](args)
 
 

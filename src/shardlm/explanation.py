@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import defaultdict
 
 import jax
@@ -85,16 +86,28 @@ class Explanation:
         return format_explanation(self)
 
 
+def _shard_bytes(arr) -> dict[int, int]:
+    """{device id: bytes of `arr` it holds}: an array's addressable shards, or for an abstract one (a
+    ShapeDtypeStruct with a sharding, as a compile for a target has) the shards its sharding would make."""
+    if hasattr(arr, "addressable_shards"):
+        return {s.device.id: s.data.nbytes for s in arr.addressable_shards}
+    itemsize = jax.numpy.dtype(arr.dtype).itemsize
+    return {d.id: math.prod(len(range(*i.indices(n))) for i, n in zip(index, arr.shape)) * itemsize
+            for d, index in arr.sharding.devices_indices_map(tuple(arr.shape)).items()}
+
+
 def _rows_and_usage(tree, placed_by: dict[str, str] | None = None) -> tuple[list[Row], dict[int, int]]:
     rows, usage = [], defaultdict(int)
     for path, arr in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shard_bytes = [s.data.nbytes for s in arr.addressable_shards]
-        for shard in arr.addressable_shards:
-            usage[shard.device.id] += shard.data.nbytes
+        per_device = _shard_bytes(arr)
+        shard_bytes = list(per_device.values())
+        for device, nbytes in per_device.items():
+            usage[device] += nbytes
         name = path_str(path)
         spec = tuple(arr.sharding.spec) + (None,) * (arr.ndim - len(arr.sharding.spec))  # one entry per dimension
         entries = [e if e is None or isinstance(e, str) else list(e) for e in spec]
-        rows.append(Row(name, tuple(arr.shape), str(arr.dtype), str(P(*spec)), max(shard_bytes), arr.nbytes,
+        rows.append(Row(name, tuple(arr.shape), str(arr.dtype), str(P(*spec)), max(shard_bytes),
+                        math.prod(arr.shape) * jax.numpy.dtype(arr.dtype).itemsize,
                         (placed_by or {}).get(name, ""), entries))
     return rows, dict(usage)
 

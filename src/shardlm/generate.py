@@ -145,6 +145,11 @@ class Generator:
 
     # --- compiled functions -----------------------------------------------------------------------------------
 
+    def compile_for(self, rows: int, width: int, sampling: Sampling):
+        """The compiled (prefill, decode) for `rows` prompts padded to `width` tokens: what `generate` runs. With
+        an abstract `state` (shapes and shardings) on a target's devices, a compile for that target."""
+        return self._compile(rows, width, sampling)
+
     def _compile(self, rows: int, width: int, sampling: Sampling):
         """The (prefill, decode) executables for this batch shape and sampling, compiled ahead of time once: a
         prefill per prompt-length bucket, one decode step for all of them."""

@@ -17,6 +17,11 @@ Nothing is executed and no array is allocated: the state is abstract (shapes and
 devices are simulated (`--xla_force_host_platform_device_count`), so 64 or 256 work on a laptop; the compiled
 program is XLA:CPU's, whose partitioning is the accelerators' but whose buffer scheduling is its own, so the
 temporaries are indicative (within tens of percent of a GPU's), not exact.
+
+With a target (`--target h100`, `shardlm.perf.targets`) the step is compiled by that accelerator's own compiler
+for abstract devices of it: memory, collectives and fits are then XLA:GPU's or XLA:TPU's, and the compiler's own
+estimate of the step's time (`compiler_s`) and the MFU it implies stand beside the cost model's. A program the
+compiler refuses for its memory (XLA:TPU does) is reported as not fitting, with the compiler's reason.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import time
 from shardlm.config import Config, describe
 from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
+from shardlm.perf.compiled import CompiledStep, compile_step
 from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak, issued, split_traffic
 from shardlm.perf.strategies import Strategy, all_strategies, rejection, wants_context_splits
+from shardlm.perf.targets import Target
 from shardlm.units import fmt_bytes
 
 
@@ -50,6 +57,15 @@ class StrategyPlan:
     fits: bool
     compile_s: float
     rank: int = 0
+    compiler_s: float | None = None  # the target compiler's own estimate of the step's time
+    refusal: str | None = None  # the target compiler refused the program (it does not fit): its reason
+    hidden: dict | None = None  # XLA:GPU's schedule: fraction of each collective kind's time hidden by compute
+
+    def mfu(self, step_s: float | None, hardware: Hardware) -> float | None:
+        """Model FLOPs per device per second over the peak, for a step of `step_s`."""
+        if not step_s:
+            return None
+        return self.model_flops / self.strategy.devices / step_s / hardware.peak_flops
 
     @property
     def flops(self) -> float:
@@ -87,6 +103,11 @@ class StrategyPlan:
             "flops_per_device": self.flops_per_device,
             "model_flops": self.model_flops,
             "fits": self.fits,
+            "refusal": self.refusal,
+            "compiler_step_s": self.compiler_s,
+            "compiler_mfu": self.mfu(self.compiler_s, hardware) if hardware else None,
+            "collectives_hidden": self.hidden,
+            "est_mfu": self.mfu(self.est.step_s, hardware) if hardware else None,
             "est_step_s": self.est.step_s,
             "est_compute_s": self.est.compute_s,
             "est_comm_s": self.est.comm_s,
@@ -103,7 +124,8 @@ class Plan:
     rejected: list[tuple[Strategy, str]]
     param_count: int  # of the model with the least vocabulary padding
     wall_s: float
-    platform: str = "cpu"  # where it was compiled
+    platform: str = "cpu"  # what it was compiled for
+    target: Target | None = None
 
     @property
     def best(self) -> StrategyPlan | None:
@@ -133,39 +155,57 @@ def _shard_bytes(tree) -> int:
     return total
 
 
-def _lower(cfg: Config, strategy: Strategy, vocab: int, devices):
+def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target | None):
     """(lowered train step, param bytes/device, optimizer bytes/device, param count) for one strategy."""
+    import contextlib
+
     import jax
 
+    from shardlm.perf.targets import tracing_for
     from shardlm.train.state import TrainState, abstract_train_state
     from shardlm.train.step import batch_struct, train_step_for
 
     mesh = strategy.make_mesh(devices)
-    _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
-    step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
-    lowered = step.lower(abstract, batch_struct(cfg, mesh))
+    with tracing_for(target) if target else contextlib.nullcontext():
+        _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
+        step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
+        lowered = step.lower(abstract, batch_struct(cfg, mesh))
     count = sum(leaf.size for leaf in jax.tree.leaves(abstract["model"]))
     return lowered, _shard_bytes(abstract["model"]), _shard_bytes(abstract["optimizer"]), count
 
 
-def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = None, *, vocab_size: int | None = None,
-         strategies: list[Strategy] | None = None, workers: int | None = None, log=None) -> Plan:
-    """Compile the train step of `cfg` for every strategy over `n_devices` (default: all devices JAX sees), or
-    only for `strategies`, and rank them. JAX must already see that many devices (the CLI's `--devices` simulates
-    them on a CPU host). `hardware` defaults to an H100 SXM at its dense peak for `model.dtype`."""
+def _devices(n_devices: int | None, target: Target | None, hosts: int | None) -> list:
     import jax
 
-    from shardlm.flops import model_flops_per_step
-    from shardlm.train.data import tokenizer_vocab
+    if target is not None:
+        from shardlm.perf.targets import topology
 
-    hardware = hardware or Hardware(peak_flops=h100_peak(cfg.model.dtype))
-    t0 = time.perf_counter()
+        return list(topology(target, n_devices or 1, hosts).devices)
     devices = jax.devices()
     n = n_devices or len(devices)
     if n > len(devices):
         raise ShardlmError(f"planning for {n} devices needs JAX to see {n}, but it sees {len(devices)}; run "
                            f"`shardlm plan --devices {n}` (it simulates them on the CPU) or set XLA_FLAGS="
                            f"--xla_force_host_platform_device_count={n} before JAX starts")
+    return devices[:n]
+
+
+def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = None, *, vocab_size: int | None = None,
+         strategies: list[Strategy] | None = None, workers: int | None = None, log=None,
+         target: Target | None = None, hosts: int | None = None) -> Plan:
+    """Compile the train step of `cfg` for every strategy over `n_devices` (default: all devices JAX sees, or one
+    device of `target`), or only for `strategies`, and rank them. Without a target JAX must already see that many
+    devices (the CLI's `--devices` simulates them on a CPU host); with one, they are its abstract devices over
+    `hosts` hosts. `hardware` defaults to the target's, or an H100 SXM at its dense peak for `model.dtype`."""
+    from shardlm.flops import model_flops_per_step
+    from shardlm.train.data import tokenizer_vocab
+
+    if hardware is None:
+        hardware = (target.hardware(cfg.model.dtype, n_devices or 1, hosts) if target
+                    else Hardware(peak_flops=h100_peak(cfg.model.dtype)))
+    t0 = time.perf_counter()
+    devices = _devices(n_devices, target, hosts)
+    n = len(devices)
     log = log or (lambda m: None)
     vocab = vocab_size or tokenizer_vocab(cfg, log=log)
     candidates, rejected = [], []
@@ -179,35 +219,33 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     results: list[StrategyPlan] = []
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     param_count = 0
+    platform = target.platform if target else devices[0].platform
 
-    def compile_one(lowered):
-        c0 = time.perf_counter()
-        compiled = lowered.compile()
-        return compiled, time.perf_counter() - c0
+    def compile_one(lowered, devices_used):
+        return compile_step(lowered, devices_used, platform=platform, loop_trips=cfg.train.grad_accum)
 
     # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering.
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending = []
         for s in candidates:
-            lowered, p_bytes, o_bytes, count = _lower(cfg, s, vocab, devices)
+            lowered, p_bytes, o_bytes, count = _lower(cfg, s, vocab, devices, target)
             param_count = min(param_count or count, count)  # the vocabulary pads least without tensor parallelism
-            pending.append((s, p_bytes, o_bytes, pool.submit(compile_one, lowered)))
+            pending.append((s, p_bytes, o_bytes, pool.submit(compile_one, lowered, s.devices)))
         for i in range(len(pending)):
             s, p_bytes, o_bytes, future = pending[i]
             pending[i] = None  # drop the executable once read: 64 devices' worth of programs add up
-            compiled, compile_s = future.result()
-            mem = compiled.memory_analysis()
-            ops = hlo.collectives(compiled.as_text(), s.devices)
-            flops = hlo.compiled_flops(compiled)
-            peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                    + mem.temp_size_in_bytes)
+            step: CompiledStep = future.result()
             results.append(StrategyPlan(
-                s, p_bytes, o_bytes, p_bytes, mem.temp_size_in_bytes, peak, ops, flops,
-                model_flops_per_step(cfg, vocab, s.tensor), None, False, compile_s))
-            log(f"[{i + 1}/{len(candidates)}] {s.name}: compiled in {compile_s:.1f} s")
-            del compiled, future
+                s, p_bytes, o_bytes, p_bytes, step.temp_bytes, step.peak, step.collectives, step.flops_per_device,
+                model_flops_per_step(cfg, vocab, s.tensor), None, False, step.compile_s,
+                compiler_s=step.compiler_s, refusal=step.refusal,
+                hidden={k: step.schedule.hidden(k) for k in ("all-gather", "reduce-scatter")}
+                if step.schedule else None))
+            log(f"[{i + 1}/{len(candidates)}] {s.name}: compiled in {step.compile_s:.1f} s"
+                + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
+            del step, future
     return Plan(cfg, n, hardware, rank_strategies(results, hardware), rejected, param_count,
-                time.perf_counter() - t0, devices[0].platform)
+                time.perf_counter() - t0, platform, target)
 
 
 def rank_strategies(results: list[StrategyPlan], hardware: Hardware) -> list[StrategyPlan]:
@@ -215,7 +253,7 @@ def rank_strategies(results: list[StrategyPlan], hardware: Hardware) -> list[Str
     time, then the rest by peak memory. Cheap: re-rank a plan for other hardware without compiling again."""
     for r in results:
         r.est = estimate(r.flops_per_device, r.collectives, r.strategy.devices, hardware)
-        r.fits = r.peak <= hardware.memory_bytes
+        r.fits = r.peak <= hardware.memory_bytes and r.refusal is None
     ordered = sorted(results, key=lambda r: (not r.fits, r.est.step_s if r.fits else r.peak))
     for i, r in enumerate(ordered, 1):
         r.rank = i
@@ -233,8 +271,10 @@ def _short_collectives(ops: list[hlo.CollectiveOp]) -> str:
 def format_plan(p: Plan) -> str:
     m, t = p.cfg.model, p.cfg.train
     hosts = p.hosts > 1
+    target = p.target
     lines = [
-        f"plan for {p.n_devices} devices" + (f" on {p.hosts} hosts of {p.hardware.devices_per_node}" if hosts else "")
+        f"plan for {p.n_devices} {target.label + ' ' if target else ''}devices"
+        + (f" on {p.hosts} hosts of {p.hardware.devices_per_node}" if hosts else "")
         + f": {p.param_count / 1e6:.1f}M parameters, {describe(p.cfg)}; global batch {t.batch_size} x {m.seq_len} "
         f"tokens, AdamW",
         f"cost model ({p.hardware.describe()}); memory {p.hardware.memory_bytes / 1e9:g} GB "
@@ -244,7 +284,8 @@ def format_plan(p: Plan) -> str:
     w = max([16] + [len(r.strategy.name) for r in p.strategies])
     head = (f"{'rank':>4}  {'strategy':<{w}} {'params':>10} {'optimizer':>10} {'grads*':>10} {'temps':>10} "
             f"{'peak':>10}  {'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} " + (f"{'x-host/dev':>10} " if hosts else "")
-            + f"{'est step':>9}  collectives per step")
+            + f"{'est step':>9} {'MFU':>6}  " + (f"{'compiler':>9} {'MFU':>6}  " if target else "")
+            + "collectives per step")
     lines += [head, "-" * len(head)]
     for r in p.strategies:
         lines.append(
@@ -252,7 +293,9 @@ def format_plan(p: Plan) -> str:
             f"{fmt_bytes(r.gradients):>10} {fmt_bytes(r.temporaries):>10} {fmt_bytes(r.peak):>10}  "
             f"{'yes' if r.fits else 'NO':<4} {r.flops_per_device / 1e12:>9.3f} {fmt_bytes(r.est.traffic_bytes):>10} "
             + (f"{fmt_bytes(r.est.inter_node_bytes):>10} " if hosts else "")
-            + f"{_format_seconds(r.est.step_s):>9}  {_short_collectives(r.collectives)}")
+            + f"{_format_seconds(r.est.step_s):>9} {_percent(r.mfu(r.est.step_s, p.hardware)):>6}  "
+            + (f"{_format_seconds(r.compiler_s):>9} {_percent(r.mfu(r.compiler_s, p.hardware)):>6}  " if target else "")
+            + (f"refused: {r.refusal}" if r.refusal else _short_collectives(r.collectives)))
     lines.append("")
     if hosts:
         lines.append(f"across hosts (devices in mesh order, tensor innermost, {p.hardware.devices_per_node} to a "
@@ -267,6 +310,9 @@ def format_plan(p: Plan) -> str:
                  "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps")
     lines.append("comm/dev = what one device sends per step (ring algorithms); est step = compute at peak + "
                  "collectives at link bandwidth + latency (`shardlm.perf.costmodel`)")
+    lines.append("MFU = model FLOPs (6N + 12LTd per token, `shardlm.flops`) per device per second over the peak")
+    if target:
+        lines.append(_compiler_note(p))
     if p.platform == "cpu" and p.cfg.model.dtype != "float32":
         lines.append(f"note: XLA:CPU emulates {p.cfg.model.dtype} in float32, so temps and collectives above are "
                      "float32-sized (or more, with the conversions); a GPU or TPU computes it natively and needs "
@@ -278,7 +324,31 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def _format_seconds(s: float) -> str:
+def _compiler_note(p: Plan) -> str:
+    """What the target's compiler said, and how far to trust its estimate."""
+    what = (f"compiled by {'XLA:GPU' if p.platform == 'gpu' else 'XLA:TPU'} for {p.n_devices} {p.target.label} "
+            f"(abstract devices, nothing ran): bytes, fits and collectives are its own; compiler = its estimate of "
+            f"the step")
+    if p.platform == "gpu":
+        what += (" (the latency-hiding scheduler's; none for one device, whose program it does not schedule; "
+                 "cuDNN attention charged 10 us a call, so attention-heavy steps read fast)")
+        hidden = [(r.strategy.name, r.hidden) for r in p.strategies if r.hidden]
+        if hidden:
+            what += "\ncollective time hidden behind compute in XLA:GPU's schedule: " + "; ".join(
+                f"{name} " + ", ".join(f"{_ABBREV[k]} {v:.0%}" for k, v in h.items() if v is not None)
+                for name, h in hidden)
+    else:
+        what += " (cost analysis optimal_seconds)"
+    return what
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _format_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
     if s < 1e-3:
         return f"{s * 1e6:.0f} us"
     return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
@@ -290,7 +360,8 @@ def recommendation(p: Plan) -> str:
         low = min(p.strategies, key=lambda r: r.peak)
         return (f"no strategy fits in {fmt_bytes(p.hardware.memory_bytes)} per device; the smallest peak is "
                 f"{low.strategy.name} at {fmt_bytes(low.peak)}: lower train.batch_size or model.seq_len, use more "
-                "devices, or pass --memory for a larger device")
+                "devices, model.remat=full, or " + ("a target with more memory" if p.target else
+                                                     "pass --memory for a larger device"))
     text = (f"recommended: {best.strategy.name} (est {_format_seconds(best.est.step_s)} per step: "
             f"{_format_seconds(best.est.compute_s)} compute + {_format_seconds(best.est.comm_s)} communication; "
             f"peak {fmt_bytes(best.peak)} of {fmt_bytes(p.hardware.memory_bytes)})")

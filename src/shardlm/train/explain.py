@@ -7,17 +7,21 @@ from shardlm.config import Config, agree_on_config
 from shardlm.explanation import Explanation, explain_state
 from shardlm.mesh import axes_across_hosts, check_tensor_inside_hosts, describe_hosts, mesh_from_config
 from shardlm.train.data import tokenizer_vocab
-from shardlm.train.state import check_shardable, create_train_state, sequence_split_note
+from shardlm.train.state import abstract_train_state, check_shardable, create_train_state, sequence_split_note
 
 
-def explain_run(cfg: Config, log) -> Explanation:
-    """The explanation of `cfg`'s train state on its mesh; `log` takes the progress lines (data preparation)."""
+def explain_run(cfg: Config, log, devices=None) -> Explanation:
+    """The explanation of `cfg`'s train state on its mesh; `log` takes the progress lines (data preparation).
+    `devices`: abstract devices of a target (`shardlm.perf.targets`) to lay the state out on, shapes only,
+    instead of building it on the local devices."""
     agree_on_config(cfg)
-    mesh = mesh_from_config(cfg.mesh)
+    mesh = mesh_from_config(cfg.mesh, devices)
     check_tensor_inside_hosts(mesh, log)
     vocab = tokenizer_vocab(cfg, log=log)
     check_shardable(cfg, mesh)
-    ex = explain_state(create_train_state(cfg, mesh, vocab).state, mesh)
+    state = (abstract_train_state(cfg, mesh, vocab)[2] if devices is not None
+             else create_train_state(cfg, mesh, vocab).state)
+    ex = explain_state(state, mesh)
     if split := sequence_split_note(cfg, mesh):
         ex.notes.append(split)
     if hosts := describe_hosts(mesh):

@@ -1,0 +1,138 @@
+"""`shardlm train --compile-only` (and `shardlm explain --target`): everything a run does up to its first step,
+then a report instead of the step.
+
+The config is checked as a run checks it, the data is prepared (a run needs its vocabulary), the mesh is laid
+over the devices (the local ones, or a target's abstract ones: `--target h100 --devices 8`), the training state
+is laid out abstractly (nothing allocated), and the train step `shardlm train` would run is lowered and compiled
+by the compiler of the devices it is for. The report says what that compiler found: bytes per device and whether
+they fit, the collectives of the step, its FLOPs, the compiler's own estimate of its time and the MFU it implies,
+beside shardlm's cost model. Nothing is written: no run directory, no checkpoint.
+
+A step the compiler refuses for its memory (XLA:TPU does) is reported, not raised: "does not fit" is an answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from shardlm.config import Config, describe
+from shardlm.flops import model_flops_per_step
+from shardlm.mesh import describe_mesh, mesh_from_config
+from shardlm.perf import hlo
+from shardlm.perf.compiled import CompiledStep, compile_step
+from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak
+from shardlm.perf.targets import Target, topology, tracing_for
+from shardlm.train.data import tokenizer_vocab
+from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable
+from shardlm.train.step import batch_struct, train_step_for
+from shardlm.units import fmt_bytes
+
+
+@dataclasses.dataclass
+class CompileReport:
+    cfg: Config
+    mesh: str  # described
+    devices: int
+    target: Target | None
+    hardware: Hardware
+    step: CompiledStep
+    params: int  # bytes per device
+    optimizer: int
+    model_flops: float  # per step, all devices
+    est: Estimate  # shardlm's cost model
+
+    @property
+    def fits(self) -> bool:
+        return self.step.refusal is None and self.step.peak <= self.hardware.memory_bytes
+
+    def mfu(self, step_s: float | None) -> float | None:
+        return self.model_flops / self.devices / step_s / self.hardware.peak_flops if step_s else None
+
+    def to_dict(self) -> dict:
+        s = self.step
+        return {"target": self.target.name if self.target else None, "devices": self.devices, "mesh": self.mesh,
+                "bytes_per_device": {"params": self.params, "optimizer": self.optimizer, "temporaries": s.temp_bytes,
+                                     "peak": s.peak},
+                "memory_bytes": self.hardware.memory_bytes, "fits": self.fits, "refusal": s.refusal,
+                "collectives": hlo.summarize(s.collectives), "flops_per_device": s.flops_per_device,
+                "model_flops": self.model_flops, "compiler_step_s": s.compiler_s,
+                "compiler_mfu": self.mfu(s.compiler_s), "est_step_s": self.est.step_s,
+                "est_mfu": self.mfu(self.est.step_s), "compile_s": s.compile_s}
+
+
+def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: int | None = None,
+                       hosts: int | None = None, log=None) -> CompileReport:
+    """Lay out and compile `cfg`'s train step on the local devices, or on `n_devices` of `target` over `hosts`."""
+    import jax
+
+    log = log or (lambda m: None)
+    devices = list(topology(target, n_devices or 1, hosts).devices) if target else jax.devices()
+    mesh = mesh_from_config(cfg.mesh, devices)
+    check_shardable(cfg, mesh)
+    check_batch(cfg, mesh)
+    vocab = tokenizer_vocab(cfg, log=log)
+    with tracing_for(target) if target else contextlib.nullcontext():
+        _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
+        lowered = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).lower(
+            abstract, batch_struct(cfg, mesh))
+    n = mesh.devices.size
+    platform = target.platform if target else devices[0].platform
+    log(f"compiling the train step for {n} {target.label if target else platform} device(s)")
+    step = compile_step(lowered, n, platform=platform, loop_trips=cfg.train.grad_accum, keep_hlo=True)
+    hardware = (target.hardware(cfg.model.dtype, n, hosts) if target
+                else Hardware(peak_flops=h100_peak(cfg.model.dtype)))
+    shard = lambda tree: sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(tree))  # noqa: E731
+    return CompileReport(cfg, describe_mesh(mesh), n, target, hardware, step, shard(abstract["model"]),
+                         shard(abstract["optimizer"]), model_flops_per_step(cfg, vocab, mesh.shape["tensor"]),
+                         estimate(step.flops_per_device, step.collectives, n, hardware))
+
+
+def _shard_bytes(leaf) -> int:
+    import math
+
+    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "none"
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _percent(x: float | None) -> str:
+    return "" if x is None else f" (MFU {x:.1%})"
+
+
+def format_report(r: CompileReport) -> str:
+    s, hw = r.step, r.hardware
+    where = f"{r.devices} {r.target.label}" if r.target else f"{r.devices} local {s.platform}"
+    compiler = {"gpu": "XLA:GPU", "tpu": "XLA:TPU"}.get(s.platform, "XLA:CPU")
+    lines = [f"compile-only: {describe(r.cfg)}; global batch {r.cfg.train.batch_size} x {r.cfg.model.seq_len}",
+             f"mesh {r.mesh} on {where} device(s); compiled by {compiler} in {s.compile_s:.1f} s"
+             + (" (abstract devices: nothing ran)" if r.target else "")]
+    if s.refusal:
+        lines.append(f"memory per device: the train step refused by the compiler: {s.refusal}")
+        lines.append(f"fits: NO (the target has {fmt_bytes(hw.memory_bytes)} per device)")
+    else:
+        lines.append(f"memory per device: params {fmt_bytes(r.params)}, optimizer {fmt_bytes(r.optimizer)}, "
+                     f"temporaries {fmt_bytes(s.temp_bytes)}, peak {fmt_bytes(s.peak)} of "
+                     f"{fmt_bytes(hw.memory_bytes)}")
+        lines.append(f"fits: {'yes' if r.fits else 'NO'}")
+        what = ", ".join(f"{c['kind']} {c['count']}x {fmt_bytes(c['bytes'])}" for c in hlo.summarize(s.collectives))
+        lines.append(f"collectives per step: {what or 'none'}")
+        if s.schedule:
+            hidden = {k: s.schedule.hidden(k) for k in ("all-gather", "reduce-scatter")}
+            lines.append("hidden behind compute in the compiler's schedule: " + ", ".join(
+                f"{k} {v:.0%}" for k, v in hidden.items() if v is not None))
+    lines.append(f"FLOPs per device per step: {s.flops_per_device / 1e12:.3f} TFLOP (model: "
+                 f"{r.model_flops / r.devices / 1e12:.3f})" + ("; counted from the program the compiler was "
+                                                                  "given, before it refused it" if s.refusal else ""))
+    if s.platform != "cpu":
+        lines.append(f"{compiler}'s estimate of the step: {_seconds(s.compiler_s)}{_percent(r.mfu(s.compiler_s))}"
+                     + (" (it gives none for a program of one device)" if s.compiler_s is None and s.platform == "gpu"
+                        and r.devices == 1 else ""))
+    lines.append(f"shardlm's cost model: {_seconds(r.est.step_s)}{_percent(r.mfu(r.est.step_s))} = "
+                 f"{_seconds(r.est.compute_s)} compute at {hw.peak_flops / 1e12:g} TFLOP/s + "
+                 f"{_seconds(r.est.comm_s)} collectives ({hw.name})")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""Compiling a lowered step for the devices it was lowered on (local, simulated, or a target's abstract ones) and
+reading what the compiler says about it: memory per device, collectives, FLOPs, and the compiler's own estimate
+of its time.
+
+What each compiler gives:
+- XLA:CPU (plans on a CPU host): memory analysis, cost analysis (FLOPs), no time estimate.
+- XLA:GPU, deviceless (`--target h100`): memory analysis and the optimised HLO; no cost analysis. The time
+  estimate is the latency-hiding scheduler's (`shardlm.perf.schedule`), dumped to a temporary directory; FLOPs
+  are the lowered program's (XLA's cost analysis before partitioning, divided over the devices) plus cuDNN's
+  fused attention, counted from its calls.
+- XLA:TPU (`--target tpu-v5p`): memory analysis, cost analysis with `optimal_seconds` (its estimate of the
+  step's time) and FLOPs. A program too large for the chip's memory is refused with RESOURCE_EXHAUSTED: that is
+  reported (`CompiledStep.refusal`, with the temporaries it asked for), not raised.
+
+FLOPs counted inside loops: XLA's cost analyses count a `while` body once, so a gradient-accumulation scan of K
+microbatches is multiplied out (`loop_trips`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from shardlm.perf import hlo
+from shardlm.perf.schedule import Schedule, read_schedule
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    collectives: list[hlo.CollectiveOp]
+    flops_per_device: float
+    compile_s: float
+    platform: str  # what it was compiled for: cpu, gpu, tpu
+    compiler_s: float | None = None  # the compiler's own estimate of the step's time
+    schedule: Schedule | None = None  # XLA:GPU's, when it has a time model
+    hlo_text: str = ""
+    refusal: str | None = None  # why the compiler refused the program (it does not fit), if it did
+    reported_peak: int = 0  # the compiler's own peak (XLA:TPU's is what it checks against HBM), if it gives one
+
+    @property
+    def peak(self) -> int:
+        """Everything the step holds at its peak: the compiler's figure where it gives one, else arguments +
+        outputs - donated aliases + temporaries (an upper bound: a buffer may be freed before another is made)."""
+        return self.reported_peak or (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes)
+
+    @property
+    def estimator(self) -> str:
+        return {"gpu": "XLA:GPU latency-hiding scheduler", "tpu": "XLA:TPU cost analysis (optimal_seconds)"}.get(
+            self.platform, "none")
+
+
+def _first(cost) -> dict:
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return dict(cost or {})
+
+
+def compile_step(lowered, n_devices: int, *, platform: str = "cpu", loop_trips: int = 1,
+                 keep_hlo: bool = False) -> CompiledStep:
+    """Compile `lowered` (a `jax.stages.Lowered`) and read it. `platform` is what it was lowered for."""
+    if platform == "gpu":
+        return _compile_gpu(lowered, n_devices, loop_trips, keep_hlo)
+    t0 = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # XLA:TPU refuses a program larger than HBM (XlaRuntimeError, RESOURCE_EXHAUSTED)
+        refusal = out_of_memory(str(e)) if platform == "tpu" else None
+        if refusal is None:
+            raise
+        return _refused(lowered, n_devices, platform, refusal, time.perf_counter() - t0, loop_trips)
+    compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    mem = compiled.memory_analysis()
+    estimate = tpu_seconds(_first(compiled.cost_analysis()), text) if platform == "tpu" else None
+    return CompiledStep(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+                        mem.temp_size_in_bytes, hlo.collectives(text, n_devices), hlo.compiled_flops(compiled),
+                        compile_s, platform, estimate, hlo_text=text if keep_hlo else "",
+                        # XLA:CPU's plans keep the sum below (their numbers predate this field)
+                        reported_peak=0 if platform == "cpu" else getattr(mem, "peak_memory_in_bytes", 0) or 0)
+
+
+def tpu_seconds(cost: dict, hlo_text: str) -> float | None:
+    """XLA:TPU's own estimate of the step's time (`optimal_seconds`). libtpu 0.0.4x adds -1 to it for every
+    `ConcatBitcast` custom call of the program (a sentinel, seen in every program that has them), so those are
+    added back; what is still not positive is no estimate."""
+    seconds = cost.get("optimal_seconds")
+    if seconds is None:
+        return None
+    seconds = float(seconds) + hlo_text.count('custom_call_target="ConcatBitcast"')
+    return seconds if seconds > 0 else None
+
+
+def _compile_gpu(lowered, n_devices: int, loop_trips: int, keep_hlo: bool) -> CompiledStep:
+    """XLA:GPU, with the latency-hiding schedule dumped to a directory of our own and read back."""
+    dump = Path(tempfile.mkdtemp(prefix="shardlm-xla-gpu-"))
+    try:
+        t0 = time.perf_counter()
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True,
+            # XLA:GPU schedules a program of one device in program order unless asked; the scheduler is what
+            # estimates the time, and its order is what a run would use for a program with collectives anyway.
+            "xla_gpu_enable_latency_hiding_scheduler": True,
+            # Only the schedule is read: no IR, PTX or pass-by-pass HLO written beside it.
+            "xla_dump_hlo_pass_re": "^$", "xla_dump_hlo_as_text": False})
+        compile_s = time.perf_counter() - t0
+        text = compiled.as_text()
+        files = sorted(dump.glob("*.schedule.txt"))
+        schedule = read_schedule(files[0].read_text(), text) if files else None
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+    mem = compiled.memory_analysis()
+    return CompiledStep(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+                        mem.temp_size_in_bytes, hlo.collectives(text, n_devices),
+                        program_flops(lowered, n_devices, loop_trips) + fused_attention_flops(text), compile_s, "gpu",
+                        schedule.step_s if schedule else None, schedule, text if keep_hlo else "")
+
+
+def program_flops(lowered, n_devices: int, loop_trips: int = 1) -> float:
+    """FLOPs per device of a lowered, unpartitioned program: XLA's HLO cost analysis of the whole program (run by
+    the CPU backend: a deviceless target's Lowered has none) spread over the devices, its loop body counted
+    `loop_trips` times (the optimizer's few FLOPs with it). Custom calls (cuDNN's attention) count nothing."""
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    module = lowered._lowering.hlo().as_hlo_module()
+    cost = _first(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))
+    return float(cost.get("flops", 0.0)) * loop_trips / n_devices
+
+
+def fused_attention_flops(hlo_text: str) -> float:
+    """FLOPs of the cuDNN fused attention calls of a compiled program (per device, loops counted out), as the
+    model's FLOPs count attention (`shardlm.flops`): QK^T and AV, 4 B H Tq Tk D forward, twice that backward, not
+    halved for the causal mask. Shapes come from each call's layout constraints: queries [B, Tq, H, D] first,
+    keys [B, Tk, Hkv, D] second."""
+    instructions = hlo._parse(hlo_text)
+    times = hlo._trip_counts(instructions)
+    total = 0.0
+    for ins in instructions:
+        target = re.search(r'custom_call_target="__cudnn\$fmha(\w*)"', ins.attrs)
+        operands = re.search(r"operand_layout_constraints=\{(.*?\})\}", ins.attrs)  # {shape{layout}, ...}
+        if ins.opcode != "custom-call" or not target or not operands:
+            continue
+        shapes = [[int(x) for x in dims.split(",")] for _, dims in hlo._ARRAY.findall(operands.group(1))]
+        if len(shapes) < 2 or len(shapes[0]) != 4:
+            continue
+        (b, tq, h, d), tk = shapes[0], shapes[1][1]
+        passes = 2 if "Backward" in target.group(1) else 1
+        total += 4.0 * b * h * tq * tk * d * passes * times.get(ins.computation, 1)
+    return total
+
+
+_BYTES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _size(number: str, unit: str) -> int:
+    return int(float(number) * _BYTES[unit.upper()[:1]])
+
+
+def out_of_memory(message: str) -> str | None:
+    """XLA:TPU's refusal of a program too large for the chip's memory, in one line ("Ran out of memory on HBM,
+    the total memory required for HLO temporaries (49.20G) exceeds available HBM (95.74G)."), or None if
+    `message` is not one."""
+    if "RESOURCE_EXHAUSTED" not in message or "memory" not in message.lower():
+        return None
+    line = next((x for x in message.splitlines() if "RESOURCE_EXHAUSTED" in x), message)
+    return re.sub(r"^.*?RESOURCE_EXHAUSTED:\s*(XLA:TPU compile permanent error\.\s*)?", "", line).strip()
+
+
+# Both spellings libtpu uses: the one-line form of libtpu 0.0.4x, and the older detailed report's first line.
+_REFUSED = (re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
+            re.compile(r"Used ([\d.]+)([KMGT]?)B? of ([\d.]+)([KMGT]?)B? hbm"))
+
+
+def refused_bytes(message: str) -> tuple[int, int] | None:
+    """(bytes the program asked for, bytes the chip has) from XLA:TPU's out-of-memory message (G = GiB)."""
+    for pattern in _REFUSED:
+        if m := pattern.search(message):
+            return _size(m.group(1), m.group(2)), _size(m.group(3), m.group(4))
+    return None
+
+
+def _refused(lowered, n_devices, platform, refusal, compile_s, loop_trips) -> CompiledStep:
+    used = refused_bytes(refusal)
+    return CompiledStep(0, 0, 0, used[0] if used else 0, [], program_flops(lowered, n_devices, loop_trips),
+                        compile_s, platform, refusal=refusal)

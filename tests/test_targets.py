@@ -1,0 +1,176 @@
+"""Compiling for accelerators this host does not have (`shardlm.perf.targets`): XLA:GPU for H100s and XLA:TPU for
+TPU slices, from the CPU. Each test compiles a small model once, by the target's own compiler, and reads what it
+produced: the HLO's kernels and collectives, its memory analysis, its schedule and its estimate."""
+
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from shardlm import cli
+from shardlm.accelerator import compiling_for, resolve_dtype
+from shardlm.config import load_config
+from shardlm.models.layers import attention_impl
+from shardlm.perf import hlo, targets
+from shardlm.perf.compile_only import compile_train_step, format_report
+
+H100, V5E = targets.get("h100"), targets.get("tpu-v5e")
+
+
+def config_for(target, *overrides):
+    with compiling_for(target.accelerator):
+        return load_config(None, list(overrides))
+
+
+def gpt2_small(target, *overrides):
+    return config_for(target, "model=gpt2-small", "model.vocab_size=50257", *overrides)
+
+
+def dot_operand_dtypes(hlo_text: str) -> set[str]:
+    """The element types of every matmul's operands in a compiled program: `dot`s (inside Triton or loop
+    fusions) and cuBLAS GEMM calls."""
+    instructions = hlo._parse(hlo_text)
+    shapes = {i.name: i.shape for i in instructions}
+    dtypes = set()
+    for ins in instructions:
+        if ins.opcode == "dot" or (ins.opcode == "custom-call" and "__cublas$" in ins.attrs):
+            dtypes |= {shapes[o].split("[")[0] for o in ins.operands[:2] if o in shapes}
+    return dtypes
+
+
+def test_the_gpu_defaults_resolve_for_an_h100_target_on_a_cpu_host():
+    # What `shardlm train` picks on a GPU, resolved through the seam without one: bfloat16 compute over float32
+    # weights, cuDNN's fused attention where it applies.
+    assert resolve_dtype("auto") == "float32" and attention_impl("auto", jnp.bfloat16, 64) == "xla"
+    with compiling_for(H100.accelerator):
+        assert resolve_dtype("auto") == "bfloat16"
+        assert attention_impl("auto", jnp.bfloat16, 64) == "cudnn"
+        assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2) == "xla"  # cuDNN refuses a split sequence
+        assert attention_impl("auto", jnp.float32, 64) == "xla"
+    with compiling_for(targets.get("a100-80gb").accelerator):
+        assert attention_impl("auto", jnp.bfloat16, 128) == "cudnn"
+    with compiling_for(V5E.accelerator):
+        assert resolve_dtype("auto") == "bfloat16" and attention_impl("auto", jnp.bfloat16, 64) == "xla"
+    cfg = gpt2_small(H100)
+    assert (cfg.model.dtype, cfg.model.param_dtype) == ("bfloat16", "float32")
+    assert load_config(None, ["model=gpt2-small"]).model.dtype == "float32"  # this CPU host's own default
+
+
+@pytest.fixture(scope="module")
+def one_h100():
+    return compile_train_step(gpt2_small(H100, "train.batch_size=2"), target=H100, n_devices=1)
+
+
+def test_gpt2_small_for_one_h100_uses_cudnn_fused_attention_and_bf16_gemms(one_h100):
+    r, text = one_h100, one_h100.step.hlo_text
+    assert r.step.platform == "gpu" and r.fits and r.step.refusal is None
+    # One fused forward and one fused backward attention kernel per layer, from cuDNN.
+    assert len(re.findall(r'custom_call_target="__cudnn\$fmhaSoftmax"', text)) == 12
+    assert len(re.findall(r'custom_call_target="__cudnn\$fmhaSoftmaxBackward"', text)) == 12
+    assert dot_operand_dtypes(text) == {"bf16"}  # every matmul's operands, forward and backward
+    # Memory from XLA:GPU: the float32 master weights and AdamW moments, plus temporaries, well inside 80 GiB.
+    assert r.params == pytest.approx(4 * 124.5e6, rel=0.01)
+    assert r.optimizer == pytest.approx(2 * r.params, abs=64)  # two moments, and the step count
+    assert r.params + r.optimizer < r.step.peak < H100.memory_bytes
+    # FLOPs: the program's (cuDNN attention counted from its calls) within 2% of the model's 6N + 12LTd.
+    assert r.step.flops_per_device == pytest.approx(r.model_flops, rel=0.02)
+    assert "compiled by XLA:GPU" in format_report(r) and "fits: yes" in format_report(r)
+
+
+def test_fsdp8_on_h100s_overlaps_async_gathers_and_reduce_scatters():
+    cfg = gpt2_small(H100, "mesh.fsdp=8", "train.batch_size=8", "model.seq_len=512")
+    r = compile_train_step(cfg, target=H100, n_devices=8)
+    text = r.step.hlo_text
+    kinds = {c["kind"] for c in hlo.summarize(r.step.collectives)}
+    assert {"all-gather", "reduce-scatter"} <= kinds
+    opcodes = [i.opcode for i in hlo._parse(text)]
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):  # every collective an async start/done pair
+        assert opcodes.count(kind) == 0
+        assert opcodes.count(f"{kind}-start") == opcodes.count(f"{kind}-done")
+    assert sum(1 for c in r.step.collectives if c.kind == "all-gather") >= 2
+    # XLA:GPU's schedule runs compute while weights are gathered: most of the gathers' time is hidden.
+    assert r.step.schedule is not None and r.step.compiler_s > 0
+    assert r.step.schedule.hidden("all-gather") > 0.5
+    assert r.params == pytest.approx(4 * 124.5e6 / 8, rel=0.02)
+
+
+def test_the_context_axis_and_the_decode_step_compile_for_h100s():
+    cfg = config_for(H100, "model=llama-tiny", "model.vocab_size=512", "model.seq_len=256", "mesh.context=2",
+                     "train.batch_size=2")
+    r = compile_train_step(cfg, target=H100, n_devices=2)
+    assert r.fits and "__cudnn$fmha" not in r.step.hlo_text  # cuDNN refuses a split sequence: XLA's attention
+    assert any(c.kind == "all-gather" for c in r.step.collectives)  # keys and values gathered over context
+
+    import jax
+
+    from shardlm.generate import Generator
+    from shardlm.mesh import make_mesh
+    from shardlm.sampling import Sampling
+    from shardlm.train.state import abstract_model
+
+    mesh = make_mesh(1, 1, 2, devices=targets.topology(H100, 2).devices)
+    graphdef, abstract = abstract_model(cfg, mesh, 512)
+    with targets.tracing_for(H100):
+        prefill, decode = Generator(graphdef, abstract, mesh, eot_id=0).compile_for(2, 32, Sampling(0.0, 0, 1.0))
+    decode_text = decode.as_text()
+    assert "all-reduce" in decode_text  # tensor parallelism's per-layer reductions, compiled by XLA:GPU
+    assert jax.tree.leaves(prefill.output_shardings)[0].mesh.devices.flat[0].platform == "gpu"
+
+
+@pytest.mark.parametrize("devices", [4])
+def test_the_step_compiles_for_a_tpu_v5e_slice(devices):
+    cfg = gpt2_small(V5E, f"mesh.fsdp={devices}", "model.n_layers=2", "model.seq_len=256", "train.batch_size=8")
+    r = compile_train_step(cfg, target=V5E, n_devices=devices)
+    assert r.step.platform == "tpu" and r.fits
+    assert r.step.compiler_s is not None and r.step.compiler_s > 0  # XLA:TPU's own estimate
+    kinds = {c["kind"] for c in hlo.summarize(r.step.collectives)}
+    assert "all-gather" in kinds and ("reduce-scatter" in kinds or "all-reduce" in kinds)
+    assert r.step.flops_per_device == pytest.approx(r.model_flops / devices, rel=0.1)
+    assert "compiled by XLA:TPU" in format_report(r)
+
+
+def test_a_step_xla_tpu_refuses_for_its_memory_is_reported_not_raised():
+    cfg = config_for(V5E, "model=llama-tiny", "model.vocab_size=512", "model.seq_len=8192", "train.batch_size=32")
+    r = compile_train_step(cfg, target=V5E, n_devices=1)
+    assert r.step.refusal and "Ran out of memory" in r.step.refusal
+    assert not r.fits and r.step.peak > V5E.memory_bytes  # what it asked for, read from the refusal
+    text = format_report(r)
+    assert "refused by the compiler" in text and "fits: NO" in text
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_and_compile_only_take_a_target(capsys):
+    code, out, err = run_cli(capsys, "plan", "--target", "h100", "--devices", "2", "--strategies", "fsdp2,dp2",
+                             "model=tiny", "model.vocab_size=512", "train.batch_size=4")
+    assert code == 0, err
+    assert "plan for 2 H100 SXM 80GB devices" in out and "compiled by XLA:GPU" in out
+    rows = [line for line in out.splitlines() if re.match(r"\s+\d\s+(fsdp2|dp2)\s", line)]
+    assert len(rows) == 2 and all(" yes " in row for row in rows)
+    code, out, err = run_cli(capsys, "train", "--compile-only", "--target", "tpu-v5e", "model=llama-tiny",
+                             "model.vocab_size=512", "model.seq_len=8192", "train.batch_size=32")
+    assert code == 1 and "fits: NO" in out  # a step that does not fit ends in a failing exit, for scripts
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--target", "h999"], "unknown target 'h999'; known targets: h100, h200, a100-80gb, tpu-v4"),
+    (["train", "--target", "h100"], "add --compile-only"),
+    (["explain", "--devices", "8"], "pass --target too"),
+    (["plan", "--target", "tpu-v5e", "--devices", "3", "model=tiny"], "power-of-two number of chips"),
+])
+def test_bad_target_input_is_one_line(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_compiler_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setattr(targets, "_installed", lambda package: None if package == "libtpu" else "0.10.2")
+    code, _, err = run_cli(capsys, "plan", "--target", "tpu-v5p", "model=tiny")
+    assert code == 2 and "pip install 'shardlm[targets]'" in err and "jax[tpu]==" in err
+    monkeypatch.setattr(targets, "_installed", lambda package: "0.9.0" if package == "jax-cuda12-pjrt" else "0.10.2")
+    code, _, err = run_cli(capsys, "train", "--compile-only", "--target", "h100")
+    assert code == 2 and "jax-cuda12-pjrt 0.9.0 does not match jaxlib 0.10.2" in err
