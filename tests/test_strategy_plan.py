@@ -94,7 +94,11 @@ def test_latency_counts_combinable_collectives_once(plan8):
     combines them; tensor parallelism's activation all-reduces depend on one another and are issued one by one."""
     n_layers = load_config(None, MICRO).model.n_layers
     fsdp, tp = by_name(plan8, "fsdp8"), by_name(plan8, "dp2+tp4")
-    assert len(fsdp.collectives) > 10 * n_layers and issued(fsdp.collectives) <= 4
+    assert len(fsdp.collectives) > 10 * n_layers
+    # Every weight gather, and every gradient reduce-scatter, is one issue; besides them the step issues only the
+    # loss's and the norm's scalar all-reduces and the embedding lookup's gradient (an all-to-all into the shards).
+    assert issued([op for op in fsdp.collectives if op.kind in ("all-gather", "reduce-scatter")]) == 2
+    assert issued(fsdp.collectives) <= 5
     assert issued(tp.collectives) >= 4 * n_layers  # two per layer forward, two backward, in sequence
     assert by_name(plan8, "dp8").to_dict()["issued_collectives"] == 1
 

@@ -37,7 +37,7 @@ from flax import nnx
 
 from shardlm.accelerator import current, resolve_dtype
 from shardlm.errors import ShardlmError
-from shardlm.sharding import active_degree, constrain
+from shardlm.sharding import active_degree, constrain, gathered
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
 CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")
@@ -278,7 +278,11 @@ class CausalLM(nnx.Module):
             # FSDP shards of the table are gathered before the lookup (what FSDP does for every weight): a lookup
             # into a table split over the same axis as the batch is otherwise fully rematerialised by XLA's
             # partitioner. The gathered table is the tied head's too.
-            table = constrain(use(self.wte, self.dtype), "vocab", "act_embed")
+            table = use(self.wte, self.dtype)
+            if active_degree("seq") > 1:  # as before under a sequence split (`gathered` not yet examined there)
+                table = constrain(table, "vocab", "act_embed")
+            else:  # gathered, its gradient reduce-scattered back into the table's shards (`gathered`)
+                table = gathered(table, ("vocab", "act_embed"), self.wte.get_metadata()["out_sharding"])
             x, rope = self._embed(tokens, table, rngs, pos)
             x = constrain(x, "batch", "seq", "act_embed")
         mask = causal_mask(tokens.shape[1]) if pos is None and impl == "xla" else None  # once, for every layer

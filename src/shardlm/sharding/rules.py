@@ -176,6 +176,27 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def gathered(x: jax.Array, names: tuple, stored: tuple) -> jax.Array:
+    """`constrain(x, *names)` (a weight gathered for use, e.g. FSDP's shards made whole), whose gradient is
+    constrained to `stored`, the weight's own logical names, instead of to `names`. Autodiff would constrain the
+    cotangent like the gathered value, whole on every device, which XLA can only make with an all-reduce of the
+    whole gradient before slicing it; pinned to the stored sharding, it is the reduce-scatter FSDP needs (half the
+    bytes on the wire)."""
+
+    @jax.custom_vjp
+    def gather(x):
+        return constrain(x, *names)
+
+    def forward(x):
+        return gather(x), None
+
+    def backward(_, g):
+        return (constrain(g, *stored),)
+
+    gather.defvjp(forward, backward)
+    return gather(x)
+
+
 # --- parameter and state shardings ------------------------------------------------------------------------------
 
 
