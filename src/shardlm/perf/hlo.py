@@ -221,7 +221,11 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
             half = arrays[len(arrays) // 2:] if kind == "all-gather" else arrays[:1]
             nbytes = array_bytes(" ".join(f"{d}[{s}]" for d, s in half))
         groups = parse_groups(ins.attrs, n_devices)
-        if kind == "reduce-scatter":  # the operand, of which each device keeps 1/n
+        if kind == "reduce-scatter" and ins.opcode.endswith("-start") and len(sizes) >= 2:
+            # XLA:GPU's async form holds (operands, results): the operands are the unscattered buffers
+            arrays = _ARRAY.findall(ins.shape)
+            nbytes = array_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[:len(arrays) // 2]))
+        elif kind == "reduce-scatter":  # the result is this device's 1/n of the operand
             nbytes *= len(groups[0]) if groups else n_devices
         op = CollectiveOp(kind, ins.name, nbytes, groups, times.get(ins.computation, 1), _op_name(ins),
                           level[ins.name])

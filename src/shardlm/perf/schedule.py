@@ -59,6 +59,15 @@ def _module_tables(module_text: str) -> tuple[dict[int, str], dict[int, tuple[st
     return computations, instructions
 
 
+def _async_kind(name: str, opcode: str) -> str | None:
+    """The collective an async start begins: its opcode says (`all-gather-start`), or, for the generic
+    `async-start` wrapping a reduce-scatter, its name does (`reduce-scatter-start.1`)."""
+    if not opcode.endswith("-start"):
+        return None
+    kind = (name.split(".")[0] if opcode == "async-start" else opcode).removesuffix("-start")
+    return kind if kind in KINDS else None
+
+
 def read_schedule(schedule_text: str, hlo_text: str) -> Schedule | None:
     """The schedule's estimate for the compiled program `hlo_text` (its `as_text()`), or None if the schedule
     holds no time model (every total zero)."""
@@ -89,8 +98,8 @@ def read_schedule(schedule_text: str, hlo_text: str) -> Schedule | None:
             spans[iid] = (float(start.group(1)) if start else 0.0, float(end.group(1)) if end else 0.0)
         for iid, (start, _) in spans.items():
             name, opcode, _ = instructions.get(iid, ("", "", []))
-            kind = opcode.removesuffix("-start")
-            if not opcode.endswith("-start") or kind not in KINDS:
+            kind = _async_kind(name, opcode)
+            if kind is None:
                 continue
             done = done_of.get(iid)
             if done in spans:
