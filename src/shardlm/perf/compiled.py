@@ -18,6 +18,7 @@ microbatches is multiplied out (`loop_trips`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import shutil
@@ -25,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardlm.accelerator import native_stderr_silenced
 from shardlm.perf import hlo
 from shardlm.perf.schedule import Schedule, read_schedule
 
@@ -67,10 +69,12 @@ def compile_step(lowered, n_devices: int, *, platform: str = "cpu", loop_trips: 
                  keep_hlo: bool = False) -> CompiledStep:
     """Compile `lowered` (a `jax.stages.Lowered`) and read it. `platform` is what it was lowered for."""
     if platform == "gpu":
-        return _compile_gpu(lowered, n_devices, loop_trips, keep_hlo)
+        with native_stderr_silenced():  # XLA:GPU's C++ warnings (e.g. rematerialisation falling short): the
+            return _compile_gpu(lowered, n_devices, loop_trips, keep_hlo)  # report says what they say
     t0 = time.perf_counter()
     try:
-        compiled = lowered.compile()
+        with native_stderr_silenced() if platform == "tpu" else contextlib.nullcontext():
+            compiled = lowered.compile()
     except Exception as e:  # XLA:TPU refuses a program larger than HBM (XlaRuntimeError, RESOURCE_EXHAUSTED)
         refusal = out_of_memory(str(e)) if platform == "tpu" else None
         if refusal is None:

@@ -155,7 +155,7 @@ def _shard_bytes(tree) -> int:
     return total
 
 
-def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target | None):
+def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target | None = None):
     """(lowered train step, param bytes/device, optimizer bytes/device, param count) for one strategy."""
     import contextlib
 
@@ -210,7 +210,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     vocab = vocab_size or tokenizer_vocab(cfg, log=log)
     candidates, rejected = [], []
     for s in strategies or all_strategies(n, wants_context_splits(cfg, n)):
-        why = rejection(cfg, s)
+        why = rejection(cfg, s, devices)
         (rejected.append((s, why)) if why else candidates.append(s))
     if not candidates:
         raise ShardlmError(f"no assignment of {n} devices to the mesh axes suits this config: "
@@ -360,8 +360,8 @@ def recommendation(p: Plan) -> str:
         low = min(p.strategies, key=lambda r: r.peak)
         return (f"no strategy fits in {fmt_bytes(p.hardware.memory_bytes)} per device; the smallest peak is "
                 f"{low.strategy.name} at {fmt_bytes(low.peak)}: lower train.batch_size or model.seq_len, use more "
-                "devices, model.remat=full, or " + ("a target with more memory" if p.target else
-                                                     "pass --memory for a larger device"))
+                "devices, " + ("" if p.cfg.model.remat == "full" else "model.remat=full, ")
+                + ("or a target with more memory" if p.target else "or pass --memory for a larger device"))
     text = (f"recommended: {best.strategy.name} (est {_format_seconds(best.est.step_s)} per step: "
             f"{_format_seconds(best.est.compute_s)} compute + {_format_seconds(best.est.comm_s)} communication; "
             f"peak {fmt_bytes(best.peak)} of {fmt_bytes(p.hardware.memory_bytes)})")

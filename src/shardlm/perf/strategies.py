@@ -126,14 +126,14 @@ def parse_strategies(text: str, n_devices: int) -> list[Strategy]:
     return out
 
 
-def rejection(cfg, strategy: Strategy) -> str | None:
-    """Why `cfg` cannot train with `strategy` (a mesh degree that does not divide a dimension, or the batch), or
-    None. Shapes only: nothing is compiled."""
+def rejection(cfg, strategy: Strategy, devices=None) -> str | None:
+    """Why `cfg` cannot train with `strategy` on `devices` (default: the local ones) (a mesh degree that does not
+    divide a dimension, or the batch), or None. Shapes only: nothing is compiled."""
     import jax
 
     from shardlm.train.state import check_batch, check_shardable
 
-    mesh = strategy.make_mesh(jax.devices())
+    mesh = strategy.make_mesh(jax.devices() if devices is None else devices)
     try:
         check_shardable(cfg, mesh)
         check_batch(cfg, mesh)

@@ -60,7 +60,9 @@ class Target:
     def hardware(self, dtype: str, n_devices: int, hosts: int | None = None,
                  memory_bytes: float | None = None) -> Hardware:
         """The cost model's view of `n_devices` of this target over `hosts` hosts (default: full hosts)."""
-        per_host = self.devices_per_host if hosts is None else -(-n_devices // hosts)
+        # A TPU slice is one ICI network across its hosts: unless told otherwise, cost it as one "host".
+        default = n_devices if self.platform == "tpu" else self.devices_per_host
+        per_host = default if hosts is None else -(-n_devices // hosts)
         if hosts is not None and n_devices % hosts:
             raise ShardlmError(f"--hosts {hosts} does not divide the {n_devices} devices evenly; choose a host "
                                f"count that divides {n_devices}")
