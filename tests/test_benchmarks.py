@@ -1,0 +1,30 @@
+"""benchmarks/gpu.py is for hosts with a GPU, which shardlm's machines lack: here it runs at a tiny size on the
+CPU, both sides, so that it cannot rot."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_benchmark_runs_shardlm_and_transformers_on_the_same_tokens():
+    gpu = load("gpu")
+    batches = gpu.token_batches(vocab=512, batch=2, seq=32, steps=3)
+    ours = gpu.run_shardlm("tiny", batches, 512)
+    theirs = gpu.run_torch("tiny", batches, 512, compile_=False)
+    for r in (ours, theirs):
+        assert len(r["times"]) == 2 and all(t > 0 for t in r["times"])  # the first (compiling) step untimed
+        assert r["losses"][0] == pytest.approx(math.log(512), abs=0.5)  # untrained: about ln(vocab)
+    assert ours["flops"] == theirs["flops"]  # one FLOP count for both, so MFUs compare
+    assert ours["impl"].startswith("shardlm") and theirs["impl"].startswith("transformers")
+    assert "tok/s" in gpu.report(ours, 64)
