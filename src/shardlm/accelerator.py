@@ -108,7 +108,8 @@ def cpu_unless_accelerator() -> bool:
     """With the `targets` extra installed (the CUDA PJRT plugin, libtpu) on a host without a GPU or TPU, JAX
     would try every plugin at start-up and print their failures (a traceback from the CUDA plugin, libtpu's
     errors) before settling on the CPU. When the user has chosen no platform and the host shows no accelerator,
-    start on the CPU directly. True if JAX will run on the CPU alone (so chosen here or by the user). Call before JAX's backends start; then `start_cpu_quietly`."""
+    start on the CPU directly. True if JAX will run on the CPU alone (so chosen here or by the user). Call before
+    JAX's backends start; then `start_cpu_quietly`."""
     import logging
     import os
 

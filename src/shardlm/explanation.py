@@ -92,7 +92,7 @@ def _shard_bytes(arr) -> dict[int, int]:
     if hasattr(arr, "addressable_shards"):
         return {s.device.id: s.data.nbytes for s in arr.addressable_shards}
     itemsize = jax.numpy.dtype(arr.dtype).itemsize
-    return {d.id: math.prod(len(range(*i.indices(n))) for i, n in zip(index, arr.shape)) * itemsize
+    return {d.id: math.prod(len(range(*i.indices(n))) for i, n in zip(index, arr.shape, strict=True)) * itemsize
             for d, index in arr.sharding.devices_indices_map(tuple(arr.shape)).items()}
 
 

@@ -22,6 +22,7 @@ from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.perf import hlo
 from shardlm.perf.compiled import CompiledStep, compile_step
 from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak
+from shardlm.perf.planner import shard_bytes
 from shardlm.perf.targets import Target, topology, tracing_for
 from shardlm.train.data import tokenizer_vocab
 from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable
@@ -82,16 +83,9 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
     step = compile_step(lowered, n, platform=platform, loop_trips=cfg.train.grad_accum, keep_hlo=True)
     hardware = (target.hardware(cfg.model.dtype, n, hosts) if target
                 else Hardware(peak_flops=h100_peak(cfg.model.dtype)))
-    shard = lambda tree: sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(tree))  # noqa: E731
-    return CompileReport(cfg, describe_mesh(mesh), n, target, hardware, step, shard(abstract["model"]),
-                         shard(abstract["optimizer"]), model_flops_per_step(cfg, vocab, mesh.shape["tensor"]),
+    return CompileReport(cfg, describe_mesh(mesh), n, target, hardware, step, shard_bytes(abstract["model"]),
+                         shard_bytes(abstract["optimizer"]), model_flops_per_step(cfg, vocab, mesh.shape["tensor"]),
                          estimate(step.flops_per_device, step.collectives, n, hardware))
-
-
-def _shard_bytes(leaf) -> int:
-    import math
-
-    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
 
 
 def _seconds(s: float | None) -> str:

@@ -179,7 +179,8 @@ def out_of_memory(message: str) -> str | None:
 
 
 # Both spellings libtpu uses: the one-line form of libtpu 0.0.4x, and the older detailed report's first line.
-_REFUSED = (re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
+_REFUSED = (re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) "
+                       r"exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
             re.compile(r"Used ([\d.]+)([KMGT]?)B? of ([\d.]+)([KMGT]?)B? hbm"))
 
 

@@ -144,7 +144,8 @@ class Plan:
         return dataclasses.replace(self, hardware=hardware, strategies=ranked)
 
 
-def _shard_bytes(tree) -> int:
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of an abstract (sharded) tree: the largest shard of each leaf, summed."""
     import math
 
     import jax
@@ -171,7 +172,7 @@ def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target 
         step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
         lowered = step.lower(abstract, batch_struct(cfg, mesh))
     count = sum(leaf.size for leaf in jax.tree.leaves(abstract["model"]))
-    return lowered, _shard_bytes(abstract["model"]), _shard_bytes(abstract["optimizer"]), count
+    return lowered, shard_bytes(abstract["model"]), shard_bytes(abstract["optimizer"]), count
 
 
 def _devices(n_devices: int | None, target: Target | None, hosts: int | None) -> list:
