@@ -81,7 +81,7 @@ def hardware_for(n_devices: int, dtype: str, *, memory_bytes: float = 80e9, peak
             raise ShardlmError(f"{flag} must be positive, got {value}")
     if latency_us < 0:
         raise ShardlmError(f"--latency-us must be >= 0, got {latency_us}")
-    per_host = _devices_per_host(n_devices, hosts, devices_per_node)
+    per_host = devices_per_host(n_devices, hosts, devices_per_node)
     per_device_bw = _inter_host_bw_per_device(per_host, inter_host_bandwidth, inter_node_gbs)
     h100 = h100_peak(dtype) / 1e12
     peak = h100 if peak_tflops is None else peak_tflops
@@ -91,7 +91,8 @@ def hardware_for(n_devices: int, dtype: str, *, memory_bytes: float = 80e9, peak
                     name="H100 SXM" if default else "custom")
 
 
-def _devices_per_host(n: int, hosts: int | None, devices_per_node: int | None) -> int:
+def devices_per_host(n: int, hosts: int | None, devices_per_node: int | None) -> int:
+    """Devices on each host, from a host count (which must divide `n`) or devices per host (default 8)."""
     if hosts is not None and devices_per_node is not None:
         raise ShardlmError("--hosts and --devices-per-node both say how devices group into hosts; pass one")
     if hosts is None:

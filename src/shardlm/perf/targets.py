@@ -32,7 +32,7 @@ from pathlib import Path
 
 from shardlm.accelerator import Accelerator, native_stderr_silenced
 from shardlm.errors import ShardlmError
-from shardlm.perf.costmodel import Hardware
+from shardlm.perf.costmodel import Hardware, devices_per_host
 
 SPECS = Path(__file__).with_name("gpu_specs")
 
@@ -62,10 +62,7 @@ class Target:
         """The cost model's view of `n_devices` of this target over `hosts` hosts (default: full hosts)."""
         # A TPU slice is one ICI network across its hosts: unless told otherwise, cost it as one "host".
         default = n_devices if self.platform == "tpu" else self.devices_per_host
-        per_host = default if hosts is None else -(-n_devices // hosts)
-        if hosts is not None and n_devices % hosts:
-            raise ShardlmError(f"--hosts {hosts} does not divide the {n_devices} devices evenly; choose a host "
-                               f"count that divides {n_devices}")
+        per_host = devices_per_host(n_devices, hosts, None) if hosts else default
         return Hardware(name=self.label, peak_flops=self.peak_flops[dtype],
                         memory_bytes=memory_bytes or self.memory_bytes, intra_node_bw=self.link_bw,
                         inter_node_bw=self.network_bw, devices_per_node=per_host, latency_s=10e-6)
@@ -164,12 +161,8 @@ def _topology(name: str, n_devices: int, hosts: int | None):
 
 def _gpu_topology(target: Target, n: int, hosts: int | None) -> str:
     """XLA:GPU's topology string, slices x hosts x devices per host."""
-    if hosts is None:
-        hosts = -(-n // target.devices_per_host)
-    if n % hosts:
-        raise ShardlmError(f"--hosts {hosts} does not divide the {n} devices evenly; choose a host count that "
-                           f"divides {n}")
-    return f"1x{hosts}x{n // hosts}"
+    hosts = hosts or -(-n // target.devices_per_host)  # default: as few hosts as hold them
+    return f"1x{hosts}x{devices_per_host(n, hosts, None)}"
 
 
 def _tpu_bounds(target: Target, n: int) -> tuple[tuple[int, ...], tuple[int, int, int]]:
