@@ -102,7 +102,7 @@ def main() -> None:
         extra = []
         if s.schedule:
             extra.append("hidden in XLA:GPU's schedule: " + ", ".join(
-                f"{k} {v:.0%}" for k in ("all-gather", "reduce-scatter") if (v := s.schedule.hidden(k)) is not None))
+                f"{k} {v:.0%}" for k, v in s.schedule.hidden_by_kind().items()))
         if s.refusal:
             extra.append(f"refused: {s.refusal}")
         if row["source"]:

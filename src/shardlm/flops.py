@@ -58,6 +58,11 @@ _PEAKS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
+def mfu(model_flops_per_device: float, step_s: float | None, peak_flops: float) -> float | None:
+    """Model FLOPs per device per second over the peak, for a step of `step_s` (None: no step time known)."""
+    return model_flops_per_device / step_s / peak_flops if step_s else None
+
+
 def table_peak(device_kind: str, dtype: str = "float32") -> float | None:
     dtype = resolve_dtype(dtype)
     for pattern, peaks in _PEAKS:

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 
 from shardlm.config import Config, describe
-from shardlm.flops import model_flops_per_step
+from shardlm.flops import mfu, model_flops_per_step
 from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.perf import hlo
 from shardlm.perf.compiled import CompiledStep, compile_step
@@ -48,7 +48,7 @@ class CompileReport:
         return self.step.refusal is None and self.step.peak <= self.hardware.memory_bytes
 
     def mfu(self, step_s: float | None) -> float | None:
-        return self.model_flops / self.devices / step_s / self.hardware.peak_flops if step_s else None
+        return mfu(self.model_flops / self.devices, step_s, self.hardware.peak_flops)
 
     def to_dict(self) -> dict:
         s = self.step
@@ -116,9 +116,8 @@ def format_report(r: CompileReport) -> str:
         what = ", ".join(f"{c['kind']} {c['count']}x {fmt_bytes(c['bytes'])}" for c in hlo.summarize(s.collectives))
         lines.append(f"collectives per step: {what or 'none'}")
         if s.schedule:
-            hidden = {k: s.schedule.hidden(k) for k in ("all-gather", "reduce-scatter")}
             lines.append("hidden behind compute in the compiler's schedule: " + ", ".join(
-                f"{k} {v:.0%}" for k, v in hidden.items() if v is not None))
+                f"{k} {v:.0%}" for k, v in s.schedule.hidden_by_kind().items()))
     lines.append(f"FLOPs per device per step: {s.flops_per_device / 1e12:.3f} TFLOP (model: "
                  f"{r.model_flops / r.devices / 1e12:.3f})" + ("; counted from the program the compiler was "
                                                                   "given, before it refused it" if s.refusal else ""))

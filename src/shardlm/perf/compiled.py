@@ -53,11 +53,6 @@ class CompiledStep:
         outputs - donated aliases + temporaries (an upper bound: a buffer may be freed before another is made)."""
         return self.reported_peak or (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes)
 
-    @property
-    def estimator(self) -> str:
-        return {"gpu": "XLA:GPU latency-hiding scheduler", "tpu": "XLA:TPU cost analysis (optimal_seconds)"}.get(
-            self.platform, "none")
-
 
 def _first(cost) -> dict:
     if isinstance(cost, (list, tuple)):
@@ -109,9 +104,6 @@ def _compile_gpu(lowered, n_devices: int, loop_trips: int, keep_hlo: bool) -> Co
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options={
             "xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True,
-            # XLA:GPU schedules a program of one device in program order unless asked; the scheduler is what
-            # estimates the time, and its order is what a run would use for a program with collectives anyway.
-            "xla_gpu_enable_latency_hiding_scheduler": True,
             # Only the schedule is read: no IR, PTX or pass-by-pass HLO written beside it.
             "xla_dump_hlo_pass_re": "^$", "xla_dump_hlo_as_text": False})
         compile_s = time.perf_counter() - t0

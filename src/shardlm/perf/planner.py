@@ -63,9 +63,9 @@ class StrategyPlan:
 
     def mfu(self, step_s: float | None, hardware: Hardware) -> float | None:
         """Model FLOPs per device per second over the peak, for a step of `step_s`."""
-        if not step_s:
-            return None
-        return self.model_flops / self.strategy.devices / step_s / hardware.peak_flops
+        from shardlm.flops import mfu  # JAX-importing: planning_flags runs before JAX starts
+
+        return mfu(self.model_flops / self.strategy.devices, step_s, hardware.peak_flops)
 
     @property
     def flops(self) -> float:
@@ -240,8 +240,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                 s, p_bytes, o_bytes, p_bytes, step.temp_bytes, step.peak, step.collectives, step.flops_per_device,
                 model_flops_per_step(cfg, vocab, s.tensor), None, False, step.compile_s,
                 compiler_s=step.compiler_s, refusal=step.refusal,
-                hidden={k: step.schedule.hidden(k) for k in ("all-gather", "reduce-scatter")}
-                if step.schedule else None))
+                hidden=step.schedule.hidden_by_kind() if step.schedule else None))
             log(f"[{i + 1}/{len(candidates)}] {s.name}: compiled in {step.compile_s:.1f} s"
                 + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
             del step, future
@@ -336,7 +335,7 @@ def _compiler_note(p: Plan) -> str:
         hidden = [(r.strategy.name, r.hidden) for r in p.strategies if r.hidden]
         if hidden:
             what += "\ncollective time hidden behind compute in XLA:GPU's schedule: " + "; ".join(
-                f"{name} " + ", ".join(f"{_ABBREV[k]} {v:.0%}" for k, v in h.items() if v is not None)
+                f"{name} " + ", ".join(f"{_ABBREV[k]} {v:.0%}" for k, v in h.items())
                 for name, h in hidden)
     else:
         what += " (cost analysis optimal_seconds)"

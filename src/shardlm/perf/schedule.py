@@ -33,6 +33,10 @@ class Schedule:
     in_flight_s: dict[str, float]  # per collective kind: summed time from -start to -done
     waited_s: dict[str, float]  # per kind (all-gather, reduce-scatter): time the schedule waits on them
 
+    def hidden_by_kind(self) -> dict[str, float]:
+        """{kind: fraction hidden} for the kinds the schedule reports waits on that the step has."""
+        return {k: v for k in _KIND_WAIT if (v := self.hidden(k)) is not None}
+
     def hidden(self, kind: str) -> float | None:
         """The fraction of `kind`'s time in flight that compute hides (None if the step has none)."""
         flight = self.in_flight_s.get(kind, 0.0)
