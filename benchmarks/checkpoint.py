@@ -47,7 +47,7 @@ def main() -> None:
     from shardlm.sharding import batch_sharding
     from shardlm.explanation import explain_state
     from shardlm.units import fmt_bytes
-    from shardlm.train.checkpoint import RunCheckpoints
+    from shardlm.checkpoint import RunCheckpoints
     from shardlm.train.state import abstract_train_state, create_train_state, make_schedule
     from shardlm.train.step import make_train_step
 

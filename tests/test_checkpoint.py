@@ -18,7 +18,7 @@ from flax import nnx
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh
-from shardlm.train.checkpoint import RunCheckpoints
+from shardlm.checkpoint import RunCheckpoints
 from shardlm.train.loop import train
 from shardlm.train.state import abstract_train_state
 from test_cli import assert_one_line_error, shardlm

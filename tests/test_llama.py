@@ -150,7 +150,8 @@ def test_remat_same_loss_fewer_temporary_bytes():
 def test_grad_accum_is_the_full_batch_step(llama_trajectories):
     """grad_accum=4 on a 2x2x2 mesh: the same loss and gradient as one pass over the whole batch (1e-5 relative),
     and the same losses over the next steps."""
-    from shardlm.train.step import accumulated_grads, cross_entropy
+    from shardlm.losses import cross_entropy
+    from shardlm.train.step import accumulated_grads
 
     cfg = load_config(None, LLAMA)
     mesh = make_mesh(2, 2, 2)

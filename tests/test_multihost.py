@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardlm.config import load_config
-from shardlm.train.checkpoint import RunCheckpoints
+from shardlm.checkpoint import RunCheckpoints
 from shardlm.train.loop import train
 
 # Dropout on, so that parity also covers the RNG stream across processes.

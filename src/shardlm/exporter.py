@@ -36,7 +36,7 @@ from shardlm.hf.tokenizer import tokenizer_files
 from shardlm.hf.weights import hf_tensors
 from shardlm.hf.writer import DEFAULT_MAX_SHARD_BYTES, ModelDirWriter
 from shardlm.load import LoadedModel, load_model, run_tokenizer
-from shardlm.train.checkpoint import RunCheckpoints, complete_steps
+from shardlm.checkpoint import RunCheckpoints, complete_steps
 from shardlm.train.rundir import CONFIG_FILE
 from shardlm.trees import path_str
 

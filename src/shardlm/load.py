@@ -14,7 +14,7 @@ from shardlm.data.tokenizer import Tokenizer, load_hf_dir_tokenizer, load_tokeni
 from shardlm.errors import ShardlmError
 from shardlm.hf.config import hf_dir, is_hf
 from shardlm.mesh import mesh_from_config
-from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, complete_steps
+from shardlm.checkpoint import CheckpointError, RunCheckpoints, complete_steps
 from shardlm.train.init_from import import_params
 from shardlm.train.rundir import CONFIG_FILE, check_vocab_padding, unreadable
 from shardlm.train.state import abstract_model, vocab_sizes

@@ -185,9 +185,14 @@ def resolve(plan: Plan, leaves: list[Leaf], mesh) -> Layout:
             spec = canonical(_spec_for(rule, leaf, mesh, plan.name))
             placements.append(Placement(leaf.path, leaf.shape, leaf.dtype, spec, f"rule {rule.describe()}",
                                         rule=rule))
+    for i, rule in enumerate(plan.activations):  # names checked now; shapes as the model is traced
+        resolve_entries(rule.spec, None, mesh, f"{plan.name}: activation rule {i + 1} '{rule.pattern}'")
+    for name, entry in plan.logical.items():
+        if entry is not None:
+            resolve_entries((entry,), None, mesh, f"{plan.name}: logical name '{name}'")
     if plan.strict and (problems := megatron_problems(placements, mesh)):
         raise ShardlmError(f"{plan.name} (strict): {problems[0]}")
-    io = lambda entries, what: canonical(_resolve_entries(entries, None, mesh, f"{plan.name}: {what}"))  # noqa: E731
+    io = lambda entries, what: canonical(resolve_entries(entries, None, mesh, f"{plan.name}: {what}"))  # noqa: E731
     return Layout(mesh, plan, placements, io(plan.inputs, "inputs"), io(plan.outputs, "outputs"))
 
 
@@ -243,7 +248,7 @@ def _spec_for(rule: Rule, leaf: Leaf, mesh, plan_name: str) -> P:
     if len(spec) > len(leaf.shape):
         raise ShardlmError(f"{where}: the spec has {len(spec)} entries for {len(leaf.shape)} dimensions; "
                            "give one entry per dimension")
-    out = _resolve_entries(spec, leaf.shape, mesh, where)
+    out = resolve_entries(spec, leaf.shape, mesh, where)
     _check_divisible(out, leaf, mesh, rule)
     return out
 
@@ -261,7 +266,7 @@ def _largest(spec: Largest, shape: tuple[int, ...], mesh) -> P:
     return P()  # no dimension divides: whole on every device (listed by Layout.replicated_large if large)
 
 
-def _resolve_entries(entries, shape, mesh, where: str) -> P:
+def resolve_entries(entries, shape, mesh, where: str) -> P:
     """Per-dimension entries of mesh axes and logical names -> a mesh PartitionSpec."""
     axes = set(mesh.axis_names)
     explicit: list[tuple[str, ...] | None] = []

@@ -12,6 +12,9 @@ A plan is a YAML or JSON file, a Python dict, or the name of a preset (`dp`, `fs
     unmatched: error                           # parameters no rule matches: error (default) or replicate
     preset: fsdp                               # optional: a preset's rules are tried after this plan's own
     strict: false                              # true: what the megatron preset warns about is an error
+    activations:                               # optional: module outputs to constrain, by module path
+      - ["blocks/*/mlp", [batch, null, null]]
+    logical: {embed: null, mlp: tensor}        # optional: the model's own logical names -> mesh axes
 
 Patterns match '/'-joined parameter paths, the key path of the tree the user holds (`nnx.state(model)`:
 `blocks/0/mha/query/kernel`; Linen variables: `params/Dense_0/kernel`). `*` matches within one path segment,
@@ -23,6 +26,8 @@ a mesh axis, a logical axis name (`embed`, `heads`, `mlp`, `vocab`, ...; see `sh
 axes. Whole-parameter specs: `replicate`; `largest` (split the largest dimension the fsdp degree divides, seed
 004's FSDP; `largest:AXIS` names another axis); and a mapping from rank to spec, which matches only parameters of
 those ranks (so one rule can cover a 2-D Dense kernel and a 3-D attention kernel).
+
+`activations` and `logical` constrain activations rather than place parameters (`shardlm.foreign.activations`).
 
 Presets are plans too: their rules are ordinary rules, marked optional so that a rule for a layer name the model
 does not use is not an error.
@@ -39,7 +44,8 @@ from shardlm.errors import ShardlmError
 from shardlm.files import read_mapping
 
 UNMATCHED = ("error", "replicate")
-PLAN_KEYS = {"mesh", "rules", "inputs", "outputs", "unmatched", "preset", "report_replicated_bytes", "strict"}
+PLAN_KEYS = {"mesh", "rules", "inputs", "outputs", "unmatched", "preset", "report_replicated_bytes", "strict",
+             "activations", "logical"}
 DEFAULT_REPORT_BYTES = 1 << 20  # a parameter this large left whole on every device is worth a line
 
 Entry = tuple[str, ...] | None  # None: not split; else mesh axes, or one logical name
@@ -95,6 +101,8 @@ class Plan:
     report_replicated_bytes: int = DEFAULT_REPORT_BYTES
     name: str = "plan"
     strict: bool = False  # the megatron preset's warnings (`layout.megatron_problems`) are errors
+    activations: list[Rule] = dataclasses.field(default_factory=list)  # module path -> output spec
+    logical: dict[str, tuple[str, ...] | None] = dataclasses.field(default_factory=dict)  # model's names -> axes
 
     @classmethod
     def load(cls, source: Plan | str | Path | dict) -> Plan:
@@ -141,6 +149,8 @@ class Plan:
             if not isinstance(data["strict"], bool):
                 raise ShardlmError(f"{name}: strict must be true or false, not {data['strict']!r}")
             plan.strict = data["strict"]
+        plan.activations = [_parse_activation(r, i, name) for i, r in enumerate(data.get("activations") or [])]
+        plan.logical = _parse_logical(data.get("logical") or {}, name)
         if data.get("report_replicated_bytes") is not None:
             value = data["report_replicated_bytes"]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -181,6 +191,25 @@ def _parse_rule(raw: Any, index: int, where: str) -> Rule:
     except ShardlmError as e:
         raise ShardlmError(f"{where}: rule {index + 1}: {e}") from None
     return Rule(pattern, parse_spec(spec, f"{where}: rule {index + 1} '{pattern}'"), optional)
+
+
+def _parse_activation(raw: Any, index: int, where: str) -> Rule:
+    rule = _parse_rule(raw, index, f"{where}: activations")
+    if not isinstance(rule.spec, tuple):
+        raise ShardlmError(f"{where}: activation rule {index + 1} '{rule.pattern}' needs a spec per dimension, e.g. "
+                           "[batch, null, tensor] (replicate is [], largest and rank mappings place parameters only)")
+    return rule
+
+
+def _parse_logical(raw: Any, where: str) -> dict[str, tuple[str, ...] | None]:
+    if not isinstance(raw, dict):
+        raise ShardlmError(f"{where}: logical must map the model's logical axis names to mesh axes, e.g. "
+                           "{embed: null, mlp: tensor}")
+    out = {}
+    for name, entry in raw.items():
+        spec = parse_spec([entry], f"{where}: logical name '{name}'")
+        out[str(name)] = spec[0]
+    return out
 
 
 def parse_spec(raw: Any, where: str) -> Spec:

@@ -29,7 +29,6 @@ dimension is its batch; other keyword arguments are static (`deterministic=True`
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Callable
 
 import jax
@@ -38,13 +37,12 @@ from jax.sharding import NamedSharding
 
 from shardlm.errors import ShardlmError
 from shardlm.explanation import Explanation, explain_trees
-from shardlm.foreign.layout import Layout, Leaf, resolve
+from shardlm.foreign.activations import check_rules_match, constrained, nnx_module_paths
+from shardlm.foreign.layout import Layout
+from shardlm.foreign.placement import check_auto_mesh, place, resolve_layout, tree_shardings
 from shardlm.foreign.plan import Plan
 from shardlm.sharding.rules import as_axes, axis_degree, replicated
-from shardlm.trees import dtype_name, path_str, signature
-
-log = logging.getLogger("shardlm")
-
+from shardlm.trees import path_str, signature
 
 @dataclasses.dataclass
 class Sharded:
@@ -138,13 +136,16 @@ class Sharded:
         return self.call(model, *inputs, **kwargs) if self.call is not None else model(*inputs, **kwargs)
 
     def forward(self, graphdef, params, rest, *inputs, **kwargs):
-        """The pure forward pass (no state written back)."""
+        """The pure forward pass (no state written back), with the plan's activation constraints."""
         if self.kind == "nnx":
             from flax import nnx
 
-            return self.run(nnx.merge(graphdef, params, rest), *inputs, **kwargs)
+            model = nnx.merge(graphdef, params, rest)
+            with constrained(model, self.plan, self.mesh):
+                return self.run(model, *inputs, **kwargs)
         variables = {"params": params, **rest}
-        return self.run(lambda *xs, **kw: self._module.apply(variables, *xs, **kw), *inputs, **kwargs)
+        with constrained(self._module, self.plan, self.mesh):
+            return self.run(lambda *xs, **kw: self._module.apply(variables, *xs, **kw), *inputs, **kwargs)
 
     def apply(self, *inputs, **kwargs):
         """The model's forward pass, jitted with the plan's input spec on the first input (other inputs whole)
@@ -262,50 +263,10 @@ def _holds_arrays(value) -> bool:
     return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
 
 
-def check_auto_mesh(mesh) -> None:
-    """Unannotated models need Auto axes: on Explicit ones (jax.make_mesh's default since JAX 0.9) a row-parallel
-    weight fails to trace ("Contracting dimensions are sharded")."""
-    from jax.sharding import AxisType
-
-    explicit = [name for name, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto]
-    if explicit:
-        raise ShardlmError(
-            f"mesh axes {', '.join(explicit)} are not AxisType.Auto (jax.make_mesh makes Explicit axes); build the "
-            "mesh with shardlm.make_mesh / shardlm.make_named_mesh, or pass axis_types=(AxisType.Auto,) * n"
-        )
-
-
-def _leaves(tree, is_param: bool) -> list[Leaf]:
-    return [Leaf(path_str(p), tuple(np.shape(x)), dtype_name(x), is_param)
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _layout_and_shardings(params, rest, plan, mesh):
-    """Resolve (raising on any problem) and return the layout and NamedSharding trees matching params / rest."""
-    layout = resolve(plan, _leaves(params, True) + _leaves(rest, False), mesh)
-    for note in layout.notes():
-        log.warning("shardlm: %s", note)
-    specs = layout.specs
-    to_sharding = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda p, _: NamedSharding(mesh, specs[path_str(p)]), tree)
-    return layout, to_sharding(params), to_sharding(rest)
-
-
-def _place(tree, shardings):
-    """Copies of the caller's arrays on the mesh, never sharing a buffer with them: the train step donates its
-    inputs, which must not free arrays the caller still holds. (`device_put(may_alias=False)` alone is not enough:
-    replicating a one-device array onto a mesh can keep its buffer as the first device's shard.)"""
-    import jax.numpy as jnp
-
-    placed = jax.device_put(tree, shardings, may_alias=False)
-
-    def buffers(x):
-        return {s.data.unsafe_buffer_pointer() for s in getattr(x, "addressable_shards", ())}
-
-    def fresh(src, dst, sharding):
-        return jax.jit(jnp.copy, out_shardings=sharding)(dst) if buffers(src) & buffers(dst) else dst
-
-    return jax.tree.map(fresh, tree, placed, shardings)
+def _shardings(params, rest, plan, mesh):
+    """The layout (raising on any problem, its notes logged) and the NamedSharding trees of params and rest."""
+    layout = resolve_layout(params, rest, plan, mesh)
+    return layout, tree_shardings(params, layout, mesh), tree_shardings(rest, layout, mesh)
 
 
 def _shard_nnx(module, build, plan, mesh) -> Sharded:
@@ -319,13 +280,14 @@ def _shard_nnx(module, build, plan, mesh) -> Sharded:
         graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     else:
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    layout, p_sh, r_sh = _layout_and_shardings(params, rest, plan, mesh)
+    layout, p_sh, r_sh = _shardings(params, rest, plan, mesh)
+    check_rules_match(plan, nnx_module_paths(abstract if module is None else module))
     if module is None:
         with nnx.use_eager_sharding(False):
             params, rest = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[1:], out_shardings=(p_sh, r_sh))()
         module = nnx.merge(graphdef, params, rest)
     else:
-        nnx.update(module, _place(params, p_sh), _place(rest, r_sh))
+        nnx.update(module, place(params, p_sh), place(rest, r_sh))
     return Sharded("nnx", mesh, plan, layout, p_sh, r_sh, module)
 
 
@@ -340,9 +302,9 @@ def _shard_linen(module, variables, plan, mesh) -> Sharded:
     split = lambda t: ({"params": unfreeze(t)["params"]},  # noqa: E731
                        {k: v for k, v in unfreeze(t).items() if k != "params"})
     params, rest = split(tree)
-    layout, p_sh, r_sh = _layout_and_shardings(params, rest, plan, mesh)
+    layout, p_sh, r_sh = _shardings(params, rest, plan, mesh)
     if build:
         params, rest = jax.jit(lambda: split(build()), out_shardings=(p_sh, r_sh))()
     else:
-        params, rest = _place(params, p_sh), _place(rest, r_sh)
+        params, rest = place(params, p_sh), place(rest, r_sh)
     return Sharded("linen", mesh, plan, layout, p_sh["params"], r_sh, module, params["params"], rest)

@@ -18,35 +18,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from shardlm.foreign.activations import constrained
+from shardlm.foreign.placement import opt_state_shardings
+from shardlm.losses import next_token_loss
 from shardlm.sharding.rules import replicated
-from shardlm.train.step import cross_entropy
-from shardlm.trees import path_str, signature
-
-
-def next_token_loss(model: Callable, batch: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy of a [batch, seq + 1] token array, in float32."""
-    return cross_entropy(model(batch[:, :-1]), batch[:, 1:])
-
-
-def opt_state_shardings(abstract_opt_state, params, param_shardings, mesh):
-    """Each optimizer-state leaf whose path ends with a parameter's path and whose shape is that parameter's gets
-    the parameter's sharding; the rest is replicated. Matching by path and shape needs no knowledge of how an
-    optimizer nests its state (optax.tree_map_params fails on multi_transform's MaskedNodes and on Adafactor)."""
-    by_path = {path_str(p): (np.shape(x), s) for (p, x), s in
-               zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(param_shardings))}
-
-    def pick(path, leaf):
-        parts = path_str(path).split("/")
-        for start in range(len(parts)):
-            match = by_path.get("/".join(parts[start:]))
-            if match is not None and match[0] == np.shape(leaf):
-                return match[1]
-        return replicated(mesh)
-
-    return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
+from shardlm.trees import signature
 
 
 class Trainer:
@@ -74,7 +52,8 @@ class Trainer:
                 # Fresh variables in this trace: NNX refuses to update (RNG counts, batch statistics) variables
                 # created outside it.
                 model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
-                loss = loss_fn(adapted(model), batch)
+                with constrained(model, sharded.plan, sharded.mesh):
+                    loss = loss_fn(adapted(model), batch)
                 return loss, nnx.split(model, nnx.Param, ...)[2]
             updated = dict(rest)
             rngs = {"dropout": jax.random.fold_in(base_key, step_index)}
@@ -87,7 +66,8 @@ class Trainer:
                 updated.update(new)
                 return out
 
-            return loss_fn(adapted(model), batch), updated
+            with constrained(sharded.model, sharded.plan, sharded.mesh):
+                return loss_fn(adapted(model), batch), updated
 
         def adapted(model):
             """The model through the shard's `call` adapter, if it has one (the NNX module itself otherwise)."""

@@ -46,7 +46,7 @@ from shardlm.flops import device_peak, flops_per_token
 from shardlm.generate import sample_text
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
 from shardlm.sharding import batch_sharding
-from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, local_steps
+from shardlm.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, local_steps
 from shardlm.train.data import load_data
 from shardlm.train.init_from import check_checkpoint, import_params, with_checkpoint_defaults
 from shardlm.train.metrics import MetricsLogger

@@ -27,7 +27,7 @@ from pathlib import Path
 from shardlm import distributed
 from shardlm.config import Config, ModelConfig, config_from_dict, flatten, load_config, model_label, read_config_file
 from shardlm.errors import ShardlmError
-from shardlm.train.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, incomplete_steps
+from shardlm.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, incomplete_steps
 
 FINISHED_MARKER = "summary.json"
 CONFIG_FILE = "config.yaml"

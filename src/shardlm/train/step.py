@@ -12,11 +12,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardlm.losses import cross_entropy
 from shardlm.sharding import constrain, replicated, use_mesh_rules
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
 def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, dropout: bool, grad_accum: int = 1):
