@@ -48,8 +48,8 @@ def main() -> None:
     from shardlm.explanation import explain_state
     from shardlm.units import fmt_bytes
     from shardlm.checkpoint import RunCheckpoints
-    from shardlm.train.state import abstract_train_state, create_train_state, make_schedule
-    from shardlm.train.step import make_train_step
+    from shardlm.train.state import abstract_train_state, create_train_state
+    from shardlm.train.step import train_step_for
 
     cfg = load_config(None, args.overrides)
     n = args.devices or len(jax.devices())
@@ -62,7 +62,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     seq, bsz = cfg.model.seq_len, cfg.train.batch_size
     batches = [jax.device_put(rng.integers(0, vocab, (bsz, seq + 1)).astype(np.int32), bsh) for _ in range(4)]
-    step = make_train_step(ts, mesh, bsh, make_schedule(cfg), 0, False).lower(ts.state, batches[0]).compile()
+    step = train_step_for(cfg, ts, mesh).lower(ts.state, batches[0]).compile()
     state = ts.state
 
     def timed_step(i):

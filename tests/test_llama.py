@@ -11,7 +11,8 @@ from conftest import MICRO, PARITY_STRATEGIES, run_steps, structured_tokens
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh
-from shardlm.train.state import TrainState, abstract_train_state, create_train_state, model_factory
+from shardlm.train.source import model_source
+from shardlm.train.state import TrainState, abstract_train_state, create_train_state
 from shardlm.train.step import batch_struct, train_step_for
 
 LLAMA = MICRO + ["model.family=llama", "model.use_bias=false", "model.n_kv_heads=2", "model.d_mlp=96"]
@@ -36,7 +37,7 @@ def test_llama_strategy_matches_single_device(llama_trajectories, name):
 def _model(overrides, vocab=500):
     cfg = load_config(None, overrides)
     with nnx.use_eager_sharding(False):
-        return model_factory(cfg, vocab, 1)(nnx.Rngs(params=0))
+        return model_source(cfg).factory(vocab, 1)()
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
@@ -91,7 +92,7 @@ def test_presets_reach_a_billion_parameters():
     for preset in ("llama-tiny", "llama-125m", "llama-350m", "llama-1b"):
         cfg = load_config(None, [f"model={preset}"])
         with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(lambda: model_factory(cfg, 32000, 1)(nnx.Rngs(params=0)))
+            abstract = nnx.eval_shape(model_source(cfg).factory(32000, 1))
         counts[preset] = sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
         assert cfg.model.family == "llama" and not cfg.model.use_bias
     assert counts["llama-tiny"] < counts["llama-125m"] < counts["llama-350m"] < counts["llama-1b"]
@@ -169,7 +170,8 @@ def test_grad_accum_is_the_full_batch_step(llama_trajectories):
         model = nnx.merge(ts.graphdef, state)["model"]
         with use_mesh_rules(mesh):
             full = nnx.value_and_grad(loss_fn)(model, batch, None)
-            accumulated = accumulated_grads(loss_fn, model, batch, jax.random.key(0), 4, params_sharding)
+            accumulated = accumulated_grads(loss_fn, model, batch, jax.random.key(0), 4, params_sharding,
+                                            batch_struct(cfg, mesh).sharding)
         return full, accumulated
 
     (loss_1, grads_1), (loss_4, grads_4) = both(ts.state, batch)
@@ -205,7 +207,7 @@ def test_llama_cache_equals_the_full_forward_with_grouped_kv_heads_on_a_mesh():
 
     cfg = load_config(None, LLAMA + ["model.seq_len=48"])
     with nnx.use_eager_sharding(False):
-        graphdef, state = nnx.split(model_factory(cfg, VOCAB, 1)(nnx.Rngs(0)))
+        graphdef, state = nnx.split(model_source(cfg).factory(VOCAB, 1)())
     state = jax.tree.map(lambda x: x * 3, state)  # O(1) logits, so the tolerance is a real bound
     mesh = make_mesh(2, 1, 2, devices=jax.devices()[:4])
     tokens = np.random.default_rng(0).integers(0, VOCAB, (4, 48)).astype(np.int32)

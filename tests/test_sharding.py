@@ -184,14 +184,13 @@ def test_strategies_compile_to_their_collectives(degrees, gathers):
     import re
 
     from shardlm.sharding import batch_sharding
-    from shardlm.train.state import make_schedule
-    from shardlm.train.step import make_train_step
+    from shardlm.train.step import train_step_for
 
     cfg = load_config(None, MICRO)
     mesh = make_mesh(*degrees, devices=jax.devices()[: int(np.prod(degrees))])
     ts = create_train_state(cfg, mesh, 500)
     bsh = batch_sharding(mesh)
-    step = make_train_step(ts, mesh, bsh, make_schedule(cfg), 0, False)
+    step = train_step_for(cfg, ts, mesh)
     hlo = step.lower(ts.state, jax.device_put(np.zeros((16, 33), np.int32), bsh)).compile().as_text()
     assert bool(re.search(r" all-gather(-start)?\(", hlo)) == gathers
     assert re.search(r" (all-reduce|reduce-scatter)(-start)?\(", hlo)

@@ -11,7 +11,8 @@ from conftest import MICRO
 from shardlm.config import load_config
 from shardlm.models.gpt import padded_vocab_size
 from shardlm.flops import flops_per_token, matmul_params, table_peak
-from shardlm.train.state import effective_warmup, make_optimizer, make_schedule, model_factory
+from shardlm.train.source import model_source
+from shardlm.train.state import effective_warmup, make_optimizer, make_schedule
 
 
 def test_schedule_warmup_then_cosine_to_the_floor():
@@ -34,7 +35,7 @@ def test_weight_decay_only_on_matrices_and_embeddings():
     """Zero gradients: AdamW's only effect is decay, so exactly the decayed parameters move."""
     cfg = load_config(None, MICRO + ["train.weight_decay=0.5", "train.grad_clip=0"])
     with nnx.use_eager_sharding(False):
-        model = model_factory(cfg, 500, 1)(nnx.Rngs(params=0))
+        model = model_source(cfg).factory(500, 1)()
         before = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model))}
         opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
         for _ in range(10):  # past step 1, where warmup makes lr tiny
@@ -75,16 +76,15 @@ def test_optax_version_has_tree_norm():
 def test_eval_step_bits_per_byte_by_hand():
     """nats summed over tokens that spell text, divided by ln 2 and the bytes they spell."""
     from shardlm.mesh import make_mesh
-    from shardlm.sharding import batch_sharding
     from shardlm.train.state import create_train_state
-    from shardlm.train.step import make_eval_step
+    from shardlm.train.step import eval_step_for
 
     cfg = load_config(None, MICRO)
     mesh = make_mesh(2, 2, 2)
     ts = create_train_state(cfg, mesh, 300)
     token_bytes = np.arange(300) % 4  # 0 for every fourth token, as for special tokens
     batch = np.random.default_rng(0).integers(0, 300, (16, 33)).astype(np.int32)
-    out = jax.device_get(make_eval_step(ts, mesh, batch_sharding(mesh), token_bytes)(ts.state, batch))
+    out = jax.device_get(eval_step_for(cfg, ts, mesh, token_bytes)(ts.state, batch))
     model = nnx.merge(ts.graphdef, ts.state)["model"]
     logits = np.asarray(model(jnp.asarray(batch[:, :-1])), np.float64)[..., :300]
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(

@@ -17,6 +17,8 @@ Design choices:
 - Restores read each array straight into the sharding the current mesh wants, because the abstract target carries
   it. Orbax and TensorStore then read only the slices each device holds, so a checkpoint moves between meshes,
   strategies and device counts without ever being gathered whole on one device.
+- PRNG keys (the RNG streams a user's NNX module may hold) are stored as their key data (uint32) and wrapped
+  back on restore: Orbax reads a typed key into a target as its raw data, not as a key.
 - Arrays are stored as plain nested dicts (`nnx.to_pure_dict`), so the format does not depend on Flax's Variable
   classes.
 - Several processes: every process takes part in every save and restore (Orbax's own barriers); each writes and
@@ -115,6 +117,39 @@ def _quiet_orbax() -> None:
     logging.getLogger("absl").setLevel(logging.CRITICAL)
 
 
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _storable(tree):
+    """`tree` with every PRNG key array replaced by its key data."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _storable_target(target):
+    """A restore target whose PRNG keys are targets for their key data (same sharding, a trailing dimension)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def one(x):
+        if not _is_key(x):
+            return x
+        data = jax.eval_shape(jax.random.key_data, x)
+        sharding = x.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, P(*sharding.spec, *[None] * (data.ndim - len(sharding.spec))))
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+
+    return jax.tree.map(one, target)
+
+
+def _rewrap_keys(restored, target):
+    """Key data read back into PRNG keys of JAX's default implementation (a run's checkpoints record theirs, and
+    a resume checks that it is this process's)."""
+    impl = str(jax.config.jax_default_prng_impl)
+    return jax.tree.map(lambda x, t: jax.random.wrap_key_data(x, impl=impl) if _is_key(t) else x, restored, target)
+
+
 def _restore_args(target) -> ocp.args.PyTreeRestore:
     """Read every array of `target` (ShapeDtypeStructs with shardings) into its sharding and dtype."""
     return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
@@ -198,9 +233,10 @@ class RunCheckpoints:
         with shardings). `abstract_state` is {"model": ..., "optimizer": ...}, or the model's state alone when
         `optimizer` is False."""
         target = nnx.to_pure_dict(abstract_state)
-        items = {"params": _restore_args(target["model"] if optimizer else target)}
+        stored = _storable_target(target)
+        items = {"params": _restore_args(stored["model"] if optimizer else stored)}
         if optimizer:
-            items["optimizer"] = _restore_args(target["optimizer"])
+            items["optimizer"] = _restore_args(stored["optimizer"])
         try:
             with _QuietFailedReads():
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -208,14 +244,14 @@ class RunCheckpoints:
             raise CheckpointError(step, _reason(e)) from e
         state = jax.tree.map(lambda x: x, abstract_state)  # a fresh tree of the same Variables, filled below
         arrays = {"model": restored["params"], "optimizer": restored["optimizer"]} if optimizer else restored["params"]
-        nnx.replace_by_pure_dict(state, arrays)
+        nnx.replace_by_pure_dict(state, _rewrap_keys(arrays, target))
         return state
 
     # --- writing -----------------------------------------------------------------------------------------------
     def save(self, step: int, state, position: int, meta: dict) -> None:
         """Start saving `state` ({"model", "optimizer"}) and the data position (the index of the next batch);
         returns once the arrays are off the devices, while the files are written in the background."""
-        pure = nnx.to_pure_dict(state)
+        pure = _storable(nnx.to_pure_dict(state))
         args = ocp.args.Composite(
             params=ocp.args.PyTreeSave(pure["model"]),
             optimizer=ocp.args.PyTreeSave(pure["optimizer"]),

@@ -313,7 +313,7 @@ def _generate(args: argparse.Namespace) -> None:
     import json
     import time
 
-    from shardlm.generate import Generator, IncrementalText, encode_prompts, read_prompts_file
+    from shardlm.generate import IncrementalText, encode_prompts, read_prompts_file
     from shardlm.load import load_model
     from shardlm.mesh import describe_mesh
     from shardlm.sampling import Sampling
@@ -330,8 +330,7 @@ def _generate(args: argparse.Namespace) -> None:
     prompts, notes = encode_prompts(m.tokenizer, texts, m.cfg.model.seq_len, args.max_tokens, args.truncate)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    gen = Generator(m.graphdef, m.state, m.mesh, eot_id=m.tokenizer.eot_id, use_cache=not args.no_cache,
-                    max_batch=args.batch_size)
+    gen = m.generator(use_cache=not args.no_cache, max_batch=args.batch_size)
     rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # sample -> its prompt
     stream = None
     if len(rows) == 1 and not args.json:  # one sample: print tokens as they come

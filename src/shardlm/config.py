@@ -7,6 +7,10 @@ Design choices:
   architecture of a Hugging Face checkpoint (`model=hf:DIR`, `shardlm.hf.config`); field overrides such as
   `model.n_layers=2` then apply on top, whatever their order on the command line. `hf:` names are resolved here
   and nowhere else in the config: as a preset, as `init.from`'s default architecture, and in run labels.
+- `model=py:FILE:FUNCTION` names a model in the user's own file (`shardlm.foreign.modules`), placed by `plan`
+  (a plan file or preset, default fsdp). Its function decides the architecture, so of the model section only the
+  fields it is given (`PY_MODEL_KEYS`) may be set. When no config layer sets a `mesh.*` degree, the plan's mesh is
+  the run's (`plan=fsdp` alone is FSDP over every device), and the resolved mesh is what the run saves.
 - The model section's own checks live with `ModelConfig` (`shardlm.models.config`); this module checks the rest.
 - `mesh.data` defaults to None, meaning "the rest of the devices, unless another axis is -1" so that the
   single override `mesh.fsdp=-1` gives pure FSDP without also writing `mesh.data=1`.
@@ -23,8 +27,10 @@ from typing import Any
 import yaml
 
 from shardlm.accelerator import resolve_dtype
-from shardlm.errors import ShardlmError, check_in_range, check_positive
+from shardlm.errors import ShardlmError, check_in_range, check_one_of, check_positive
 from shardlm.files import read_mapping
+from shardlm.foreign.modules import is_py, parse_spec
+from shardlm.foreign.plan import Plan
 from shardlm.hf.config import HF_PREFIX, is_hf, model_config_from
 from shardlm.hf.config import model_label as hf_model_label
 from shardlm.models.config import ModelConfig, check_model
@@ -102,6 +108,9 @@ class Config:
     name: str = ""
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    # How a model from a py: file is placed: a plan file (.yaml, .yml, .json) or a preset (dp, fsdp, megatron);
+    # "" = fsdp. shardlm's own models are placed by the rule table (shardlm.sharding.rules) and take no plan.
+    plan: str = ""
     init: InitConfig = dataclasses.field(default_factory=InitConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -110,6 +119,8 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         tree = dataclasses.asdict(self)
+        if is_py(self.model.preset):  # its function builds the architecture: only the fields it is given
+            tree["model"] = {k: v for k, v in tree["model"].items() if k in PY_MODEL_KEYS or k == "family"}
         return {k: {FIELD_KEYS.get(f, f): v for f, v in s.items()} if isinstance(s, dict) else s
                 for k, s in tree.items()}
 
@@ -117,19 +128,35 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+# The model fields a model from a py: file uses (the rest describe shardlm's own architectures).
+PY_MODEL_KEYS = ("preset", "seq_len", "vocab_size", "dropout", "dtype", "param_dtype", "call")
+PY_FAMILY = "py"
+
+
 def model_label(m: ModelConfig) -> str:
-    """The preset's name as a file name: 'hf:/ckpt/TinyLlama-1.1B' -> 'hf-TinyLlama-1.1B'."""
+    """The preset's name as a file name: 'hf:/ckpt/TinyLlama-1.1B' -> 'hf-TinyLlama-1.1B', 'py:models/lm.py:build'
+    -> 'py-lm-build'."""
+    if is_py(m.preset):
+        path, name = m.preset[3:].rsplit(":", 1)
+        return f"py-{Path(path).stem}-{name}"
     return hf_model_label(m.preset) if is_hf(m.preset) else m.preset
 
 
 def model_section(name: str) -> ModelConfig:
-    """`model=NAME`: a built-in preset, or `hf:DIR`, the architecture of a Hugging Face checkpoint."""
+    """`model=NAME`: a built-in preset, `hf:DIR` (the architecture of a Hugging Face checkpoint), or
+    `py:FILE:FUNCTION` (a model in the user's file, whose architecture is its own)."""
+    if is_py(name):
+        parse_spec(name)  # the form, and that the file exists
+        return ModelConfig(preset=name, family=PY_FAMILY)
     return model_config_from(name) if is_hf(name) else model_preset(name)
 
 
 def describe(cfg: Config) -> str:
     """One line on the model and its memory levers, for logs and reports."""
     m, t = cfg.model, cfg.train
+    if is_py(m.preset):
+        text = f"{m.preset} placed by plan {cfg.plan or 'fsdp'}, compute {m.dtype}, weights {m.param_dtype}"
+        return text + (f", {t.grad_accum} microbatches per step" if t.grad_accum > 1 else "")
     heads = f"{m.n_heads} heads" + (f" / {m.n_kv_heads} kv heads" if m.n_kv_heads not in (0, m.n_heads) else "")
     text = (f"{m.preset} ({m.family}, {m.n_layers} layers, d_model {m.d_model}, {heads}), compute {m.dtype}, "
             f"weights {m.param_dtype}, remat {m.remat}")
@@ -282,7 +309,8 @@ def config_from_dict(tree: dict[str, Any], overrides: list[str] | tuple[str, ...
 
 def _build(layers: list[list[tuple[str, Any]]]) -> Config:
     """Defaults, then each layer of (key, value) items in turn. `init.from=hf:DIR`, in any layer, brings that
-    checkpoint's architecture as the preset when no layer names one, applied before every layer's model fields."""
+    checkpoint's architecture as the preset when no layer names one, applied before every layer's model fields.
+    A model from a py: file takes its plan's mesh when no layer sets a mesh degree."""
     cfg = Config()
     named = any(k in ("model", "model.preset") for layer in layers for k, _ in layer)
     starts = [v for layer in layers for k, v in layer if k == "init.from"]
@@ -290,6 +318,10 @@ def _build(layers: list[list[tuple[str, Any]]]) -> Config:
         layers = [[("model", str(starts[-1]))]] + layers
     for layer in layers:
         _apply(cfg, layer)
+    if is_py(cfg.model.preset):
+        _check_py_keys(layers)
+        if not any(k.startswith("mesh.") for layer in layers for k, _ in layer):
+            cfg.mesh = plan_mesh(cfg.plan)
     validate(cfg)
     # model.dtype=auto becomes the dtype it stands for on the accelerator compiled for (the local devices, or a
     # `--target`'s), so the run's saved config, its header and its FLOP peak all name the real one.
@@ -297,10 +329,66 @@ def _build(layers: list[list[tuple[str, Any]]]) -> Config:
     return cfg
 
 
+def _check_py_keys(layers: list[list[tuple[str, Any]]]) -> None:
+    """A model from a py: file builds its own architecture: setting a field of shardlm's architectures is an
+    error (a whole model section, as a run saves it, is fine)."""
+    for layer in layers:
+        keys = {k for k, _ in layer}
+        if _MODEL_FIELDS <= keys:
+            continue
+        for key in keys:
+            if key.startswith("model.") and key.split(".", 1)[1] not in (*PY_MODEL_KEYS, "family"):
+                raise ShardlmError(f"{key} does not apply to a model from a py: file, whose function builds its "
+                                   f"own architecture; of the model section it takes model.{', model.'.join(PY_MODEL_KEYS[1:])}")
+
+
+def plan_mesh(plan: str) -> MeshConfig:
+    """The mesh a plan names (a preset's: dp -> data -1, fsdp -> fsdp -1, megatron -> tensor -1), as the run's."""
+    mesh = Plan.load(plan or "fsdp").mesh or {}
+    unknown = [a for a in mesh if a not in ("data", "fsdp", "context", "tensor")]
+    if unknown:
+        raise ShardlmError(f"plan {plan}: its mesh names axis '{unknown[0]}', but a run's mesh has the axes data, fsdp, "
+                           "context and tensor: use those names in the plan, or set the mesh with mesh.*=N")
+    out = MeshConfig(data=1 if any(v == -1 for v in mesh.values()) else None)
+    for axis, degree in mesh.items():
+        if not isinstance(degree, int) or isinstance(degree, bool):
+            raise ShardlmError(f"plan {plan}: mesh.{axis} must be a degree (a whole number, or -1 for the rest)")
+        setattr(out, axis, degree)
+    return out
+
+
+def _check_py_model(cfg: Config) -> None:
+    """The fields of a model from a py: file, and what it cannot be combined with."""
+    m = cfg.model
+    from shardlm.models.layers import COMPUTE_DTYPES, DTYPES
+
+    if m.family != PY_FAMILY:
+        raise ShardlmError(f"model.family={m.family} does not apply to a model from a py: file")
+    check_positive("model.seq_len", m.seq_len)
+    if m.vocab_size < 0:
+        raise ShardlmError(f"model.vocab_size must be >= 0 (0 = the tokenizer's), got {m.vocab_size}")
+    check_in_range("model.dropout", m.dropout, 0.0, 1.0)
+    check_one_of("model.dtype", m.dtype, COMPUTE_DTYPES)
+    check_one_of("model.param_dtype", m.param_dtype, DTYPES)
+    if m.call and not (is_py(m.call) or m.call.isidentifier()):
+        raise ShardlmError(f"model.call={m.call}: name a function in the model's file, or py:FILE.py:FUNCTION")
+    if cfg.init.from_:
+        raise ShardlmError(f"init.from={cfg.init.from_} imports GPT-2 or Llama weights; a model from a py: file builds "
+                           "its own: leave init.from empty")
+    Plan.load(cfg.plan or "fsdp")  # a missing or malformed plan file is reported now
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need no devices. Mesh/shape divisibility is checked against the mesh in `shardlm.mesh`."""
     t, d = cfg.train, cfg.data
-    check_model(cfg.model)
+    if is_py(cfg.model.preset):
+        _check_py_model(cfg)
+    else:
+        check_model(cfg.model)
+        for key, value in (("plan", cfg.plan), ("model.call", cfg.model.call)):
+            if value:
+                raise ShardlmError(f"{key}={value} is for a model from a py: file (model=py:FILE:FUNCTION); "
+                                   f"shardlm's own models are placed by the rule table: drop {key}")
     check_in_range("seed", cfg.seed, 0, 2**32)
     for key in ("steps", "batch_size", "grad_accum", "lr", "log_interval", "eval_interval", "eval_batches"):
         check_positive(f"train.{key}", getattr(t, key))

@@ -35,14 +35,6 @@ def flops_per_token(cfg: ModelConfig, padded_vocab: int) -> int:
     return 6 * matmul_params(cfg, padded_vocab) + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
 
 
-def model_flops_per_step(cfg, vocab_size: int, tensor_degree: int) -> int:
-    """Model FLOPs of one train step of `cfg` (a full Config): per token, times the global batch's tokens."""
-    from shardlm.models import padded_vocab_size
-
-    tokens = cfg.train.batch_size * cfg.model.seq_len
-    return flops_per_token(cfg.model, padded_vocab_size(vocab_size, tensor_degree)) * tokens
-
-
 # Dense peak FLOP/s per device, matched in order against `device.device_kind` (first match wins). float32 matmuls
 # run as TF32 on NVIDIA tensor cores and as bf16 passes on TPU under JAX's default precision, so those are the
 # float32 peaks. H100 SXM reports e.g. "NVIDIA H100 80GB HBM3"; TPU v5p reports "TPU v5", v5e "TPU v5 lite".

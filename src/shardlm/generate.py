@@ -10,6 +10,10 @@ The host loop dispatches step t+1 before it reads step t's tokens (they stay on 
 so reading tokens for streaming and end-of-text checks overlaps the device's work. A batch stops when every row has
 produced the end-of-text token, its token budget, or the end of the context.
 
+A model shardlm did not write (a `forward(model, tokens) -> logits` is given) has no cache to fill: it generates
+the second way, running the whole context for each token and reading each row's logits at its position, which any
+causal model that maps tokens [batch, context] to logits supports.
+
 Everything runs on the mesh the parameters are sharded on: rows are split over data x fsdp (a batch is padded to
 a multiple of that), heads and the cache over tensor, exactly as in training. The sequence is not split: a
 decode step has one token per row, so on a mesh with a context axis (a long-context run's own) the context
@@ -60,17 +64,25 @@ class Generator:
     """Compiled generation for one model on one mesh; reuse it for many calls (compiles are kept).
 
     `graphdef`, `state`: the model's (`nnx.split(model)`), `state` sharded on `mesh`. `max_batch` bounds the rows
-    decoded together (the cache is rows x context x layers x 2 x d_model values).
+    decoded together (the cache is rows x context x layers x 2 x d_model values). For a model shardlm did not
+    write, `forward(model, tokens) -> logits` runs it (without a cache), `context` is its sequence length and
+    `vocab` the tokenizer's vocabulary (logits beyond it, a padded output, are never sampled).
     """
 
-    def __init__(self, graphdef, state, mesh, *, eot_id: int, use_cache: bool = True, max_batch: int = 32):
+    def __init__(self, graphdef, state, mesh, *, eot_id: int, use_cache: bool = True, max_batch: int = 32,
+                 forward: Callable | None = None, context: int | None = None, vocab: int | None = None):
         self.graphdef, self.mesh = graphdef, mesh
         # The parameters travel as a flat list of arrays: flattening an nnx.State (its Variables) at every call
         # costs ~2 ms of host time per decode step for a 6-layer model.
         self.params, self.params_def = jax.tree.flatten(state)
-        self.eot_id, self.use_cache = eot_id, use_cache
-        model = nnx.merge(graphdef, state)
-        self.context, self.n_layers = model.context, len(model.blocks)
+        self.eot_id, self.use_cache, self.forward, self.vocab = eot_id, use_cache, forward, vocab
+        if forward is None:
+            model = nnx.merge(graphdef, state)
+            self.context, self.n_layers = model.context, len(model.blocks)
+        elif use_cache or context is None:
+            raise ValueError("a model run by `forward` generates without a cache, over `context` tokens")
+        else:
+            self.context, self.n_layers = context, 0
         self.rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]  # the batch dimension is split over both
         self.max_batch = max(self.rows_multiple, max_batch // self.rows_multiple * self.rows_multiple)
         self.row_sharding = NamedSharding(mesh, logical_to_spec(("batch",)))
@@ -171,6 +183,14 @@ class Generator:
         carry_s = [LayerCache(cache_s, cache_s)] * self.n_layers if use_cache else tok_s
 
         model_of = lambda params: nnx.merge(graphdef, jax.tree.unflatten(self.params_def, params))  # noqa: E731
+        forward, vocab = self.forward, self.vocab
+
+        def logits_at(model, tokens, at):
+            """[rows, 1, vocab]: each row's logits at its position `at` of the whole context."""
+            if forward is None:
+                return model(tokens, at=at)
+            out = jnp.take_along_axis(forward(model, tokens), at[:, None, None], axis=1)
+            return out[..., :vocab] if vocab else out
 
         def prefill(params, tokens, lengths, sample_rows, seed):
             model = model_of(params)
@@ -178,7 +198,7 @@ class Generator:
                 if use_cache:
                     logits, carry = model.prefill(tokens, model.init_cache(rows), at=lengths - 1)
                 else:
-                    logits, carry = model(tokens, at=lengths - 1), tokens
+                    logits, carry = logits_at(model, tokens, lengths - 1), tokens
             tok = next_tokens(logits[:, 0], sampling, seed, sample_rows, lengths)
             return tok, lengths, carry
 
@@ -190,7 +210,7 @@ class Generator:
                     logits, carry = model.decode(tok[:, None], at, carry)
                 else:  # write the token into the padded context and re-run all of it
                     carry = jnp.where(jnp.arange(context) == at[:, None], tok[:, None], carry)
-                    logits = model(carry, at=at)
+                    logits = logits_at(model, carry, at)
             return next_tokens(logits[:, 0], sampling, seed, sample_rows, at + 1), pos + 1, carry
 
         abstract = lambda shape, dtype, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s)  # noqa: E731
@@ -312,10 +332,9 @@ class IncrementalText:
             self.sent = len(text)
 
 
-def sample_text(graphdef, state, mesh, tokenizer, prompt: str, n_samples: int, max_new: int,
+def sample_text(gen: Generator, tokenizer, prompt: str, n_samples: int, max_new: int,
                 sampling: Sampling = Sampling(), seed: int = 0) -> list[str]:
     """`n_samples` continuations of `prompt` (its end is kept if it is too long), for the end-of-run samples of
     training: the same compiled decoding as `shardlm generate`."""
-    gen = Generator(graphdef, state, mesh, eot_id=tokenizer.eot_id)
     [p], _ = encode_prompts(tokenizer, [prompt], gen.context, max_new, truncate=True)
     return [tokenizer.decode(c.ids) for c in gen.generate([p.ids] * n_samples, max_new, sampling, seed=seed)]

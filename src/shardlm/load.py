@@ -17,6 +17,7 @@ from shardlm.mesh import mesh_from_config
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, complete_steps
 from shardlm.train.init_from import import_params
 from shardlm.train.rundir import CONFIG_FILE, check_vocab_padding, unreadable
+from shardlm.train.source import model_source
 from shardlm.train.state import abstract_model, vocab_sizes
 
 
@@ -28,6 +29,13 @@ class LoadedModel:
     state: object  # its parameters, sharded on `mesh`
     tokenizer: Tokenizer | None  # None: a Hugging Face checkpoint saved without one
     step: int
+
+    def generator(self, **options):
+        """A `Generator` for this model on its mesh (a model from a py: file decodes without a KV cache)."""
+        return model_source(self.cfg).generator(self.graphdef, self.state, self.mesh,
+                                                eot_id=self.tokenizer.eot_id if self.tokenizer else -1,
+                                                vocab_size=self.tokenizer.vocab_size if self.tokenizer else None,
+                                                **options)
 
 
 def run_tokenizer(cfg: Config, run_dir: Path) -> Tokenizer:

@@ -42,11 +42,10 @@ class LinenModel(nnx.Module):
         `method(module, *inputs, **kwargs)` runs instead of the module's `__call__` (a call adapter)."""
         mutable = [name for name in self.linen_collections if name != PARAMS]
         extra = {"method": method} if method is not None else {}
-        out = self.linen_module.apply(self.variables(), *inputs, rngs=rngs or {}, mutable=mutable, **extra,
-                                      **kwargs)
         if not mutable:
-            return out
-        out, updated = out
+            return self.linen_module.apply(self.variables(), *inputs, rngs=rngs or {}, **extra, **kwargs)
+        out, updated = self.linen_module.apply(self.variables(), *inputs, rngs=rngs or {}, mutable=mutable, **extra,
+                                               **kwargs)
         for name in mutable:
             if name in updated:
                 jax.tree.map(lambda var, new: var.set_value(new), getattr(self, name), updated[name],

@@ -41,6 +41,9 @@ class ModelConfig:
     # jax.nn.dot_product_attention implementation: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes, else XLA) | xla
     # | cudnn
     attention: str = "auto"
+    # A model from a Python file (`model=py:FILE:FUNCTION`) only: how to run it when it is not model(tokens) ->
+    # logits, a function NAME in the same file (or py:FILE:NAME) called as call(model, tokens[, train]).
+    call: str = ""
 
 
 FAMILY_NAMES = ("gpt", "llama")

@@ -119,7 +119,8 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
     import jax
 
     from shardlm.errors import ShardlmError
-    from shardlm.flops import device_peak, model_flops_per_step
+    from shardlm.flops import device_peak
+    from shardlm.train.state import model_flops_per_step
     from shardlm.perf.strategies import rejection
     from shardlm.train.data import tokenizer_vocab
 
@@ -155,10 +156,13 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
 
 
 def format_bench(bench: Bench, cfg: Config) -> str:
+    from shardlm.config import describe
+    from shardlm.train.source import model_source
+
     m, t = cfg.model, cfg.train
     base = bench.results[0].tokens_per_s
-    lines = [f"bench on {bench.n_devices} x {bench.device_kind}: model {m.preset} ({m.n_layers} layers, d_model "
-             f"{m.d_model}), global batch {t.batch_size} x {m.seq_len} tokens, "
+    lines = [f"bench on {bench.n_devices} x {bench.device_kind}: {describe(cfg)}; global batch {t.batch_size} x "
+             f"{m.seq_len} tokens, "
              f"{len(bench.results[0].step_times)} interleaved steps per strategy (median)", ""]
     head = (f"{'strategy':<16} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>7} {'vs first':>8} "
             f"{'compile s':>9} {'loss':>8}")
@@ -168,7 +172,7 @@ def format_bench(bench: Bench, cfg: Config) -> str:
                      f"{r.tflops_per_device:>11.4f} {r.mfu:>7.1%} {r.tokens_per_s / base:>7.2f}x "
                      f"{r.compile_s:>9.1f} {r.final_loss:>8.4f}")
     lines += ["", f"MFU against {bench.results[0].peak_flops / 1e12:.3f} TFLOP/s per device ({bench.peak_label}); "
-              "FLOPs = 6 N_matmul + 12 L T d per token"]
+              f"FLOPs = {model_source(cfg).flops_convention}"]
     if bench.device_kind.lower().startswith("cpu") and bench.n_devices > 1:
         lines.append("simulated CPU devices share the host's cores: the ratios measure sharding overhead, not "
                      "speed-up")

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 
 from shardlm.config import Config, describe
-from shardlm.flops import mfu, model_flops_per_step
+from shardlm.flops import mfu
 from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.perf import hlo
 from shardlm.perf.compiled import CompiledStep, compile_step
@@ -25,7 +25,7 @@ from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak
 from shardlm.perf.planner import shard_bytes
 from shardlm.perf.targets import Target, topology, tracing_for
 from shardlm.train.data import tokenizer_vocab
-from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable
+from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable, model_flops_per_step
 from shardlm.train.step import batch_struct, train_step_for
 from shardlm.units import fmt_bytes
 

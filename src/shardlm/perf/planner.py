@@ -52,7 +52,7 @@ class StrategyPlan:
     peak: int  # arguments + outputs - donated aliases + temporaries: everything the step holds at its peak
     collectives: list[hlo.CollectiveOp]
     flops_per_device: float
-    model_flops: float  # per step, all devices: 6 N_matmul + 12 L T d per token (`shardlm.flops`)
+    model_flops: float  # per step, all devices (the model source's convention: 6N + 12LTd for shardlm's models)
     est: Estimate | None  # set by `rank`, for a given hardware
     fits: bool
     compile_s: float
@@ -198,7 +198,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     device of `target`), or only for `strategies`, and rank them. Without a target JAX must already see that many
     devices (the CLI's `--devices` simulates them on a CPU host); with one, they are its abstract devices over
     `hosts` hosts. `hardware` defaults to the target's, or an H100 SXM at its dense peak for `model.dtype`."""
-    from shardlm.flops import model_flops_per_step
+    from shardlm.train.state import model_flops_per_step
     from shardlm.train.data import tokenizer_vocab
 
     if hardware is None:
@@ -211,7 +211,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     vocab = vocab_size or tokenizer_vocab(cfg, log=log)
     candidates, rejected = [], []
     for s in strategies or all_strategies(n, wants_context_splits(cfg, n)):
-        why = rejection(cfg, s, devices)
+        why = rejection(cfg, s, devices, vocab)
         (rejected.append((s, why)) if why else candidates.append(s))
     if not candidates:
         raise ShardlmError(f"no assignment of {n} devices to the mesh axes suits this config: "
@@ -310,7 +310,9 @@ def format_plan(p: Plan) -> str:
                  "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps")
     lines.append("comm/dev = what one device sends per step (ring algorithms); est step = compute at peak + "
                  "collectives at link bandwidth + latency (`shardlm.perf.costmodel`)")
-    lines.append("MFU = model FLOPs (6N + 12LTd per token, `shardlm.flops`) per device per second over the peak")
+    from shardlm.train.source import model_source  # imports JAX: planning_flags runs before JAX starts
+
+    lines.append(f"MFU = model FLOPs ({model_source(p.cfg).flops_convention}) per device per second over the peak")
     if target:
         lines.append(_compiler_note(p))
     if p.platform == "cpu" and p.cfg.model.dtype != "float32":

@@ -126,16 +126,17 @@ def parse_strategies(text: str, n_devices: int) -> list[Strategy]:
     return out
 
 
-def rejection(cfg, strategy: Strategy, devices=None) -> str | None:
+def rejection(cfg, strategy: Strategy, devices=None, vocab_size: int | None = None) -> str | None:
     """Why `cfg` cannot train with `strategy` on `devices` (default: the local ones) (a mesh degree that does not
-    divide a dimension, or the batch), or None. Shapes only: nothing is compiled."""
+    divide a dimension, or the batch; a plan that cannot place a model from a py: file on that mesh, for its
+    vocabulary `vocab_size`), or None. Shapes only: nothing is compiled."""
     import jax
 
     from shardlm.train.state import check_batch, check_shardable
 
     mesh = strategy.make_mesh(jax.devices() if devices is None else devices)
     try:
-        check_shardable(cfg, mesh)
+        check_shardable(cfg, mesh, vocab_size)
         check_batch(cfg, mesh)
     except ShardlmError as e:
         return str(e)

@@ -4,9 +4,10 @@ sequence split's traffic and which mesh axes cross hosts. Nothing is trained and
 
 from shardlm import distributed
 from shardlm.config import Config, agree_on_config
-from shardlm.explanation import Explanation, explain_state
+from shardlm.explanation import Explanation
 from shardlm.mesh import axes_across_hosts, check_tensor_inside_hosts, describe_hosts, mesh_from_config
 from shardlm.train.data import tokenizer_vocab
+from shardlm.train.source import model_source
 from shardlm.train.state import abstract_train_state, check_shardable, create_train_state, sequence_split_note
 
 
@@ -21,7 +22,7 @@ def explain_run(cfg: Config, log, devices=None) -> Explanation:
     check_shardable(cfg, mesh)
     state = (abstract_train_state(cfg, mesh, vocab)[2] if devices is not None
              else create_train_state(cfg, mesh, vocab).state)
-    ex = explain_state(state, mesh)
+    ex = model_source(cfg).explain(state, mesh)
     if split := sequence_split_note(cfg, mesh):
         ex.notes.append(split)
     if hosts := describe_hosts(mesh):

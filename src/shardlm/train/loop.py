@@ -36,16 +36,15 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from shardlm import distributed
-from shardlm.config import Config, agree_on_config, describe
+from shardlm.config import Config, agree_on_config, config_from_dict, describe
 from shardlm.data.loader import BatchLoader
 from shardlm.data.prepare import PreparedData
 from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
-from shardlm.explanation import explain_state, format_explanation
-from shardlm.flops import device_peak, flops_per_token
+from shardlm.explanation import format_explanation
+from shardlm.flops import device_peak
 from shardlm.generate import sample_text
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
-from shardlm.sharding import batch_sharding
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, local_steps
 from shardlm.train.data import load_data
 from shardlm.train.init_from import check_checkpoint, import_params, with_checkpoint_defaults
@@ -72,7 +71,8 @@ from shardlm.train.state import (
     train_state_with,
     vocab_sizes,
 )
-from shardlm.train.step import make_eval_step, train_step_for
+from shardlm.train.source import model_source
+from shardlm.train.step import eval_step_for, train_step_for
 from shardlm.units import fmt_bytes
 
 
@@ -86,7 +86,7 @@ def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int
 
     import shardlm
 
-    return {
+    return {**model_file(cfg),
         "config": cfg.to_dict(),
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
@@ -100,6 +100,15 @@ def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int
     }
 
 
+def model_file(cfg: Config) -> dict:
+    """A model from a py: file: the file's path and SHA-256, recorded with every checkpoint."""
+    from shardlm.foreign.modules import file_sha256, is_py
+
+    if not is_py(cfg.model.preset):
+        return {}
+    return {"model_file": {"spec": cfg.model.preset, "sha256": file_sha256(cfg.model.preset)}}
+
+
 def check_same_run(meta: dict, mesh, data: PreparedData, vocab: tuple[int, int], run_dir: Path) -> None:
     """The checks of a resume that need the data: the same training tokens, vocabulary and RNG."""
     if meta["data"]["train_sha256"] != data.meta["splits"]["train"]["sha256"]:
@@ -109,6 +118,10 @@ def check_same_run(meta: dict, mesh, data: PreparedData, vocab: tuple[int, int],
         raise ShardlmError(f"the tokenizer's vocabulary ({vocab[0]}) differs from the run's ({meta['vocab']['real']});"
                            " resume with the run's tokenizer, or pass another --run-dir")
     check_vocab_padding(meta, vocab[1], mesh.shape["tensor"], "resume")
+    saved = meta.get("model_file")
+    if saved and saved != model_file(config_from_dict(meta["config"]))["model_file"]:
+        _log(f"note: {saved['spec']} has changed since checkpoint step {meta['step']} was saved; the checkpoint "
+             "restores into the new file's model if its variables are the same")
     if meta["rng"]["prng_impl"] != str(jax.config.jax_default_prng_impl):
         raise ShardlmError(f"the run used the {meta['rng']['prng_impl']} PRNG, this process uses "
                            f"{jax.config.jax_default_prng_impl}; set jax_default_prng_impl to the run's")
@@ -183,6 +196,7 @@ class Training:
         self.progress, self.on_step = progress, on_step
         self.primary = distributed.is_primary()
         self.resumed = start.resume_step or 0
+        self.source = model_source(cfg)
         self.state = None
 
     # --- before the run directory is touched ------------------------------------------------------------------
@@ -202,11 +216,12 @@ class Training:
             self.cfg = cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
                                                                                 tokenizer=data.meta["tokenizer"]))
         self.vocab = vocab_sizes(cfg, tokenizer.vocab_size, self.mesh.shape["tensor"])
+        if self.source.placeholder_vocab is None:  # a file's model: its plan checked for the real vocabulary
+            check_shardable(cfg, self.mesh, self.vocab[0])
         if self.start.meta is not None:
             check_same_run(self.start.meta, self.mesh, data, self.vocab, self.run_dir)
         self.data, self.tokenizer = data, tokenizer
-        bsh = batch_sharding(self.mesh)
-        self.bsh = bsh
+        bsh = self.source.batch_sharding(self.mesh)
         seq, bsz = cfg.model.seq_len, cfg.train.batch_size
         self.train_data = BatchLoader(data.tokens("train"), seq, bsz, bsh, seed=cfg.seed, shuffle=True)
         self.eval_data = BatchLoader(data.tokens("val"), seq, bsz, bsh, seed=cfg.seed, shuffle=False,
@@ -234,7 +249,7 @@ class Training:
 
     def describe(self, explain: bool) -> None:
         cfg = self.cfg
-        ex = explain_state(self.ts.state, self.mesh)
+        ex = self.source.explain(self.ts.state, self.mesh)
         if explain:
             _log(format_explanation(ex))
         _log(f"model: {describe(cfg)} | {ex.param_count:,} parameters | per device: params "
@@ -262,12 +277,12 @@ class Training:
         t0 = time.perf_counter()
         self.first = next(self.batches)
         self.step_fn = train_step_for(cfg, ts, mesh).lower(ts.state, self.first).compile()
-        self.eval_fn = make_eval_step(ts, mesh, self.bsh, self.tokenizer.token_bytes()).lower(
-            ts.state, self.first).compile()
+        self.eval_fn = eval_step_for(cfg, ts, mesh, self.tokenizer.token_bytes()).lower(ts.state, self.first).compile()
         self.compile_s = time.perf_counter() - t0
         self.peak, self.peak_label = device_peak(list(mesh.devices.flat), cfg.model.dtype)
-        self.flops_per_token = flops_per_token(cfg.model, self.vocab[1])
-        _log(f"compiled in {self.compile_s:.1f}s | {self.flops_per_token / 1e6:.1f} MFLOP/token (6N + 12LTd) | "
+        self.flops_per_token = self.source.flops_per_token(self.vocab[0], mesh.shape["tensor"])
+        _log(f"compiled in {self.compile_s:.1f}s | {self.flops_per_token / 1e6:.1f} MFLOP/token "
+             f"({self.source.flops_convention}) | "
              f"peak {self.peak / 1e12:.3f} TFLOP/s per device ({self.peak_label})")
         n_eval = min(cfg.train.eval_batches, self.eval_data.windows_per_epoch // cfg.train.batch_size)
         self.eval_batches = [self.eval_data.get(i) for i in range(n_eval)]
@@ -363,6 +378,26 @@ class Training:
                  + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb" if "eval_loss" in row else ""))
         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{row['mfu']:.1%}")
 
+    def write_samples(self) -> None:
+        """Two unconditional samples (the prompt is the document separator) in samples.txt, the first logged. A
+        model from a py: file that cannot be run for generation gets a note saying why instead."""
+        cfg = self.cfg
+        graphdef, state = nnx.split(nnx.merge(self.ts.graphdef, self.ts.state)["model"])
+        gen = self.source.generator(graphdef, state, self.mesh, eot_id=self.tokenizer.eot_id, vocab_size=self.vocab[0])
+        try:
+            samples = sample_text(gen, self.tokenizer, EOT, n_samples=2, max_new=cfg.train.sample_tokens,
+                                  seed=cfg.seed)
+        except Exception as e:  # noqa: BLE001 - only for the user's model, whose forward is the user's code
+            if self.source.can_cache:
+                raise
+            _log(f"note: no samples: {cfg.model.preset} could not be run to generate ({type(e).__name__}: "
+                 f"{(str(e).splitlines() or [''])[0][:200]}); shardlm generates by running the model on "
+                 f"[batch, {cfg.model.seq_len}] tokens and reading each row's logits at its position")
+            return
+        if self.primary:
+            (self.run_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples) + "\n")
+        _log("sample:\n" + samples[0].strip())
+
     def finish(self, stopped: str | None, stop: StopOnSignal, t_start: float) -> dict:
         cfg, run_dir, steps = self.cfg, self.run_dir, self.cfg.train.steps
         if stopped:
@@ -383,7 +418,7 @@ class Training:
             "tokenizer": self.data.meta["tokenizer"],
             "final_loss": row["loss"], "tokens_per_s": row["tokens_per_s"],
             "tflops_per_device": row["tflops_per_device"], "mfu": row["mfu"],
-            "mfu_convention": "6*N_matmul + 12*L*T*d FLOPs per token (attention not halved for causality)",
+            "mfu_convention": self.source.flops_convention,
             "peak_flops_per_device": self.peak, "peak_source": self.peak_label, "compile_s": self.compile_s,
             "wall_s": time.perf_counter() - t_start, "mesh": dict(self.mesh.shape), "processes": jax.process_count(),
             "param_count": ex.param_count, "param_bytes_per_device": ex.max_param_bytes,
@@ -396,13 +431,8 @@ class Training:
         late = stop.check()
         if late:
             _log(f"{late} received at the end of the run: finished, without samples")
-        elif cfg.train.sample_tokens:  # unconditional samples: the prompt is the document separator
-            model_graphdef, model_state = nnx.split(nnx.merge(self.ts.graphdef, self.ts.state)["model"])
-            samples = sample_text(model_graphdef, model_state, self.mesh, self.tokenizer, EOT, n_samples=2,
-                                  max_new=cfg.train.sample_tokens, seed=cfg.seed)
-            if self.primary:
-                (run_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples) + "\n")
-            _log("sample:\n" + samples[0].strip())
+        elif cfg.train.sample_tokens:
+            self.write_samples()
         written = [n for n in ("config.yaml", "metrics.jsonl", "tensorboard/", "loss.png", "samples.txt",
                                "checkpoints/") if (run_dir / n.rstrip("/")).exists()]
         _log(f"done in {time.perf_counter() - t_start:.0f}s: {run_dir}/ holds {', '.join(written)}")

@@ -96,8 +96,8 @@ class RunStart:
 def config_changes(cfg: Config, saved: Config, step: int) -> list[str]:
     """Raise if a fixed key differs from the checkpoint's config; else the changed keys as 'key old -> new'."""
     new, old = dict(flatten(cfg.to_dict())), dict(flatten(saved.to_dict()))
-    for key in FIXED_KEYS:
-        if new[key] != old[key]:
+    for key in FIXED_KEYS:  # a model from a py: file has no architecture fields: absent on both sides
+        if new.get(key) != old.get(key):
             raise ShardlmError(
                 f"{key}={new[key]} differs from the run's {old[key]} (checkpoint step {step}); a run's model, seed "
                 f"and batch size cannot change when it resumes: drop that override, or pass another --run-dir"

@@ -17,9 +17,8 @@ from flax import nnx
 
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
-from shardlm.models import FAMILIES, padded_vocab_size
-from shardlm.models.layers import check_attention
-from shardlm.sharding import state_shardings
+from shardlm.sharding.rules import as_axes, axis_degree
+from shardlm.train.source import model_source
 from shardlm.trees import path_str
 from shardlm.units import fmt_bytes
 
@@ -73,25 +72,19 @@ class TrainState:
 
 
 def vocab_sizes(cfg: Config, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
-    """(real, padded) vocabulary: `model.vocab_size` if set, else the tokenizer's, padded for the tensor degree."""
-    real = cfg.model.vocab_size or tokenizer_vocab
-    return real, padded_vocab_size(real, tensor_degree)
-
-
-def model_factory(cfg: Config, vocab_size: int, tensor_degree: int):
-    real, padded = vocab_sizes(cfg, vocab_size, tensor_degree)
-    family = FAMILIES[cfg.model.family]
-    return lambda rngs: family(cfg.model, real, padded, rngs)
+    """(real, padded) vocabulary: `model.vocab_size` if set, else the tokenizer's; shardlm's models pad it for the
+    tensor degree."""
+    return model_source(cfg).vocab_sizes(tokenizer_vocab, tensor_degree)
 
 
 def _builder(cfg: Config, mesh, vocab_size: int):
     """build(params=None): model + AdamW; with `params` (the model's nnx.State) the model holds those values (the
     random initialisation is traced, and dead code for XLA)."""
-    build_model = model_factory(cfg, vocab_size, mesh.shape["tensor"])
+    build_model = model_source(cfg).factory(vocab_size, mesh.shape["tensor"])
     tx = make_optimizer(cfg)
 
     def build(params=None):
-        model = build_model(nnx.Rngs(params=cfg.seed))
+        model = build_model()
         if params is not None:
             nnx.update(model, params)
         return {"model": model, "optimizer": nnx.Optimizer(model, tx, wrt=nnx.Param)}
@@ -99,37 +92,34 @@ def _builder(cfg: Config, mesh, vocab_size: int):
     return build
 
 
-def check_shardable(cfg: Config, mesh) -> None:
-    """Raise if a mesh degree does not divide a parameter dimension: shapes only, no data, no compile. The
-    vocabulary is padded to a multiple of the tensor degree, so any vocabulary size gives the same verdict."""
-    m, tp = cfg.model, mesh.shape["tensor"]
-    cp = mesh.shape.get("context", 1)
-    if m.seq_len % cp:
-        raise ShardlmError(f"model.seq_len={m.seq_len} is split over mesh.context={cp}, which does not divide it; "
-                           f"choose a mesh.context dividing {m.seq_len} or a seq_len that is a multiple of {cp}")
-    check_attention(m.attention, cp)
-    kv = m.n_kv_heads or m.n_heads
-    if kv % tp and not m.n_heads % tp:  # said in the model's terms before the generic per-parameter message
-        raise ShardlmError(f"mesh.tensor={tp} must divide the key/value heads (model.n_kv_heads={kv}) as well as "
-                           f"the query heads: choose mesh.tensor dividing {kv}, or more kv heads")
-    with nnx.use_eager_sharding(False):
-        state_shardings(nnx.state(nnx.eval_shape(_builder(cfg, mesh, 257))), mesh)
+def check_shardable(cfg: Config, mesh, vocab_size: int | None = None) -> None:
+    """Raise if the model cannot be placed on `mesh` (a degree that does not divide a dimension, a plan that does
+    not match the model): shapes only, no data, no compile. shardlm's models pad the vocabulary for the tensor
+    degree, so any vocabulary gives the verdict before the data is read; a model from a py: file is checked for
+    its real vocabulary (`vocab_size`, or `model.vocab_size`), and without one only in what does not depend on it."""
+    source = model_source(cfg)
+    source.check(mesh, vocab_size)
+    vocab = vocab_size or source.placeholder_vocab
+    if vocab is not None:
+        with nnx.use_eager_sharding(False):
+            source.state_shardings(nnx.state(nnx.eval_shape(_builder(cfg, mesh, vocab))), mesh)
 
 
 def check_batch(cfg: Config, mesh) -> None:
     """Raise if the global batch (or each of its `train.grad_accum` microbatches) does not split over data x fsdp,
     or over the processes."""
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = model_source(cfg).batch_sharding(mesh).spec[0]  # data x fsdp, or what a plan's `inputs` say
+    dp, axes = axis_degree(mesh, rows), " x ".join(as_axes(rows)) or "no axis"
     if cfg.train.batch_size % dp:
         raise ShardlmError(
-            f"train.batch_size={cfg.train.batch_size} is split over data x fsdp = {dp} devices, which does not "
+            f"train.batch_size={cfg.train.batch_size} is split over {axes} = {dp} devices, which does not "
             f"divide it; use a multiple of {dp}"
         )
     k = cfg.train.grad_accum
     if (cfg.train.batch_size // k) % dp:
         raise ShardlmError(
-            f"train.grad_accum={k} microbatches of {cfg.train.batch_size // k} sequences do not split over data x "
-            f"fsdp = {dp} devices; use a train.batch_size that is a multiple of {k * dp}, or a smaller grad_accum"
+            f"train.grad_accum={k} microbatches of {cfg.train.batch_size // k} sequences do not split over {axes} "
+            f"= {dp} devices; use a train.batch_size that is a multiple of {k * dp}, or a smaller grad_accum"
         )
     if cfg.train.batch_size % jax.process_count():
         raise ShardlmError(f"train.batch_size must be a multiple of the {jax.process_count()} processes")
@@ -137,17 +127,9 @@ def check_batch(cfg: Config, mesh) -> None:
 
 def sequence_split_note(cfg: Config, mesh) -> str | None:
     """What context parallelism does to `cfg` on `mesh`, in a line (None without it): the tokens each device
-    holds, and the keys and values each layer all-gathers for attention."""
-    cp = mesh.shape.get("context", 1)
-    if cp == 1:
-        return None
-    m = cfg.model
-    rows = cfg.train.batch_size // cfg.train.grad_accum // (mesh.shape["data"] * mesh.shape["fsdp"])
-    kv_heads = (m.n_kv_heads or m.n_heads) // mesh.shape["tensor"]
-    gathered = 2 * rows * m.seq_len * kv_heads * (m.d_model // m.n_heads) * (2 if m.dtype == "bfloat16" else 4)
-    return (f"sequence split over context={cp}: each device holds {m.seq_len // cp} of every {m.seq_len} tokens; "
-            f"attention all-gathers keys and values over context, {fmt_bytes(gathered)} per layer per device "
-            "(reduce-scattered back as gradients)")
+    holds, and the keys and values each layer all-gathers for attention (shardlm's models; a model from a py:
+    file's attention is its own)."""
+    return model_source(cfg).split_note(mesh)
 
 
 def _placed(abstract_state, shardings):
@@ -162,27 +144,33 @@ def abstract_train_state(cfg: Config, mesh, vocab_size: int):
     with nnx.use_eager_sharding(False):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
         # Raises before any compile if a degree does not divide a dimension (model parameters come first).
-        shardings = state_shardings(abstract_state, mesh)
+        shardings = model_source(cfg).state_shardings(abstract_state, mesh)
     return build, graphdef, _placed(abstract_state, shardings), shardings
 
 
 def abstract_model(cfg: Config, mesh, vocab_size: int):
     """(graphdef, abstract state with shardings) of the model alone: what readers of a checkpoint restore."""
+    source = model_source(cfg)
     with nnx.use_eager_sharding(False):
-        graphdef, abstract_state = nnx.split(nnx.eval_shape(model_factory(cfg, vocab_size, mesh.shape["tensor"]),
-                                                            nnx.Rngs(params=0)))
-        shardings = state_shardings(abstract_state, mesh)
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(source.factory(vocab_size, mesh.shape["tensor"])))
+        shardings = source.model_shardings(abstract_state, mesh)
     return graphdef, _placed(abstract_state, shardings)
 
 
 def init_model(cfg: Config, mesh, vocab_size: int):
     """(graphdef, state) of a freshly initialised model alone (no optimizer), each device computing its shards."""
     graphdef, abstract = abstract_model(cfg, mesh, vocab_size)
-    build = model_factory(cfg, vocab_size, mesh.shape["tensor"])
+    build = model_source(cfg).factory(vocab_size, mesh.shape["tensor"])
     with nnx.use_eager_sharding(False):
-        state = jax.jit(lambda: nnx.state(build(nnx.Rngs(params=cfg.seed))),
-                        out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
+        state = jax.jit(lambda: nnx.state(build()), out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
     return graphdef, state
+
+
+def model_flops_per_step(cfg: Config, vocab_size: int, tensor_degree: int) -> int:
+    """Model FLOPs of one train step of `cfg`: per token (`shardlm.flops`' convention for shardlm's models, XLA's
+    count of the forward pass x 3 for a model from a py: file), times the global batch's tokens."""
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    return model_source(cfg).flops_per_token(vocab_size, tensor_degree) * tokens
 
 
 def compile_init(cfg: Config, mesh, vocab_size: int):

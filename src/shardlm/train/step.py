@@ -4,28 +4,35 @@ A batch is [batch, seq_len + 1] tokens; inputs are the first seq_len, targets th
 mean next-token cross entropy in float32. With `train.grad_accum=K` the step runs the batch as K microbatches
 in a scan and averages their gradients (`accumulated_grads`); evaluation runs the whole batch at once. Dropout
 keys are derived from (seed, optimizer step), so a run is a pure function of its config and resumption needs no
-RNG state.
+RNG state. The model's forward pass is its source's (`train.source`): shardlm's own model under the rule table, or
+a model from the user's file under its plan's constraints; the step around it is the same.
 """
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardlm.losses import cross_entropy
-from shardlm.sharding import constrain, replicated, use_mesh_rules
+from shardlm.sharding import replicated, use_mesh_rules
+from shardlm.train.source import model_source
 
 
-def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, dropout: bool, grad_accum: int = 1):
+def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, logits, grad_accum: int = 1):
+    """The jitted train step. `logits(model, tokens, mesh, train=True, key=...)` is the model's forward pass as
+    its source runs it (`train.source`): dropout, activation constraints."""
     graphdef = train_state.graphdef
-    param_shardings = train_state.shardings["model"]
+    param_shardings = train_state.shardings["model"].filter(nnx.Param)  # what gradients are taken of
     base_key = jax.random.key(seed)
 
     def loss_fn(model, tokens, key):
-        # Rngs are built inside the differentiated function: NNX refuses RNG state created at another trace level.
-        logits = model(tokens[:, :-1], rngs=nnx.Rngs(dropout=key) if dropout else None)
+        # Keys and RNG streams are made inside the differentiated function: NNX refuses RNG state created at
+        # another trace level.
+        out = logits(model, tokens[:, :-1], mesh, train=True, key=key)
         with jax.named_scope("loss"):
-            return cross_entropy(logits, tokens[:, 1:])
+            return cross_entropy(out, tokens[:, 1:])
 
     def step(state, batch):
         objects = nnx.merge(graphdef, state)
@@ -37,7 +44,8 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, drop
             if grad_accum == 1:
                 loss, grads = nnx.value_and_grad(loss_fn)(model, batch, dropout_key)
             else:
-                loss, grads = accumulated_grads(loss_fn, model, batch, dropout_key, grad_accum, param_shardings)
+                loss, grads = accumulated_grads(loss_fn, model, batch, dropout_key, grad_accum, param_shardings,
+                                                batch_sharding)
         # Each gradient sharded like its parameter, before anything reads it: left to propagation, XLA all-reduced
         # FSDP's full gradients (to take the norm of the whole tensor on every device) and sliced them afterwards,
         # twice the traffic of the reduce-scatter this constraint allows (`shardlm plan` counts it from the HLO).
@@ -55,7 +63,7 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, drop
     )
 
 
-def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings):
+def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch_sharding):
     """(mean loss, mean gradient) over `k` equal microbatches of `batch`, run one after another in a `lax.scan`,
     so only one microbatch's activations are alive at a time. Equal sizes make the mean of the microbatch means
     the full batch's mean: without dropout, the same update as one pass over the whole batch, up to float
@@ -69,7 +77,8 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rows, width = batch.shape
     micro = batch.reshape(rows // k, k, width).swapaxes(0, 1)  # [k, rows / k, width]
-    micro = constrain(micro, None, "batch", None)  # rows whole, as `batch_sharding` holds them
+    rows = batch_sharding.spec[0]  # each microbatch's rows split as the batch's, each row whole
+    micro = jax.lax.with_sharding_constraint(micro, NamedSharding(batch_sharding.mesh, P(None, rows, None)))
 
     def micro_step(carry, xs):
         grad_sum, loss_sum = carry
@@ -86,9 +95,10 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings):
     return loss_sum / k, jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grad_sum, params)
 
 
-def make_eval_step(train_state, mesh, batch_sharding, token_bytes):
+def make_eval_step(train_state, mesh, batch_sharding, token_bytes, logits):
     """Per batch: the mean loss, and for bits per byte the summed loss (nats) over tokens that spell text and the
-    UTF-8 bytes they spell (`token_bytes[id]`, 0 for `<|endoftext|>`): bpb = sum(nats) / (ln 2 * sum(bytes))."""
+    UTF-8 bytes they spell (`token_bytes[id]`, 0 for `<|endoftext|>`): bpb = sum(nats) / (ln 2 * sum(bytes)).
+    `logits` as for `make_train_step`, run in evaluation mode."""
     graphdef = train_state.graphdef
     token_bytes = jnp.asarray(token_bytes, jnp.int32)
 
@@ -96,8 +106,8 @@ def make_eval_step(train_state, mesh, batch_sharding, token_bytes):
         model = nnx.merge(graphdef, state)["model"]
         targets = batch[:, 1:]
         with use_mesh_rules(mesh):
-            logits = model(batch[:, :-1])
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+            out = logits(model, batch[:, :-1], mesh, train=False)
+        losses = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), targets)
         nbytes = token_bytes[targets]
         return {"loss": losses.mean(), "nats": jnp.sum(jnp.where(nbytes > 0, losses, 0.0)),
                 "bytes": jnp.sum(nbytes)}
@@ -107,16 +117,20 @@ def make_eval_step(train_state, mesh, batch_sharding, token_bytes):
 
 def train_step_for(cfg, train_state, mesh):
     """The jitted train step exactly as `shardlm train` builds it for `cfg` (plan, bench and profile use it)."""
-    from shardlm.sharding import batch_sharding
     from shardlm.train.state import make_schedule
 
-    return make_train_step(train_state, mesh, batch_sharding(mesh), make_schedule(cfg), cfg.seed,
-                           cfg.model.dropout > 0, cfg.train.grad_accum)
+    source = model_source(cfg)
+    return make_train_step(train_state, mesh, source.batch_sharding(mesh), make_schedule(cfg), cfg.seed,
+                           source.logits, cfg.train.grad_accum)
+
+
+def eval_step_for(cfg, train_state, mesh, token_bytes):
+    """The jitted evaluation step exactly as `shardlm train` builds it for `cfg`."""
+    source = model_source(cfg)
+    return make_eval_step(train_state, mesh, source.batch_sharding(mesh), token_bytes, source.logits)
 
 
 def batch_struct(cfg, mesh) -> jax.ShapeDtypeStruct:
     """Shape, dtype and sharding of one global batch of `cfg`: [batch_size, seq_len + 1] int32."""
-    from shardlm.sharding import batch_sharding
-
     return jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                sharding=batch_sharding(mesh))
+                                sharding=model_source(cfg).batch_sharding(mesh))

@@ -1,0 +1,304 @@
+"""What is trained: shardlm's own model (`OwnModel`, placed by the rule table) or a model from the user's Python
+file (`PlannedModel`, `model=py:FILE:FUNCTION`, placed by a plan). `model_source(cfg)` picks one.
+
+Everything else in training (the state, the step, checkpoints, the loop, and `plan`, `bench`, `profile`, `explain`,
+`generate`) is the same for both and asks the source for the few things that differ:
+
+- `factory(vocab_size, tensor_degree)`: a zero-argument constructor of the NNX module (a Linen model comes wrapped, see
+  `shardlm.foreign.linen`), traced abstractly for shapes and run inside `jit` for a sharded init;
+- `state_shardings(abstract_state, mesh)` and `model_shardings(...)`: a NamedSharding for every leaf of the
+  {"model", "optimizer"} train state, or of the model alone (readers), raising on anything that does not place;
+- `logits(model, tokens, mesh, train=, key=)`: the forward pass as a step runs it, with its dropout key and its
+  activation constraints;
+- `vocab_sizes`, `batch_sharding`, `flops_per_token`, `check(mesh, vocab)`, `describe`, `generator`.
+
+Design choices for a model from a file:
+- Dropout keys are a pure function of (seed, step) as for shardlm's models: before each training forward, every
+  RNG stream of the module is reseeded from the step's key folded with the stream's path, so layers draw different
+  masks and a resumed run draws the same ones without any RNG state in the checkpoint. A Linen model gets the key
+  as its `dropout` stream.
+- The module is switched to training mode (`model.train()`) for the step and to evaluation mode (`model.eval()`)
+  for evaluation and generation, which NNX's Dropout and BatchNorm follow; a call adapter that declares `train`
+  gets it as an argument instead.
+- Its vocabulary is not padded: `build` gets `model.vocab_size` (or the tokenizer's) and the plan's splits must
+  divide it. Its FLOPs are counted by XLA from its own forward pass (3x the forward's, as 6N is 3x 2N), since its
+  architecture is not known to the 6N + 12LTd formula.
+- It generates without a KV cache: the whole context is run for every token (`shardlm.generate`), which any
+  causal model that maps tokens [batch, seq_len] to logits supports.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardlm.config import Config
+from shardlm.errors import ShardlmError
+from shardlm.models import FAMILIES, padded_vocab_size
+from shardlm.models.layers import check_attention
+from shardlm.sharding import batch_sharding, state_shardings, use_mesh_rules
+from shardlm.trees import path_str
+from shardlm.units import fmt_bytes
+
+
+def model_source(cfg: Config):
+    """The source of `cfg`'s model: a file's model for `model=py:...`, else shardlm's own."""
+    from shardlm.foreign.modules import is_py
+
+    return PlannedModel(cfg) if is_py(cfg.model.preset) else OwnModel(cfg)
+
+
+_FORWARD_FLOPS: dict[tuple, float] = {}  # a file's model's forward FLOPs per token, by what they depend on
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+class OwnModel:
+    """GPT or Llama, from `cfg.model`: logical axis names placed by the rule table (`shardlm.sharding`)."""
+
+    can_cache = True
+    flops_convention = "6*N_matmul + 12*L*T*d FLOPs per token (attention not halved for causality)"
+    placeholder_vocab = 257  # the vocabulary is padded for the tensor degree: any size gives the same verdict
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def vocab_sizes(self, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
+        """(real, padded): `model.vocab_size` if set, else the tokenizer's, padded for the tensor degree."""
+        real = self.cfg.model.vocab_size or tokenizer_vocab
+        return real, padded_vocab_size(real, tensor_degree)
+
+    def factory(self, vocab_size: int, tensor_degree: int):
+        real, padded = self.vocab_sizes(vocab_size, tensor_degree)
+        family, m, seed = FAMILIES[self.cfg.model.family], self.cfg.model, self.cfg.seed
+        return lambda: family(m, real, padded, nnx.Rngs(params=seed))
+
+    def state_shardings(self, abstract_state, mesh):
+        return state_shardings(abstract_state, mesh)
+
+    model_shardings = state_shardings
+
+    def batch_sharding(self, mesh) -> NamedSharding:
+        return batch_sharding(mesh)
+
+    def logits(self, model, tokens, mesh, *, train: bool, key=None):
+        dropout = train and key is not None and self.cfg.model.dropout > 0
+        with use_mesh_rules(mesh):
+            return model(tokens, rngs=nnx.Rngs(dropout=key) if dropout else None)
+
+    def flops_per_token(self, vocab_size: int, tensor_degree: int) -> int:
+        from shardlm.flops import flops_per_token
+
+        return flops_per_token(self.cfg.model, self.vocab_sizes(vocab_size, tensor_degree)[1])
+
+    def check(self, mesh, vocab_size: int | None = None) -> None:
+        """What the mesh cannot do for this architecture, said in its terms (the shardings' own divisibility
+        check follows in `train.state.check_shardable`)."""
+        m, tp = self.cfg.model, mesh.shape["tensor"]
+        cp = mesh.shape.get("context", 1)
+        if m.seq_len % cp:
+            raise ShardlmError(f"model.seq_len={m.seq_len} is split over mesh.context={cp}, which does not divide it;"
+                               f" choose a mesh.context dividing {m.seq_len} or a seq_len that is a multiple of {cp}")
+        check_attention(m.attention, cp)
+        kv = m.n_kv_heads or m.n_heads
+        if kv % tp and not m.n_heads % tp:  # said in the model's terms before the generic per-parameter message
+            raise ShardlmError(f"mesh.tensor={tp} must divide the key/value heads (model.n_kv_heads={kv}) as well as "
+                               f"the query heads: choose mesh.tensor dividing {kv}, or more kv heads")
+
+    def explain(self, state, mesh):
+        """Where every parameter and optimizer-state leaf of a train state lives (`shardlm.explain`)."""
+        from shardlm.explanation import explain_state
+
+        return explain_state(state, mesh)
+
+    def split_note(self, mesh) -> str | None:
+        """What context parallelism does on `mesh`, in a line (None without it): the tokens each device holds, and
+        the keys and values each layer all-gathers for attention."""
+        cp = mesh.shape.get("context", 1)
+        if cp == 1:
+            return None
+        m, t = self.cfg.model, self.cfg.train
+        rows = t.batch_size // t.grad_accum // (mesh.shape["data"] * mesh.shape["fsdp"])
+        kv_heads = (m.n_kv_heads or m.n_heads) // mesh.shape["tensor"]
+        gathered = 2 * rows * m.seq_len * kv_heads * (m.d_model // m.n_heads) * (2 if m.dtype == "bfloat16" else 4)
+        return (f"sequence split over context={cp}: each device holds {m.seq_len // cp} of every {m.seq_len} "
+                f"tokens; attention all-gathers keys and values over context, {fmt_bytes(gathered)} per layer per "
+                "device (reduce-scattered back as gradients)")
+
+    def generator(self, graphdef, state, mesh, *, eot_id: int, vocab_size: int, **options):
+        from shardlm.generate import Generator
+
+        return Generator(graphdef, state, mesh, eot_id=eot_id, **options)
+
+
+class PlannedModel:
+    """The module `build` in the user's file returns, placed by `cfg.plan` (`shardlm.foreign`)."""
+
+    can_cache = False
+    flops_convention = "3x the forward pass's FLOPs per token, as XLA's cost analysis counts them"
+
+    def __init__(self, cfg: Config):
+        from shardlm.foreign.modules import call_spec, load_function
+        from shardlm.foreign.plan import Plan
+
+        self.cfg = cfg
+        self.spec = cfg.model.preset
+        self.plan = Plan.load(cfg.plan or "fsdp")
+        self.build = load_function(self.spec)
+        self.call = load_function(call_spec(cfg.model.call, self.spec), "model.call") if cfg.model.call else None
+        self.placeholder_vocab = cfg.model.vocab_size or None  # the plan's splits must divide the real one
+
+    # --- building ----------------------------------------------------------------------------------------------
+    def vocab_sizes(self, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
+        real = self.cfg.model.vocab_size or tokenizer_vocab
+        return real, real
+
+    def factory(self, vocab_size: int, tensor_degree: int = 1):
+        from shardlm.foreign.modules import build_module
+
+        m, seed = self.cfg.model, self.cfg.seed
+        vocab_size = self.vocab_sizes(vocab_size, tensor_degree)[0]
+
+        def make():
+            offered = {"vocab_size": vocab_size, "seq_len": m.seq_len, "dtype": jnp.dtype(m.dtype),
+                       "param_dtype": jnp.dtype(m.param_dtype), "dropout": m.dropout, "rngs": nnx.Rngs(seed)}
+            return build_module(self.build, offered, self.spec, call=self.call, seq_len=m.seq_len, seed=seed)
+
+        return make
+
+    def layout(self, abstract_model_state, mesh, *, warn: bool = False):
+        """The plan resolved against the model's variables (raising on any problem)."""
+        from shardlm.foreign.placement import resolve_layout
+
+        params, rest = abstract_model_state.split(nnx.Param, ...)
+        try:
+            return resolve_layout(params, rest, self.plan, mesh, warn=warn)
+        except ShardlmError as e:
+            raise ShardlmError(self._vocab_hint(str(e))) from None
+
+    def _vocab_hint(self, message: str) -> str:
+        v = self.cfg.model.vocab_size
+        if "does not divide" in message and "(size " in message and not v:
+            return message + " (a vocabulary dimension: set model.vocab_size to a multiple of the degree)"
+        return message
+
+    def model_shardings(self, abstract_model_state, mesh):
+        layout = self.layout(abstract_model_state, mesh)
+        specs = layout.specs
+        return jax.tree_util.tree_map_with_path(lambda p, _: NamedSharding(mesh, specs[path_str(p)]),
+                                                abstract_model_state)
+
+    def state_shardings(self, abstract_state, mesh):
+        from shardlm.foreign.placement import opt_state_shardings
+
+        model = self.model_shardings(abstract_state["model"], mesh)
+        params = abstract_state["model"].split(nnx.Param, ...)[0]
+        param_shardings = model.split(nnx.Param, ...)[0]
+        optimizer = opt_state_shardings(abstract_state["optimizer"], params, param_shardings, mesh)
+        by_path = {f"{part}/{path_str(p)}": s for part, tree in (("model", model), ("optimizer", optimizer))
+                   for p, s in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        return jax.tree_util.tree_map_with_path(lambda p, _: by_path[path_str(p)], abstract_state)
+
+    def batch_sharding(self, mesh) -> NamedSharding:
+        """Rows split as the plan's `inputs` spec splits the batch dimension (default: data x fsdp), each row whole."""
+        from shardlm.foreign.layout import resolve_entries
+
+        rows = resolve_entries(self.plan.inputs[:1], None, mesh, f"{self.plan.name}: inputs")
+        return NamedSharding(mesh, P(*rows, None))
+
+    # --- running -----------------------------------------------------------------------------------------------
+    def logits(self, model, tokens, mesh, *, train: bool, key=None):
+        from shardlm.foreign.activations import constrained
+
+        with constrained(model, self.plan, mesh):
+            return self._run(model, tokens, train, key)
+
+    def _run(self, model, tokens, train: bool, key):
+        """The model on `tokens` in training or evaluation mode, through the call adapter, without constraints."""
+        from shardlm.foreign.linen import LinenModel
+        from shardlm.foreign.modules import takes_train_flag
+
+        linen = isinstance(model, LinenModel)
+        model.train() if train else model.eval()
+        if train and key is not None and not linen:
+            reseed_streams(model, key)
+        flag = {"train": train} if self.call is not None and takes_train_flag(self.call) else {}
+        if linen:
+            rngs = {"dropout": key} if train and key is not None else None
+            method = (lambda m, t: self.call(m, t, **flag)) if self.call is not None else None
+            return model(tokens, rngs=rngs, method=method)
+        return self.call(model, tokens, **flag) if self.call is not None else model(tokens)
+
+    def flops_per_token(self, vocab_size: int, tensor_degree: int = 1) -> int:
+        """3x the forward pass's FLOPs per token, as XLA counts them on one unsharded row (cached per file version
+        and vocabulary)."""
+        from shardlm.foreign.modules import parse_spec
+
+        m = self.cfg.model
+        key = (self.spec, parse_spec(self.spec)[0].stat().st_mtime_ns, m.call, m.seq_len, m.dtype, vocab_size)
+        if key not in _FORWARD_FLOPS:
+            with nnx.use_eager_sharding(False):
+                graphdef, state = nnx.split(nnx.eval_shape(self.factory(vocab_size)))
+
+            def forward(state, tokens):
+                return self._run(nnx.merge(graphdef, state), tokens, False, None)
+
+            cost = jax.jit(forward).lower(state, jax.ShapeDtypeStruct((1, m.seq_len), jnp.int32)).cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            _FORWARD_FLOPS[key] = float(cost.get("flops", 0.0)) / m.seq_len
+        return round(3 * _FORWARD_FLOPS[key])
+
+    def check(self, mesh, vocab_size: int | None = None) -> None:
+        """Every activation rule of the plan matches a module (an NNX model's are known before it runs), and with
+        the vocabulary known, the plan's notes (large replicated parameters, what megatron could not do) logged."""
+        from shardlm.foreign.activations import check_rules_match, nnx_module_paths
+        from shardlm.foreign.linen import LinenModel
+
+        vocab = vocab_size or self.placeholder_vocab
+        with nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(self.factory(vocab or 256))
+        if not isinstance(abstract, LinenModel):  # a Linen model's modules are met as it is traced
+            check_rules_match(self.plan, nnx_module_paths(abstract))
+        if vocab:
+            self.layout(nnx.state(abstract), mesh, warn=True)
+
+    def explain(self, state, mesh):
+        """Where every parameter and optimizer-state leaf of a train state lives, and the plan's rule that placed
+        each parameter; the plan's notes with it."""
+        from shardlm.explanation import explain_trees
+
+        layout = self.layout(state["model"], mesh)
+        params = state["model"].split(nnx.Param, ...)[0]
+        placed_by = {p.path: p.placed_by for p in layout.placements}
+        return explain_trees(params, state["optimizer"], mesh, placed_by, layout.notes())
+
+    def split_note(self, mesh) -> str | None:
+        return None  # its attention is its own: what a context split costs it is in the compiled step (`plan`)
+
+    def generator(self, graphdef, state, mesh, *, eot_id: int, vocab_size: int, **options):
+        from shardlm.generate import Generator
+
+        options["use_cache"] = False
+        return Generator(graphdef, state, mesh, eot_id=eot_id, context=self.cfg.model.seq_len, vocab=vocab_size,
+                         forward=lambda model, tokens: self.logits(model, tokens, mesh, train=False), **options)
+
+
+def reseed_streams(model, key) -> None:
+    """Every RNG stream of `model` restarted from `key` folded with the stream's path: a pure function of the key,
+    different for every layer."""
+    def policy(path, new_key, shape):
+        if shape:
+            raise ShardlmError(f"the RNG stream at {path_str(path)} holds keys of shape {shape} (a scanned or "
+                               "vmapped module); shardlm reseeds scalar streams only")
+        return jax.random.fold_in(new_key, zlib.crc32("/".join(map(str, path)).encode()))
+
+    tags = {stream.tag for _, stream in nnx.iter_graph(model) if isinstance(stream, nnx.RngStream)}
+    if tags:
+        nnx.reseed(model, policy=policy, **{tag: key for tag in tags})
