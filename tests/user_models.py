@@ -52,8 +52,9 @@ class LinenBlock(nn.Module):
     def __call__(self, x):
         d = x.shape[-1]
         mask = nn.make_causal_mask(x[..., 0])
-        x = x + nn.SelfAttention(num_heads=self.heads, name="attn")(nn.LayerNorm()(x), mask=mask)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, name="attn")(nn.LayerNorm()(x), mask=mask)
         h = nn.Dense(4 * d, name="fc1")(nn.LayerNorm()(x))
+        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))  # a no-op unless a plan maps these names
         return x + nn.Dense(d, name="fc2")(nn.gelu(h))
 
 

@@ -41,6 +41,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from shardlm.errors import ShardlmError
 
 CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_KINDS = {"config": "a training run's", "trainer": "a Trainer's"}  # the key of the meta that says which
 INCOMPLETE_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress
 
 
@@ -208,13 +209,19 @@ class RunCheckpoints:
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
-    def read_meta(self, step: int) -> dict:
+    def read_meta(self, step: int, kind: str = "config") -> dict:
+        """The meta item of `step`, which must hold `kind`: "config" for a run's checkpoints, "trainer" for those
+        `shardlm.foreign.Trainer.save` writes."""
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - any failure to read is reported as this step being unreadable
             raise CheckpointError(step, _reason(e)) from e
-        if not isinstance(meta, dict) or meta.get("step") != step or "config" not in meta:
+        if not isinstance(meta, dict) or meta.get("step") != step:
             raise CheckpointError(step, "its meta item is not a shardlm checkpoint's")
+        if kind not in meta:
+            found = next((who for key, who in CHECKPOINT_KINDS.items() if key in meta), None)
+            raise CheckpointError(step, f"it is {found} checkpoint, not {CHECKPOINT_KINDS[kind]}" if found
+                                  else "its meta item is not a shardlm checkpoint's")
         return meta
 
     def read_position(self, step: int) -> int:
@@ -230,31 +237,43 @@ class RunCheckpoints:
 
     def restore(self, step: int, abstract_state, *, optimizer: bool = True):
         """The state at `step`, each array placed as the matching leaf of `abstract_state` says (ShapeDtypeStructs
-        with shardings). `abstract_state` is {"model": ..., "optimizer": ...}, or the model's state alone when
-        `optimizer` is False."""
+        with shardings). `abstract_state` is the nnx.State {"model": ..., "optimizer": ...}, or the model's state
+        alone when `optimizer` is False."""
         target = nnx.to_pure_dict(abstract_state)
-        stored = _storable_target(target)
-        items = {"params": _restore_args(stored["model"] if optimizer else stored)}
-        if optimizer:
-            items["optimizer"] = _restore_args(stored["optimizer"])
+        params, opt = self.restore_trees(step, target["model"] if optimizer else target,
+                                         target["optimizer"] if optimizer else None)
+        state = jax.tree.map(lambda x: x, abstract_state)  # a fresh tree of the same Variables, filled below
+        nnx.replace_by_pure_dict(state, {"model": params, "optimizer": opt} if optimizer else params)
+        return state
+
+    def restore_trees(self, step: int, params_target, optimizer_target=None):
+        """(params, optimizer state) at `step`, read into the shapes, dtypes and shardings of the targets (pytrees
+        of ShapeDtypeStructs, the structure they were saved with); the optimizer item is not read without a
+        target."""
+        items = {"params": _restore_args(_storable_target(params_target))}
+        if optimizer_target is not None:
+            items["optimizer"] = _restore_args(_storable_target(optimizer_target))
         try:
             with _QuietFailedReads():
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(step, _reason(e)) from e
-        state = jax.tree.map(lambda x: x, abstract_state)  # a fresh tree of the same Variables, filled below
-        arrays = {"model": restored["params"], "optimizer": restored["optimizer"]} if optimizer else restored["params"]
-        nnx.replace_by_pure_dict(state, _rewrap_keys(arrays, target))
-        return state
+        params = _rewrap_keys(restored["params"], params_target)
+        opt = _rewrap_keys(restored["optimizer"], optimizer_target) if optimizer_target is not None else None
+        return params, opt
 
     # --- writing -----------------------------------------------------------------------------------------------
     def save(self, step: int, state, position: int, meta: dict) -> None:
-        """Start saving `state` ({"model", "optimizer"}) and the data position (the index of the next batch);
-        returns once the arrays are off the devices, while the files are written in the background."""
-        pure = _storable(nnx.to_pure_dict(state))
+        """Start saving `state` (the nnx.State {"model", "optimizer"}) and the data position (the index of the next
+        batch); returns once the arrays are off the devices, while the files are written in the background."""
+        pure = nnx.to_pure_dict(state)
+        self.save_trees(step, pure["model"], pure["optimizer"], position, meta)
+
+    def save_trees(self, step: int, params, optimizer, position: int, meta: dict) -> None:
+        """`save` for plain pytrees of arrays: the params item, the optimizer item, the position and the meta."""
         args = ocp.args.Composite(
-            params=ocp.args.PyTreeSave(pure["model"]),
-            optimizer=ocp.args.PyTreeSave(pure["optimizer"]),
+            params=ocp.args.PyTreeSave(_storable(params)),
+            optimizer=ocp.args.PyTreeSave(_storable(optimizer)),
             data=ocp.args.JsonSave({"next_batch": int(position)}),
             meta=ocp.args.JsonSave(meta),
         )

@@ -190,14 +190,15 @@ class Sharded:
 
         return jax.tree_util.tree_map_with_path(one, arrays)
 
-    def trainer(self, tx, loss_fn=None, *, seed: int = 0):
+    def trainer(self, tx, loss_fn=None, *, seed: int = 0, keep: int = 3):
         """A `Trainer` over these parameters. `loss_fn(model, batch) -> scalar`, where `model(*inputs)` is the
         forward pass (the NNX module itself; for Linen, the module applied to the current variables, with a fresh
         dropout key each step and its non-parameter collections updated; with a `call` adapter, the model run
-        through it). Default: next-token cross entropy on a [batch, seq + 1] token array."""
+        through it). Default: next-token cross entropy on a [batch, seq + 1] token array. `keep`: how many of
+        its newest checkpoints `trainer.save(dir)` keeps in a directory."""
         from shardlm.foreign.trainer import Trainer
 
-        return Trainer(self, tx, loss_fn, seed=seed)
+        return Trainer(self, tx, loss_fn, seed=seed, keep=keep)
 
     def explanation(self, opt_state=None) -> Explanation:
         """Where every parameter (and optimizer-state leaf, given `opt_state`) lives: `shardlm.explain(sharded)`."""

@@ -177,7 +177,7 @@ class PlannedModel:
         """The plan resolved against the model's variables (raising on any problem)."""
         from shardlm.foreign.placement import resolve_layout
 
-        params, rest = abstract_model_state.split(nnx.Param, ...)
+        params, rest = nnx.split_state(abstract_model_state, nnx.Param, ...)
         try:
             return resolve_layout(params, rest, self.plan, mesh, warn=warn)
         except ShardlmError as e:
@@ -199,8 +199,8 @@ class PlannedModel:
         from shardlm.foreign.placement import opt_state_shardings
 
         model = self.model_shardings(abstract_state["model"], mesh)
-        params = abstract_state["model"].split(nnx.Param, ...)[0]
-        param_shardings = model.split(nnx.Param, ...)[0]
+        params = nnx.filter_state(abstract_state["model"], nnx.Param)
+        param_shardings = nnx.filter_state(model, nnx.Param)
         optimizer = opt_state_shardings(abstract_state["optimizer"], params, param_shardings, mesh)
         by_path = {f"{part}/{path_str(p)}": s for part, tree in (("model", model), ("optimizer", optimizer))
                    for p, s in jax.tree_util.tree_flatten_with_path(tree)[0]}
@@ -275,7 +275,7 @@ class PlannedModel:
         from shardlm.explanation import explain_trees
 
         layout = self.layout(state["model"], mesh)
-        params = state["model"].split(nnx.Param, ...)[0]
+        params = nnx.filter_state(state["model"], nnx.Param)
         placed_by = {p.path: p.placed_by for p in layout.placements}
         return explain_trees(params, state["optimizer"], mesh, placed_by, layout.notes())
 

@@ -24,7 +24,7 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, logi
     """The jitted train step. `logits(model, tokens, mesh, train=True, key=...)` is the model's forward pass as
     its source runs it (`train.source`): dropout, activation constraints."""
     graphdef = train_state.graphdef
-    param_shardings = train_state.shardings["model"].filter(nnx.Param)  # what gradients are taken of
+    param_shardings = nnx.filter_state(train_state.shardings["model"], nnx.Param)  # what gradients are taken of
     base_key = jax.random.key(seed)
 
     def loss_fn(model, tokens, key):
