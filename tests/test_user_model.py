@@ -162,6 +162,23 @@ def test_dropout_keys_are_a_function_of_seed_and_step_on_any_mesh():
     assert float(plain["loss"]) != pytest.approx(losses["dp8"][0], rel=1e-4)  # the masks did something
 
 
+def test_grad_accumulation_is_the_full_batch_step_for_a_users_model():
+    from shardlm.train.state import create_train_state
+    from shardlm.train.step import batch_struct, train_step_for
+
+    batch = np.random.default_rng(1).integers(0, 257, (16, 33)).astype(np.int32)
+    mesh = shardlm.make_mesh(fsdp=4, tensor=2)
+    out = {}
+    for k in (1, 2):
+        cfg = cfg_for("build_nnx", f"train.grad_accum={k}")
+        ts = create_train_state(cfg, mesh, 257)
+        step, placed = train_step_for(cfg, ts, mesh), jax.device_put(batch, batch_struct(cfg, mesh).sharding)
+        state, first = step(ts.state, placed)
+        _, second = step(state, placed)  # after an update made from the accumulated gradients
+        out[k] = [(float(m["loss"]), float(m["grad_norm"])) for m in (first, second)]
+    np.testing.assert_allclose(out[2], out[1], rtol=1e-5)
+
+
 def test_two_processes_train_a_users_model_like_one(cli_runs, tmp_path):
     from test_multihost import LAUNCH_TIMEOUT, launcher_log, shardlm_command
 

@@ -36,6 +36,7 @@ from shardlm.hf.tokenizer import tokenizer_files
 from shardlm.hf.weights import hf_tensors
 from shardlm.hf.writer import DEFAULT_MAX_SHARD_BYTES, ModelDirWriter
 from shardlm.load import LoadedModel, load_model, run_tokenizer
+from shardlm.models.config import FAMILY_NAMES
 from shardlm.checkpoint import RunCheckpoints, complete_steps
 from shardlm.train.rundir import CONFIG_FILE
 from shardlm.trees import path_str
@@ -88,6 +89,10 @@ def _checkpoint_meta(run_dir: Path, step: int | None) -> dict:
     if not (run_dir / CONFIG_FILE).is_file():
         raise ShardlmError(f"{run_dir} holds no shardlm run (no {CONFIG_FILE}); pass a training run's directory")
     model = read_config_file(run_dir / CONFIG_FILE).get("model", {})
+    if model.get("family") not in FAMILY_NAMES:
+        raise ShardlmError(f"{run_dir} trained {model.get('preset')}, a model from the user's file, whose architecture "
+                           "has no Hugging Face counterpart shardlm knows; read its variables with "
+                           "shardlm.load_model(run_dir) instead (the module's state, on any mesh)")
     if model.get("family", "gpt") == "gpt" and model.get("use_bias") is False:
         raise ShardlmError(f"{run_dir} trained a GPT without biases (model.use_bias=false), which transformers' "
                            "GPT2LMHeadModel cannot hold; only GPT runs with biases export")

@@ -256,6 +256,8 @@ class Training:
              f"{fmt_bytes(ex.max_param_bytes)}, optimizer {fmt_bytes(ex.max_opt_bytes)}")
         if split := sequence_split_note(cfg, self.mesh):
             _log(split)
+        for note in ex.notes:  # a plan's (a model from a py: file)
+            _log(f"note: {note}")
         warmup = effective_warmup(cfg)
         if warmup != cfg.train.warmup_steps:
             _log(f"note: train.warmup_steps={cfg.train.warmup_steps} would leave no decay in {cfg.train.steps} "

@@ -154,6 +154,7 @@ class PlannedModel:
         self.build = load_function(self.spec)
         self.call = load_function(call_spec(cfg.model.call, self.spec), "model.call") if cfg.model.call else None
         self.placeholder_vocab = cfg.model.vocab_size or None  # the plan's splits must divide the real one
+        self.built_vocab = None  # the vocabulary of the last model `factory` made (for error messages)
 
     # --- building ----------------------------------------------------------------------------------------------
     def vocab_sizes(self, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
@@ -164,7 +165,7 @@ class PlannedModel:
         from shardlm.foreign.modules import build_module
 
         m, seed = self.cfg.model, self.cfg.seed
-        vocab_size = self.vocab_sizes(vocab_size, tensor_degree)[0]
+        vocab_size = self.built_vocab = self.vocab_sizes(vocab_size, tensor_degree)[0]
 
         def make():
             offered = {"vocab_size": vocab_size, "seq_len": m.seq_len, "dtype": jnp.dtype(m.dtype),
@@ -173,20 +174,21 @@ class PlannedModel:
 
         return make
 
-    def layout(self, abstract_model_state, mesh, *, warn: bool = False):
+    def layout(self, abstract_model_state, mesh):
         """The plan resolved against the model's variables (raising on any problem)."""
         from shardlm.foreign.placement import resolve_layout
 
         params, rest = nnx.split_state(abstract_model_state, nnx.Param, ...)
         try:
-            return resolve_layout(params, rest, self.plan, mesh, warn=warn)
+            return resolve_layout(params, rest, self.plan, mesh, warn=False)
         except ShardlmError as e:
             raise ShardlmError(self._vocab_hint(str(e))) from None
 
     def _vocab_hint(self, message: str) -> str:
-        v = self.cfg.model.vocab_size
-        if "does not divide" in message and "(size " in message and not v:
-            return message + " (a vocabulary dimension: set model.vocab_size to a multiple of the degree)"
+        """A degree that does not divide the vocabulary (the tokenizer's, when model.vocab_size is 0) is fixed by
+        setting model.vocab_size, which the hint says."""
+        if not self.cfg.model.vocab_size and self.built_vocab and f"(size {self.built_vocab})" in message:
+            return message + " (the vocabulary: set model.vocab_size to a multiple of the degree)"
         return message
 
     def model_shardings(self, abstract_model_state, mesh):
@@ -256,8 +258,8 @@ class PlannedModel:
         return round(3 * _FORWARD_FLOPS[key])
 
     def check(self, mesh, vocab_size: int | None = None) -> None:
-        """Every activation rule of the plan matches a module (an NNX model's are known before it runs), and with
-        the vocabulary known, the plan's notes (large replicated parameters, what megatron could not do) logged."""
+        """Every activation rule of the plan matches a module (an NNX model's are known before it runs). The plan's
+        notes (large replicated parameters, what megatron could not do) are in `explain`'s."""
         from shardlm.foreign.activations import check_rules_match, nnx_module_paths
         from shardlm.foreign.linen import LinenModel
 
@@ -266,8 +268,6 @@ class PlannedModel:
             abstract = nnx.eval_shape(self.factory(vocab or 256))
         if not isinstance(abstract, LinenModel):  # a Linen model's modules are met as it is traced
             check_rules_match(self.plan, nnx_module_paths(abstract))
-        if vocab:
-            self.layout(nnx.state(abstract), mesh, warn=True)
 
     def explain(self, state, mesh):
         """Where every parameter and optimizer-state leaf of a train state lives, and the plan's rule that placed

@@ -83,8 +83,10 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch
     def micro_step(carry, xs):
         grad_sum, loss_sum = carry
         tokens, i = xs
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(nnx.merge(graphdef, p, rest), tokens, jax.random.fold_in(key, i)))(params)
+        # Fresh copies of the other variables in this trace: a model's RNG streams are reseeded inside it, and NNX
+        # refuses to write variables created at another trace level.
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest)),
+                                                           tokens, jax.random.fold_in(key, i)))(params)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         return (jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads), loss_sum + loss), None
 
