@@ -8,7 +8,6 @@ on such a model, and the one-line errors for what a user gets wrong.
 """
 
 import json
-import shutil
 import signal
 from pathlib import Path
 
@@ -130,10 +129,13 @@ def test_sigterm_then_resume_is_the_uninterrupted_run_and_another_mesh_continues
     assert rows(run_dir) == rows(reference)  # every logged number of every step, bit for bit
 
     moved = copy_run(reference, tmp_path / "moved", keep_steps=(6,))
-    # resumed on data 8 instead of fsdp 4 x tensor 2 (mesh.* overrides describe the whole new mesh)
-    summary = train(load_config(None, [model("build_nnx"), f"plan={PLAN}", *RUN, "mesh.data=8"]), moved,
-                    progress=False)
+    # resumed from the command line on data 8 under the fsdp preset instead of fsdp 4 x tensor 2 by the plan file
+    # (mesh.* overrides describe the whole new mesh; the run's own config is the base, so no model= is needed)
+    assert main(["train", "--cpu-devices", "8", "--run-dir", str(moved), "--no-progress", "mesh.data=8",
+                 "plan=fsdp"]) == 0
+    summary = json.loads((moved / "summary.json").read_text())
     assert summary["resumed_from"] == 6 and summary["mesh"]["data"] == 8
+    assert "plan: fsdp" in (moved / "config.yaml").read_text()
     want, got = run_losses(reference), run_losses(moved)
     for step in (7, 8):
         assert abs(got[step] - want[step]) <= 1e-5 * want[step], (step, got[step], want[step])
@@ -158,7 +160,8 @@ def test_dropout_keys_are_a_function_of_seed_and_step_on_any_mesh():
     no_dropout = cfg_for("build_nnx")
     mesh = shardlm.make_mesh(data=8)
     ts = create_train_state(no_dropout, mesh, 257)
-    _, plain = train_step_for(no_dropout, ts, mesh)(ts.state, jax.device_put(batch, batch_struct(no_dropout, mesh).sharding))
+    placed = jax.device_put(batch, batch_struct(no_dropout, mesh).sharding)
+    _, plain = train_step_for(no_dropout, ts, mesh)(ts.state, placed)
     assert float(plain["loss"]) != pytest.approx(losses["dp8"][0], rel=1e-4)  # the masks did something
 
 

@@ -338,8 +338,9 @@ def _check_py_keys(layers: list[list[tuple[str, Any]]]) -> None:
             continue
         for key in keys:
             if key.startswith("model.") and key.split(".", 1)[1] not in (*PY_MODEL_KEYS, "family"):
+                takes = ", ".join(f"model.{k}" for k in PY_MODEL_KEYS[1:])
                 raise ShardlmError(f"{key} does not apply to a model from a py: file, whose function builds its "
-                                   f"own architecture; of the model section it takes model.{', model.'.join(PY_MODEL_KEYS[1:])}")
+                                   f"own architecture; of the model section it takes {takes}")
 
 
 def plan_mesh(plan: str) -> MeshConfig:
@@ -347,8 +348,8 @@ def plan_mesh(plan: str) -> MeshConfig:
     mesh = Plan.load(plan or "fsdp").mesh or {}
     unknown = [a for a in mesh if a not in ("data", "fsdp", "context", "tensor")]
     if unknown:
-        raise ShardlmError(f"plan {plan}: its mesh names axis '{unknown[0]}', but a run's mesh has the axes data, fsdp, "
-                           "context and tensor: use those names in the plan, or set the mesh with mesh.*=N")
+        raise ShardlmError(f"plan {plan}: its mesh names axis '{unknown[0]}', but a run's mesh has the axes data, "
+                           "fsdp, context and tensor: use those names in the plan, or set the mesh with mesh.*=N")
     out = MeshConfig(data=1 if any(v == -1 for v in mesh.values()) else None)
     for axis, degree in mesh.items():
         if not isinstance(degree, int) or isinstance(degree, bool):

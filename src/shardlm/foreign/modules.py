@@ -65,7 +65,8 @@ def load_function(spec: str, key: str = "model") -> Callable:
     path, name = parse_spec(spec, key)
     module = _import_file(path, key, spec)
     if not hasattr(module, name):
-        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__)
+        defined = sorted(n for n, v in vars(module).items()
+                         if inspect.isfunction(v) and v.__module__ == module.__name__)
         raise ShardlmError(f"{key}={spec}: {path} defines no '{name}'"
                            + (f" (its functions: {', '.join(defined)})" if defined else "") + "; name one of them")
     fn = getattr(module, name)

@@ -61,7 +61,9 @@ def run_config(config_file: str | None, overrides: list[str], run_dir: str | Non
     steps, a new mesh) apply on top. mesh.* overrides describe the whole new mesh (as for `generate`):
     `mesh.tensor=4` alone means tensor 4 x data for the rest. Process 0 reads the run's config for every process
     of a run (the others look into the run directory only once it is known to exist)."""
-    cfg = load_config(config_file, overrides)
+    # Without --run-dir the config names the directory; with it, the run there (if any) is read first, so that
+    # overrides that only make sense on top of it (plan= for a run of a model from a py: file) are checked so.
+    cfg = None if run_dir else load_config(config_file, overrides)
     run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
     base = distributed.broadcast("resume-config", lambda: read_config_file(run_dir / CONFIG_FILE)
                                  if holds_run(run_dir) and not overwrite else None)
@@ -69,7 +71,7 @@ def run_config(config_file: str | None, overrides: list[str], run_dir: str | Non
         if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in overrides):
             base.pop("mesh", None)
         cfg = load_config(config_file, overrides, base=base)
-    return cfg, run_dir
+    return cfg or load_config(config_file, overrides), run_dir
 
 
 def check_writable(run_dir: Path) -> None:

@@ -4,13 +4,13 @@ file (`PlannedModel`, `model=py:FILE:FUNCTION`, placed by a plan). `model_source
 Everything else in training (the state, the step, checkpoints, the loop, and `plan`, `bench`, `profile`, `explain`,
 `generate`) is the same for both and asks the source for the few things that differ:
 
-- `factory(vocab_size, tensor_degree)`: a zero-argument constructor of the NNX module (a Linen model comes wrapped, see
-  `shardlm.foreign.linen`), traced abstractly for shapes and run inside `jit` for a sharded init;
+- `factory(vocab_size, tensor_degree)`: a zero-argument constructor of the NNX module (a Linen model comes
+  wrapped, see `shardlm.foreign.linen`), traced abstractly for shapes and run inside `jit` for a sharded init;
 - `state_shardings(abstract_state, mesh)` and `model_shardings(...)`: a NamedSharding for every leaf of the
   {"model", "optimizer"} train state, or of the model alone (readers), raising on anything that does not place;
 - `logits(model, tokens, mesh, train=, key=)`: the forward pass as a step runs it, with its dropout key and its
   activation constraints;
-- `vocab_sizes`, `batch_sharding`, `flops_per_token`, `check(mesh, vocab)`, `describe`, `generator`.
+- `vocab_sizes`, `batch_sharding`, `flops_per_token`, `check(mesh, vocab)`, `explain`, `split_note`, `generator`.
 
 Design choices for a model from a file:
 - Dropout keys are a pure function of (seed, step) as for shardlm's models: before each training forward, every
@@ -39,6 +39,15 @@ from jax.sharding import PartitionSpec as P
 
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
+from shardlm.explanation import explain_state, explain_trees
+from shardlm.flops import flops_per_token
+from shardlm.foreign.activations import check_rules_match, constrained, nnx_module_paths
+from shardlm.foreign.layout import resolve_entries
+from shardlm.foreign.linen import LinenModel
+from shardlm.foreign.modules import build_module, call_spec, is_py, load_function, parse_spec, takes_train_flag
+from shardlm.foreign.placement import opt_state_shardings, resolve_layout
+from shardlm.foreign.plan import Plan
+from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
 from shardlm.models.layers import check_attention
 from shardlm.sharding import batch_sharding, state_shardings, use_mesh_rules
@@ -48,16 +57,10 @@ from shardlm.units import fmt_bytes
 
 def model_source(cfg: Config):
     """The source of `cfg`'s model: a file's model for `model=py:...`, else shardlm's own."""
-    from shardlm.foreign.modules import is_py
-
     return PlannedModel(cfg) if is_py(cfg.model.preset) else OwnModel(cfg)
 
 
 _FORWARD_FLOPS: dict[tuple, float] = {}  # a file's model's forward FLOPs per token, by what they depend on
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 class OwnModel:
@@ -94,8 +97,6 @@ class OwnModel:
             return model(tokens, rngs=nnx.Rngs(dropout=key) if dropout else None)
 
     def flops_per_token(self, vocab_size: int, tensor_degree: int) -> int:
-        from shardlm.flops import flops_per_token
-
         return flops_per_token(self.cfg.model, self.vocab_sizes(vocab_size, tensor_degree)[1])
 
     def check(self, mesh, vocab_size: int | None = None) -> None:
@@ -114,8 +115,6 @@ class OwnModel:
 
     def explain(self, state, mesh):
         """Where every parameter and optimizer-state leaf of a train state lives (`shardlm.explain`)."""
-        from shardlm.explanation import explain_state
-
         return explain_state(state, mesh)
 
     def split_note(self, mesh) -> str | None:
@@ -133,8 +132,6 @@ class OwnModel:
                 "device (reduce-scattered back as gradients)")
 
     def generator(self, graphdef, state, mesh, *, eot_id: int, vocab_size: int, **options):
-        from shardlm.generate import Generator
-
         return Generator(graphdef, state, mesh, eot_id=eot_id, **options)
 
 
@@ -145,9 +142,6 @@ class PlannedModel:
     flops_convention = "3x the forward pass's FLOPs per token, as XLA's cost analysis counts them"
 
     def __init__(self, cfg: Config):
-        from shardlm.foreign.modules import call_spec, load_function
-        from shardlm.foreign.plan import Plan
-
         self.cfg = cfg
         self.spec = cfg.model.preset
         self.plan = Plan.load(cfg.plan or "fsdp")
@@ -162,8 +156,6 @@ class PlannedModel:
         return real, real
 
     def factory(self, vocab_size: int, tensor_degree: int = 1):
-        from shardlm.foreign.modules import build_module
-
         m, seed = self.cfg.model, self.cfg.seed
         vocab_size = self.built_vocab = self.vocab_sizes(vocab_size, tensor_degree)[0]
 
@@ -176,8 +168,6 @@ class PlannedModel:
 
     def layout(self, abstract_model_state, mesh):
         """The plan resolved against the model's variables (raising on any problem)."""
-        from shardlm.foreign.placement import resolve_layout
-
         params, rest = nnx.split_state(abstract_model_state, nnx.Param, ...)
         try:
             return resolve_layout(params, rest, self.plan, mesh, warn=False)
@@ -198,8 +188,6 @@ class PlannedModel:
                                                 abstract_model_state)
 
     def state_shardings(self, abstract_state, mesh):
-        from shardlm.foreign.placement import opt_state_shardings
-
         model = self.model_shardings(abstract_state["model"], mesh)
         params = nnx.filter_state(abstract_state["model"], nnx.Param)
         param_shardings = nnx.filter_state(model, nnx.Param)
@@ -210,23 +198,16 @@ class PlannedModel:
 
     def batch_sharding(self, mesh) -> NamedSharding:
         """Rows split as the plan's `inputs` spec splits the batch dimension (default: data x fsdp), each row whole."""
-        from shardlm.foreign.layout import resolve_entries
-
         rows = resolve_entries(self.plan.inputs[:1], None, mesh, f"{self.plan.name}: inputs")
         return NamedSharding(mesh, P(*rows, None))
 
     # --- running -----------------------------------------------------------------------------------------------
     def logits(self, model, tokens, mesh, *, train: bool, key=None):
-        from shardlm.foreign.activations import constrained
-
         with constrained(model, self.plan, mesh):
             return self._run(model, tokens, train, key)
 
     def _run(self, model, tokens, train: bool, key):
         """The model on `tokens` in training or evaluation mode, through the call adapter, without constraints."""
-        from shardlm.foreign.linen import LinenModel
-        from shardlm.foreign.modules import takes_train_flag
-
         linen = isinstance(model, LinenModel)
         model.train() if train else model.eval()
         if train and key is not None and not linen:
@@ -241,8 +222,6 @@ class PlannedModel:
     def flops_per_token(self, vocab_size: int, tensor_degree: int = 1) -> int:
         """3x the forward pass's FLOPs per token, as XLA counts them on one unsharded row (cached per file version
         and vocabulary)."""
-        from shardlm.foreign.modules import parse_spec
-
         m = self.cfg.model
         key = (self.spec, parse_spec(self.spec)[0].stat().st_mtime_ns, m.call, m.seq_len, m.dtype, vocab_size)
         if key not in _FORWARD_FLOPS:
@@ -260,9 +239,6 @@ class PlannedModel:
     def check(self, mesh, vocab_size: int | None = None) -> None:
         """Every activation rule of the plan matches a module (an NNX model's are known before it runs). The plan's
         notes (large replicated parameters, what megatron could not do) are in `explain`'s."""
-        from shardlm.foreign.activations import check_rules_match, nnx_module_paths
-        from shardlm.foreign.linen import LinenModel
-
         vocab = vocab_size or self.placeholder_vocab
         with nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(self.factory(vocab or 256))
@@ -272,8 +248,6 @@ class PlannedModel:
     def explain(self, state, mesh):
         """Where every parameter and optimizer-state leaf of a train state lives, and the plan's rule that placed
         each parameter; the plan's notes with it."""
-        from shardlm.explanation import explain_trees
-
         layout = self.layout(state["model"], mesh)
         params = nnx.filter_state(state["model"], nnx.Param)
         placed_by = {p.path: p.placed_by for p in layout.placements}
@@ -283,8 +257,6 @@ class PlannedModel:
         return None  # its attention is its own: what a context split costs it is in the compiled step (`plan`)
 
     def generator(self, graphdef, state, mesh, *, eot_id: int, vocab_size: int, **options):
-        from shardlm.generate import Generator
-
         options["use_cache"] = False
         return Generator(graphdef, state, mesh, eot_id=eot_id, context=self.cfg.model.seq_len, vocab=vocab_size,
                          forward=lambda model, tokens: self.logits(model, tokens, mesh, train=False), **options)

@@ -20,7 +20,6 @@ from shardlm.errors import ShardlmError
 from shardlm.sharding.rules import as_axes, axis_degree
 from shardlm.train.source import model_source
 from shardlm.trees import path_str
-from shardlm.units import fmt_bytes
 
 
 def effective_warmup(cfg: Config) -> int:
