@@ -33,7 +33,7 @@ def run_shardlm(preset: str, batches, vocab: int) -> dict:
 
     from shardlm.config import load_config
     from shardlm.flops import device_peak
-    from shardlm.train.state import model_flops_per_step
+    from shardlm.train.source import model_flops_per_step
     from shardlm.mesh import mesh_from_config
     from shardlm.sharding import batch_sharding
     from shardlm.train.state import create_train_state
@@ -65,7 +65,7 @@ def run_torch(preset: str, batches, vocab: int, compile_: bool = True) -> dict:
 
     from shardlm.config import load_config
     from shardlm.flops import table_peak
-    from shardlm.train.state import model_flops_per_step
+    from shardlm.train.source import model_flops_per_step
 
     batch, width = batches[0].shape
     cfg = load_config(None, [f"model={preset}", f"model.vocab_size={vocab}", f"model.seq_len={width - 1}",

@@ -24,7 +24,7 @@ from shardlm.config import load_config
 from shardlm.perf import hlo
 from shardlm.train.loop import train
 from test_checkpoint import copy_run, rows, send_at, steps
-from user_models import build_linen, build_nnx
+from user_models import build_batchnorm, build_linen, build_nnx
 
 HERE = Path(__file__).resolve().parent
 MODELS = HERE / "user_models.py"
@@ -182,6 +182,34 @@ def test_grad_accumulation_is_the_full_batch_step_for_a_users_model():
     np.testing.assert_allclose(out[2], out[1], rtol=1e-5)
 
 
+def test_batch_statistics_move_on_with_gradient_accumulation_and_a_train_flag_reaches_the_model(tmp_path):
+    """An NNX BatchNorm's statistics after a step, with and without gradient accumulation, against the module
+    stepped eagerly on the same microbatches; and a Linen model whose training mode is an argument, trained through
+    `model.call` (the flag is True in the step, so its dropout is on and the losses of two meshes still agree)."""
+    from shardlm.train.state import create_train_state
+    from shardlm.train.step import batch_struct, train_step_for
+
+    batch = np.random.default_rng(2).integers(0, 257, (16, 33)).astype(np.int32)
+    mesh = shardlm.make_mesh(fsdp=4, tensor=2)
+    for k in (1, 2):
+        cfg = cfg_for("build_batchnorm", f"train.grad_accum={k}", "plan=fsdp")
+        ts = create_train_state(cfg, mesh, 257)
+        state, _ = train_step_for(cfg, ts, mesh)(ts.state, jax.device_put(batch, batch_struct(cfg, mesh).sharding))
+        eager = build_batchnorm(VOCAB, nnx.Rngs(0))
+        eager.train()
+        for i in range(k):  # microbatch i is rows i, i + k, ...
+            eager(jnp.asarray(batch[i::k, :-1]))
+        np.testing.assert_allclose(np.asarray(state["model"]["bn"]["mean"][...]), np.asarray(eager.bn.mean[...]),
+                                   rtol=1e-5, atol=1e-6)
+    losses = {}
+    for name, mesh in (("fsdp4_tp2", shardlm.make_mesh(fsdp=4, tensor=2)), ("dp8", shardlm.make_mesh(data=8))):
+        cfg = cfg_for("build_linen_train_flag", "model.call=call_with_train", "plan=fsdp")
+        ts = create_train_state(cfg, mesh, 257)
+        _, metrics = train_step_for(cfg, ts, mesh)(ts.state, jax.device_put(batch, batch_struct(cfg, mesh).sharding))
+        losses[name] = float(metrics["loss"])
+    assert losses["fsdp4_tp2"] == pytest.approx(losses["dp8"], rel=1e-6)
+
+
 def test_two_processes_train_a_users_model_like_one(cli_runs, tmp_path):
     from test_multihost import LAUNCH_TIMEOUT, launcher_log, shardlm_command
 
@@ -268,6 +296,38 @@ def test_a_plan_maps_the_models_own_logical_names(tmp_path):
     assert sorted(op.op_name.split("/")[-3] for op in gathered) == ["block_0", "block_1"]  # after each fc1
 
 
+def test_activation_rules_reach_modules_inside_nnx_lifted_transforms():
+    """nnx.remat splits a module and merges a new one inside; the rule still applies to its output."""
+
+    class Remat(nnx.Module):
+        def __init__(self):
+            self.fc1, self.fc2 = nnx.Linear(16, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 16, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.fc2(nnx.remat(lambda m, x: m(x))(self.fc1, x))
+
+    x = jnp.ones((8, 16))
+    counts = {}
+    for name, extra in (("free", {}), ("pinned", {"activations": [["fc1", [None, "data"]]]})):
+        sharded = shardlm.shard(Remat, {"rules": [["**", "replicate"]], **extra}, shardlm.make_mesh(data=8))
+        graphdef, params, rest = sharded._split()
+        text = jax.jit(lambda p, r, x: sharded.forward(graphdef, p, r, x)).lower(params, rest, x).compile().as_text()
+        counts[name] = len(hlo.collectives(text, 8))
+    assert counts["free"] == 0 and counts["pinned"] > 0  # the hidden layer split over data: resharded around fc2
+
+
+def test_a_new_plan_on_resume_brings_its_mesh(tmp_path):
+    from shardlm.train.rundir import run_config
+
+    (tmp_path / "config.yaml").write_text(cfg_for().to_yaml())  # a run saved on fsdp 4 x tensor 2
+    cfg, _ = run_config(None, ["plan=fsdp"], str(tmp_path))
+    assert (cfg.mesh.fsdp, cfg.mesh.tensor, cfg.plan) == (-1, 1, "fsdp")
+    cfg, _ = run_config(None, ["plan=fsdp", "mesh.data=8"], str(tmp_path))
+    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (8, 1, 1)
+    cfg, _ = run_config(None, ["train.steps=20"], str(tmp_path))  # nothing about the placement: the run's
+    assert (cfg.mesh.fsdp, cfg.mesh.tensor, cfg.plan) == (4, 2, str(PLAN))
+
+
 # --- the library: Trainer.save / restore ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
@@ -306,6 +366,9 @@ def test_trainer_restore_errors_are_one_line(tmp_path, cli_runs):
         trainer.restore(tmp_path)
     with pytest.raises(shardlm.ShardlmError, match="a training run's checkpoint, not a Trainer's"):
         trainer.restore(cli_runs("build_nnx"))
+    trainer.save(tmp_path / "saved", wait=True)
+    with pytest.raises(shardlm.ShardlmError, match="exists already: this trainer saved"):
+        trainer.save(tmp_path / "saved")
 
 
 # --- plan, bench, explain and generate on such a model -------------------------------------------------------
@@ -331,11 +394,13 @@ def test_explain_plan_bench_and_generate_take_a_users_model(cli_runs, tmp_path, 
 
 @pytest.mark.parametrize("args, fragment", [
     ([f"model=py:{HERE}/no_such_file.py:build"], "there is no file"),
-    ([model("build_missing")], "defines no 'build_missing' (its functions: build_linen"),
+    ([model("build_missing")], "defines no 'build_missing' (its functions: build_batchnorm, build_linen"),
     ([model("build_nothing")], "build_nothing() returned a dict; it must return an nnx.Module"),
     ([model("build_needs_width")], "build_needs_width() requires width"),
     ([model("build_nnx"), "plan=megatron", "model.n_layers=4"], "model.n_layers does not apply"),
     ([model("build_nnx"), "plan=missing.yaml"], "plan file missing.yaml does not exist"),
+    ([model("build_linen_train_flag")], "needs model.call=NAME"),
+    ([model("build_tuple")], "it returned a tuple, not logits [2, 32, 260]"),
     (["plan=fsdp"], "plan=fsdp is for a model from a py: file"),
 ])
 def test_a_users_mistakes_are_one_line_errors(tmp_path, capsys, args, fragment):

@@ -81,3 +81,47 @@ def build_nothing(vocab_size: int):
 
 def build_needs_width(width: int):
     return TinyLM(width, 8, rngs=nnx.Rngs(0))
+
+
+class LinenWithTrainFlag(nn.Module):
+    """A Linen model whose training mode is an argument: it needs `model.call=call_with_train`."""
+    vocab: int
+
+    @nn.compact
+    def __call__(self, tokens, train):
+        x = nn.Embed(self.vocab, D_MODEL, name="embed")(tokens)
+        x = nn.Dropout(0.1, deterministic=not train)(x)
+        return nn.Dense(self.vocab, name="head")(x)
+
+
+def build_linen_train_flag(vocab_size: int):
+    return LinenWithTrainFlag(vocab_size)
+
+
+def call_with_train(model, tokens, train):
+    return model(tokens, train=train)
+
+
+class BatchNormLM(nnx.Module):
+    """Batch statistics that a training step updates (and evaluation reads)."""
+
+    def __init__(self, vocab: int, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab, D_MODEL, rngs=rngs)
+        self.bn = nnx.BatchNorm(D_MODEL, rngs=rngs)
+        self.head = nnx.Linear(D_MODEL, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(self.bn(self.embed(tokens)))
+
+
+def build_batchnorm(vocab_size: int, rngs: nnx.Rngs):
+    return BatchNormLM(vocab_size, rngs)
+
+
+class TupleLM(TinyLM):
+    def __call__(self, tokens):
+        return super().__call__(tokens), {"aux": 0}
+
+
+def build_tuple(vocab_size: int, seq_len: int, rngs: nnx.Rngs):
+    return TupleLM(vocab_size, seq_len, rngs=rngs)

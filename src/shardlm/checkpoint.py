@@ -145,10 +145,13 @@ def _storable_target(target):
 
 
 def _rewrap_keys(restored, target):
-    """Key data read back into PRNG keys of JAX's default implementation (a run's checkpoints record theirs, and
-    a resume checks that it is this process's)."""
-    impl = str(jax.config.jax_default_prng_impl)
-    return jax.tree.map(lambda x, t: jax.random.wrap_key_data(x, impl=impl) if _is_key(t) else x, restored, target)
+    """Key data read back into PRNG keys of the target's implementation (threefry, rbg, ...). JAX names a key
+    dtype's implementation only privately (`dtype._impl`); the default implementation stands in if it moves."""
+    def wrap(x, t):
+        impl = getattr(t.dtype, "_impl", None) or str(jax.config.jax_default_prng_impl)
+        return jax.random.wrap_key_data(x, impl=impl)
+
+    return jax.tree.map(lambda x, t: wrap(x, t) if _is_key(t) else x, restored, target)
 
 
 def _restore_args(target) -> ocp.args.PyTreeRestore:
@@ -256,10 +259,10 @@ class RunCheckpoints:
         try:
             with _QuietFailedReads():
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+            params = _rewrap_keys(restored["params"], params_target)
+            opt = _rewrap_keys(restored["optimizer"], optimizer_target) if optimizer_target is not None else None
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(step, _reason(e)) from e
-        params = _rewrap_keys(restored["params"], params_target)
-        opt = _rewrap_keys(restored["optimizer"], optimizer_target) if optimizer_target is not None else None
         return params, opt
 
     # --- writing -----------------------------------------------------------------------------------------------

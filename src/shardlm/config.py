@@ -376,7 +376,8 @@ def _check_py_model(cfg: Config) -> None:
     if cfg.init.from_:
         raise ShardlmError(f"init.from={cfg.init.from_} imports GPT-2 or Llama weights; a model from a py: file builds "
                            "its own: leave init.from empty")
-    Plan.load(cfg.plan or "fsdp")  # a missing or malformed plan file is reported now
+    # The plan file is read where the model is placed (`train.source`), not here: a run's saved config names the
+    # plan it started with, which a resume may replace and which need not exist any more.
 
 
 def validate(cfg: Config) -> None:

@@ -13,6 +13,7 @@ accelerators (dense, no sparsity) for the compute dtype; on CPU there is no data
 *measured*: a large fp32 matmul run on every device at once, and labelled "measured CPU matmul peak".
 """
 
+import math
 import re
 import time
 
@@ -22,6 +23,32 @@ import numpy as np
 
 from shardlm.accelerator import resolve_dtype
 from shardlm.models.config import ModelConfig
+
+
+def jaxpr_matmul_flops(jaxpr) -> float:
+    """The FLOPs of every matrix multiply in a jaxpr (2 per multiply-add of each `dot_general`), a scan's body
+    counted once per iteration, a conditional's costliest branch, a while loop's body once (its trip count is not
+    known), nested calls (jit, remat, custom derivatives' primal) followed. For a forward pass this is what the
+    6N + 12LTd convention counts for shardlm's models, 3 x (2N + 4LTd): the weights' matmuls and attention's."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr's
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+        elif name == "scan":
+            total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"])
+        elif name == "cond":
+            total += max(jaxpr_matmul_flops(branch) for branch in eqn.params["branches"])
+        else:
+            total += sum(jaxpr_matmul_flops(v) for v in eqn.params.values() if _is_jaxpr(v))
+    return total
+
+
+def _is_jaxpr(value) -> bool:
+    return hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns")
 
 
 def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:

@@ -18,9 +18,12 @@ Design choices:
   the first rule matching a module applies. Every rule must match a module of the model, checked when the model
   is placed, so a typo is an error as in parameter rules.
 - NNX has no method interceptor: for the duration of one trace, each matched module's class is swapped for a
-  subclass whose `__call__` constrains the output, and swapped back afterwards (the module the trace merged is
-  the only one touched, and its graph definition is unchanged once the trace is done). Linen's
-  `nn.intercept_methods` does the same for Linen modules. Only `__call__` is intercepted.
+  subclass whose `__call__` constrains the output, and the module is marked with the index of its rule (a static
+  attribute), both undone afterwards (the module the trace merged is the only one touched, and its graph
+  definition is unchanged once the trace is done). Class and mark are part of the module's graph definition, so
+  they survive NNX's lifted transforms (`nnx.remat`, `nnx.scan`, `nnx.vmap` split a module and merge a new one
+  inside). Linen's `nn.intercept_methods` does the same for Linen modules. Only `__call__` is intercepted. A
+  module reachable by two paths (a shared, tied module) is matched by its first path.
 - A spec's entries are those of parameter rules: mesh axes, lists of them, or shardlm's logical names (`batch` is
   data x fsdp). Output leaves with fewer dimensions than the spec are left alone; a split that does not divide a
   dimension is a one-line error naming the module, its output shape and the rule.
@@ -44,7 +47,8 @@ from shardlm.foreign.plan import Plan, Rule, matches
 from shardlm.sharding.rules import as_axes, axis_degree
 
 _swapped: dict[type, type] = {}  # a module class -> its constraining subclass (one per class, made once)
-_active = threading.local()  # the trace in progress: id(module) -> (path, rule)
+_active = threading.local()  # the trace in progress: its plan and mesh
+MARK = "_shardlm_activation_rule"  # on a matched NNX module during a trace: (its path, its rule's index)
 
 
 def has_constraints(plan: Plan) -> bool:
@@ -92,13 +96,14 @@ def _constrain(out, path: str, rule: Rule, mesh, plan_name: str):
 
 
 def _constraining(cls: type) -> type:
-    """A subclass of the NNX module class `cls` whose `__call__` constrains its output when the module is one of
-    the active trace's matched modules."""
+    """A subclass of the NNX module class `cls` whose `__call__` constrains its output by the rule its instance is
+    marked with (`MARK`), under the active trace's plan and mesh."""
     if cls not in _swapped:
         def __call__(self, *args, **kwargs):
             out = super(sub, self).__call__(*args, **kwargs)
-            hit = getattr(_active, "modules", {}).get(id(self))
-            return out if hit is None else _constrain(out, hit[0], hit[1], _active.mesh, _active.plan_name)
+            path, index = getattr(self, MARK)
+            plan, mesh = _active.plan, _active.mesh
+            return _constrain(out, path, plan.activations[index], mesh, plan.name)
 
         sub = type(cls)(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                                 "__qualname__": cls.__qualname__})
@@ -143,24 +148,27 @@ def constrained(model, plan: Plan, mesh):
 
 @contextlib.contextmanager
 def _nnx_swapped(model, plan: Plan, mesh):
-    hits = {}
-    for path, module in nnx_module_paths(model).items():
-        rule = _rule_for(plan, path)
-        if rule is not None:
-            hits[id(module)] = (module, path, rule)
-    previous = getattr(_active, "modules", None), getattr(_active, "mesh", None), getattr(_active, "plan_name", None)
-    _active.modules = {k: (path, rule) for k, (_, path, rule) in hits.items()}
-    _active.mesh, _active.plan_name = mesh, plan.name
+    paths = nnx_module_paths(model)
+    check_rules_match(plan, paths)
+    hits = []
+    for path, module in paths.items():
+        index = next((i for i, rule in enumerate(plan.activations) if matches(rule, path)), None)
+        if index is not None:
+            hits.append((module, path, index))
+    previous = getattr(_active, "plan", None), getattr(_active, "mesh", None)
+    _active.plan, _active.mesh = plan, mesh
     originals = []
     try:
-        for module, _, _ in hits.values():
+        for module, path, index in hits:
             originals.append((module, type(module)))
             object.__setattr__(module, "__class__", _constraining(type(module)))
+            object.__setattr__(module, MARK, (path, index))
         yield
     finally:
         for module, cls in originals:
             object.__setattr__(module, "__class__", cls)
-        _active.modules, _active.mesh, _active.plan_name = previous
+            object.__delattr__(module, MARK)
+        _active.plan, _active.mesh = previous
 
 
 @contextlib.contextmanager

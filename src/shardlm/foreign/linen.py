@@ -15,7 +15,11 @@ Design choices:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from flax.core import unfreeze
+
+from shardlm.errors import ShardlmError
 
 PARAMS = "params"
 
@@ -51,3 +55,23 @@ class LinenModel(nnx.Module):
                 jax.tree.map(lambda var, new: var.set_value(new), getattr(self, name), updated[name],
                              is_leaf=_is_var)
         return out
+
+
+def initialised(module, variables, call, seq_len: int, seed: int, spec: str) -> LinenModel:
+    """`module` with `variables`, or initialised on a [1, seq_len] token array (through `call(module, tokens)` if
+    given: the module's own call may take keyword inputs or a training flag), as a `LinenModel`. A module that
+    cannot be called on the tokens alone is a one-line error naming `model.call`."""
+    if variables is None:
+        tokens = jnp.zeros((1, seq_len), jnp.int32)
+        keys = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
+        try:
+            variables = module.init(keys, tokens, **({"method": call} if call is not None else {}))
+        except TypeError as e:  # its __call__ wants more than the tokens (a `train` flag, keyword inputs)
+            raise ShardlmError(f"model={spec}: initialising {type(module).__name__} on tokens [1, {seq_len}] failed "
+                               f"({(str(e).splitlines() or [''])[0]}); a model called with more than its tokens needs "
+                               "model.call=NAME, a function call(model, tokens[, train]) in its file") from e
+    variables = unfreeze(variables)
+    if not isinstance(variables, dict) or PARAMS not in variables:
+        raise ShardlmError(f"model={spec}: a Linen model's variables must be the dict module.init returns, with a "
+                           "'params' collection")
+    return LinenModel(module, variables)

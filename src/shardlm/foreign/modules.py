@@ -14,8 +14,8 @@ Design choices:
   an `nnx.Rngs` from the run's seed. A required parameter shardlm does not offer is an error naming it, since a
   default is the only way shardlm could call it.
 - What it returns becomes an NNX module: an `nnx.Module` as it is; a Linen module, initialised on a [1, seq_len]
-  token array through the call adapter (or its `__call__`) and wrapped as `LinenModel`; or a (Linen module,
-  variables) pair. Anything else is an error naming the type, so the trainer, its checkpoints and the plan's
+  token array through the call adapter (or its `__call__`) and wrapped as `LinenModel` (`foreign.linen`); or a
+  (Linen module, variables) pair. Anything else is an error naming the type, so the trainer, its checkpoints and the plan's
   patterns deal with one kind of model.
 - A call adapter (`model.call=NAME`, a function in the same file, or `py:FILE:NAME`) runs the model when it is not
   `model(tokens) -> logits`: `call(model, tokens)`, or `call(model, tokens, train)` when it declares `train`
@@ -146,35 +146,19 @@ def build_module(build: Callable, offered: dict[str, Any], spec: str, *, call: C
     `call` is the model's call adapter (`call(model, tokens[, train])`), used to initialise a Linen module."""
     from flax import linen, nnx
 
+    from shardlm.foreign.linen import initialised
+
     made = build(**offered_arguments(build, offered, spec))
     if isinstance(made, nnx.Module):
         return made
+    init_call = None
+    if call is not None:
+        flag = {"train": False} if takes_train_flag(call) else {}
+        init_call = lambda m, tokens: call(m, tokens, **flag)  # noqa: E731
     if isinstance(made, linen.Module):
-        return _wrap_linen(made, None, call, seq_len, seed)
+        return initialised(made, None, init_call, seq_len, seed, spec)
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], linen.Module):
         variables = made[1]() if callable(made[1]) else made[1]
-        return _wrap_linen(made[0], variables, call, seq_len, seed)
+        return initialised(made[0], variables, init_call, seq_len, seed, spec)
     raise ShardlmError(f"model={spec}: {build.__name__}() returned a {type(made).__name__}; it must return an "
                        "nnx.Module, a Linen module, or a (Linen module, variables) pair")
-
-
-def _wrap_linen(module, variables, call, seq_len: int, seed: int):
-    import jax
-    import jax.numpy as jnp
-    from flax.core import unfreeze
-
-    from shardlm.foreign.linen import LinenModel
-
-    if variables is None:
-        tokens = jnp.zeros((1, seq_len), jnp.int32)
-        keys = {"params": jax.random.key(seed), "dropout": jax.random.key(seed + 1)}
-        if call is None:
-            variables = module.init(keys, tokens)
-        else:  # through the adapter: the module's own call may take keyword inputs
-            flag = {"train": False} if takes_train_flag(call) else {}
-            variables = module.init(keys, tokens, method=lambda m, t: call(m, t, **flag))
-    variables = unfreeze(variables)
-    if not isinstance(variables, dict) or "params" not in variables:
-        raise ShardlmError("a Linen model's variables must be the dict module.init returns, with a 'params' "
-                           "collection")
-    return LinenModel(module, variables)

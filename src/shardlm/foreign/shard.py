@@ -93,7 +93,7 @@ class Sharded:
 
         return nnx.split(self._module, nnx.Param, ...)
 
-    def _set(self, params, rest) -> None:
+    def set_state(self, params, rest) -> None:
         """Adopt new arrays (after a donated train step) so the user's module never holds deleted buffers."""
         if self.kind == "nnx":
             from flax import nnx

@@ -146,6 +146,9 @@ class Trainer:
                 "versions": {"shardlm": shardlm.__version__, "jax": jax.__version__,
                              "orbax": orbax.checkpoint.__version__}}
         manager = self._manager(directory)
+        if step in manager.steps():
+            raise ShardlmError(f"{manager.directory / str(step)} exists already: this trainer saved (or restored) step "
+                               f"{step}; save again after more steps, or into another directory")
         manager.save_trees(step, self._variables(), {"opt_state": self.opt_state}, step, meta)
         if wait:
             manager.wait()
@@ -198,7 +201,7 @@ class Trainer:
             nnx.replace_by_pure_dict(state, variables)
             nnx.update(s.model, state)
         else:
-            s._set(variables["params"], {k: v for k, v in variables.items() if k != "params"})
+            s.set_state(variables["params"], {k: v for k, v in variables.items() if k != "params"})
 
     def step(self, batch) -> dict[str, Any]:
         """One update on `batch` (split over the mesh by the plan's input spec). Returns {"loss", "grad_norm"}
@@ -211,6 +214,6 @@ class Trainer:
         step_index = jax.device_put(jnp.asarray(self.steps_done, jnp.int32), replicated(self.mesh))
         params, self.opt_state, rest, metrics = self._compiled_step(graphdef, batch)(
             params, self.opt_state, rest, batch, step_index)
-        s._set(params, rest)
+        s.set_state(params, rest)
         self.steps_done += 1
         return metrics

@@ -120,7 +120,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
 
     from shardlm.errors import ShardlmError
     from shardlm.flops import device_peak
-    from shardlm.train.state import model_flops_per_step
+    from shardlm.train.source import model_flops_per_step
     from shardlm.perf.strategies import rejection
     from shardlm.train.data import tokenizer_vocab
 
@@ -157,7 +157,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
 
 def format_bench(bench: Bench, cfg: Config) -> str:
     from shardlm.config import describe
-    from shardlm.train.source import model_source
+    from shardlm.train.source import flops_convention
 
     m, t = cfg.model, cfg.train
     base = bench.results[0].tokens_per_s
@@ -172,7 +172,7 @@ def format_bench(bench: Bench, cfg: Config) -> str:
                      f"{r.tflops_per_device:>11.4f} {r.mfu:>7.1%} {r.tokens_per_s / base:>7.2f}x "
                      f"{r.compile_s:>9.1f} {r.final_loss:>8.4f}")
     lines += ["", f"MFU against {bench.results[0].peak_flops / 1e12:.3f} TFLOP/s per device ({bench.peak_label}); "
-              f"FLOPs = {model_source(cfg).flops_convention}"]
+              f"FLOPs = {flops_convention(cfg)}"]
     if bench.device_kind.lower().startswith("cpu") and bench.n_devices > 1:
         lines.append("simulated CPU devices share the host's cores: the ratios measure sharding overhead, not "
                      "speed-up")

@@ -25,7 +25,8 @@ from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak
 from shardlm.perf.planner import shard_bytes
 from shardlm.perf.targets import Target, topology, tracing_for
 from shardlm.train.data import tokenizer_vocab
-from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable, model_flops_per_step
+from shardlm.train.source import model_flops_per_step
+from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable
 from shardlm.train.step import batch_struct, train_step_for
 from shardlm.units import fmt_bytes
 

@@ -198,7 +198,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     device of `target`), or only for `strategies`, and rank them. Without a target JAX must already see that many
     devices (the CLI's `--devices` simulates them on a CPU host); with one, they are its abstract devices over
     `hosts` hosts. `hardware` defaults to the target's, or an H100 SXM at its dense peak for `model.dtype`."""
-    from shardlm.train.state import model_flops_per_step
+    from shardlm.train.source import model_flops_per_step
     from shardlm.train.data import tokenizer_vocab
 
     if hardware is None:
@@ -310,9 +310,9 @@ def format_plan(p: Plan) -> str:
                  "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps")
     lines.append("comm/dev = what one device sends per step (ring algorithms); est step = compute at peak + "
                  "collectives at link bandwidth + latency (`shardlm.perf.costmodel`)")
-    from shardlm.train.source import model_source  # imports JAX: planning_flags runs before JAX starts
+    from shardlm.train.source import flops_convention  # imports JAX: planning_flags runs before JAX starts
 
-    lines.append(f"MFU = model FLOPs ({model_source(p.cfg).flops_convention}) per device per second over the peak")
+    lines.append(f"MFU = model FLOPs ({flops_convention(p.cfg)}) per device per second over the peak")
     if target:
         lines.append(_compiler_note(p))
     if p.platform == "cpu" and p.cfg.model.dtype != "float32":

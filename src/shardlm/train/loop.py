@@ -36,13 +36,14 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from shardlm import distributed
-from shardlm.config import Config, agree_on_config, config_from_dict, describe
+from shardlm.config import Config, agree_on_config, describe
 from shardlm.data.loader import BatchLoader
 from shardlm.data.prepare import PreparedData
 from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
 from shardlm.explanation import format_explanation
 from shardlm.flops import device_peak
+from shardlm.foreign.modules import file_sha256, is_py
 from shardlm.generate import sample_text
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, local_steps
@@ -102,8 +103,6 @@ def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int
 
 def model_file(cfg: Config) -> dict:
     """A model from a py: file: the file's path and SHA-256, recorded with every checkpoint."""
-    from shardlm.foreign.modules import file_sha256, is_py
-
     if not is_py(cfg.model.preset):
         return {}
     return {"model_file": {"spec": cfg.model.preset, "sha256": file_sha256(cfg.model.preset)}}
@@ -119,7 +118,7 @@ def check_same_run(meta: dict, mesh, data: PreparedData, vocab: tuple[int, int],
                            " resume with the run's tokenizer, or pass another --run-dir")
     check_vocab_padding(meta, vocab[1], mesh.shape["tensor"], "resume")
     saved = meta.get("model_file")
-    if saved and saved != model_file(config_from_dict(meta["config"]))["model_file"]:
+    if saved and saved["sha256"] != file_sha256(saved["spec"]):
         _log(f"note: {saved['spec']} has changed since checkpoint step {meta['step']} was saved; the checkpoint "
              "restores into the new file's model if its variables are the same")
     if meta["rng"]["prng_impl"] != str(jax.config.jax_default_prng_impl):

@@ -68,7 +68,10 @@ def run_config(config_file: str | None, overrides: list[str], run_dir: str | Non
     base = distributed.broadcast("resume-config", lambda: read_config_file(run_dir / CONFIG_FILE)
                                  if holds_run(run_dir) and not overwrite else None)
     if base is not None:
-        if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in overrides):
+        # mesh.* overrides describe the whole new mesh; a new plan without them brings its own (its mesh:, or the
+        # preset's), as for a new run
+        keys = [o.split("=", 1)[0].strip() for o in overrides]
+        if any(k.startswith("mesh.") or k == "plan" for k in keys):
             base.pop("mesh", None)
         cfg = load_config(config_file, overrides, base=base)
     return cfg or load_config(config_file, overrides), run_dir

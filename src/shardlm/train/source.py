@@ -21,15 +21,18 @@ Design choices for a model from a file:
   for evaluation and generation, which NNX's Dropout and BatchNorm follow; a call adapter that declares `train`
   gets it as an argument instead.
 - Its vocabulary is not padded: `build` gets `model.vocab_size` (or the tokenizer's) and the plan's splits must
-  divide it. Its FLOPs are counted by XLA from its own forward pass (3x the forward's, as 6N is 3x 2N), since its
-  architecture is not known to the 6N + 12LTd formula.
+  divide it. Its FLOPs are the matmuls of its own forward pass, counted from the jaxpr (3x the forward's, as
+  6N + 12LTd is 3 x (2N + 4LTd)), since its architecture is not known to the formula.
 - It generates without a KV cache: the whole context is run for every token (`shardlm.generate`), which any
   causal model that maps tokens [batch, seq_len] to logits supports.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
 from shardlm.explanation import explain_state, explain_trees
-from shardlm.flops import flops_per_token
+from shardlm.flops import flops_per_token, jaxpr_matmul_flops
 from shardlm.foreign.activations import check_rules_match, constrained, nnx_module_paths
 from shardlm.foreign.layout import resolve_entries
 from shardlm.foreign.linen import LinenModel
@@ -56,10 +59,36 @@ from shardlm.units import fmt_bytes
 
 
 def model_source(cfg: Config):
-    """The source of `cfg`'s model: a file's model for `model=py:...`, else shardlm's own."""
-    return PlannedModel(cfg) if is_py(cfg.model.preset) else OwnModel(cfg)
+    """The source of `cfg`'s model: a file's model for `model=py:...` (one per model section, plan and seed, and
+    versions of their files, for the life of the process: its file is imported and checked once), else
+    shardlm's own."""
+    if not is_py(cfg.model.preset):
+        return OwnModel(cfg)
+    key = (dataclasses.astuple(cfg.model), cfg.plan, _mtime(cfg.plan), _mtime(str(parse_spec(cfg.model.preset)[0])),
+           cfg.seed)
+    if key not in _PLANNED:
+        _PLANNED[key] = PlannedModel(cfg)
+    return _PLANNED[key]
 
 
+def model_flops_per_step(cfg: Config, vocab_size: int, tensor_degree: int) -> int:
+    """Model FLOPs of one train step of `cfg`: per token (`shardlm.flops`' 6N + 12LTd for shardlm's models, 3x the
+    forward pass's matmuls for a model from a py: file), times the global batch's tokens."""
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    return model_source(cfg).flops_per_token(vocab_size, tensor_degree) * tokens
+
+
+def flops_convention(cfg: Config) -> str:
+    """How model FLOPs (for MFU) are counted for `cfg`'s model."""
+    return (PlannedModel if is_py(cfg.model.preset) else OwnModel).flops_convention
+
+
+def _mtime(path: str) -> int | None:
+    p = Path(path)
+    return p.stat().st_mtime_ns if path and p.is_file() else None
+
+
+_PLANNED: dict[tuple, "PlannedModel"] = {}
 _FORWARD_FLOPS: dict[tuple, float] = {}  # a file's model's forward FLOPs per token, by what they depend on
 
 
@@ -139,24 +168,25 @@ class PlannedModel:
     """The module `build` in the user's file returns, placed by `cfg.plan` (`shardlm.foreign`)."""
 
     can_cache = False
-    flops_convention = "3x the forward pass's FLOPs per token, as XLA's cost analysis counts them"
+    flops_convention = "3x the forward pass's matmul FLOPs per token, counted from its jaxpr"
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        self.model_cfg, self.seed = cfg.model, cfg.seed  # all of the config it reads, with the plan
         self.spec = cfg.model.preset
         self.plan = Plan.load(cfg.plan or "fsdp")
         self.build = load_function(self.spec)
         self.call = load_function(call_spec(cfg.model.call, self.spec), "model.call") if cfg.model.call else None
         self.placeholder_vocab = cfg.model.vocab_size or None  # the plan's splits must divide the real one
         self.built_vocab = None  # the vocabulary of the last model `factory` made (for error messages)
+        self.forward_checked = False
 
     # --- building ----------------------------------------------------------------------------------------------
     def vocab_sizes(self, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
-        real = self.cfg.model.vocab_size or tokenizer_vocab
+        real = self.model_cfg.vocab_size or tokenizer_vocab
         return real, real
 
     def factory(self, vocab_size: int, tensor_degree: int = 1):
-        m, seed = self.cfg.model, self.cfg.seed
+        m, seed = self.model_cfg, self.seed
         vocab_size = self.built_vocab = self.vocab_sizes(vocab_size, tensor_degree)[0]
 
         def make():
@@ -177,7 +207,7 @@ class PlannedModel:
     def _vocab_hint(self, message: str) -> str:
         """A degree that does not divide the vocabulary (the tokenizer's, when model.vocab_size is 0) is fixed by
         setting model.vocab_size, which the hint says."""
-        if not self.cfg.model.vocab_size and self.built_vocab and f"(size {self.built_vocab})" in message:
+        if not self.model_cfg.vocab_size and self.built_vocab and f"(size {self.built_vocab})" in message:
             return message + " (the vocabulary: set model.vocab_size to a multiple of the degree)"
         return message
 
@@ -220,9 +250,9 @@ class PlannedModel:
         return self.call(model, tokens, **flag) if self.call is not None else model(tokens)
 
     def flops_per_token(self, vocab_size: int, tensor_degree: int = 1) -> int:
-        """3x the forward pass's FLOPs per token, as XLA counts them on one unsharded row (cached per file version
-        and vocabulary)."""
-        m = self.cfg.model
+        """3x the forward pass's matmul FLOPs per token, counted from its jaxpr on one row (`flops.
+        jaxpr_matmul_flops`: loops by their trip counts), cached per file version and vocabulary."""
+        m = self.model_cfg
         key = (self.spec, parse_spec(self.spec)[0].stat().st_mtime_ns, m.call, m.seq_len, m.dtype, vocab_size)
         if key not in _FORWARD_FLOPS:
             with nnx.use_eager_sharding(False):
@@ -231,19 +261,36 @@ class PlannedModel:
             def forward(state, tokens):
                 return self._run(nnx.merge(graphdef, state), tokens, False, None)
 
-            cost = jax.jit(forward).lower(state, jax.ShapeDtypeStruct((1, m.seq_len), jnp.int32)).cost_analysis()
-            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-            _FORWARD_FLOPS[key] = float(cost.get("flops", 0.0)) / m.seq_len
+            jaxpr = jax.make_jaxpr(forward)(state, jax.ShapeDtypeStruct((1, m.seq_len), jnp.int32))
+            _FORWARD_FLOPS[key] = jaxpr_matmul_flops(jaxpr) / m.seq_len
         return round(3 * _FORWARD_FLOPS[key])
 
     def check(self, mesh, vocab_size: int | None = None) -> None:
-        """Every activation rule of the plan matches a module (an NNX model's are known before it runs). The plan's
-        notes (large replicated parameters, what megatron could not do) are in `explain`'s."""
-        vocab = vocab_size or self.placeholder_vocab
+        """The model runs on tokens and returns logits, and every activation rule of the plan matches a module (an
+        NNX model's are known before it runs): shapes only, once per process."""
+        if self.forward_checked:
+            return
+        vocab, seq = vocab_size or self.placeholder_vocab or 256, self.model_cfg.seq_len
         with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(self.factory(vocab or 256))
+            abstract = nnx.eval_shape(self.factory(vocab))
         if not isinstance(abstract, LinenModel):  # a Linen model's modules are met as it is traced
             check_rules_match(self.plan, nnx_module_paths(abstract))
+        graphdef, state = nnx.split(abstract)
+        tokens = jax.ShapeDtypeStruct((2, seq), jnp.int32)
+        try:
+            out = jax.eval_shape(lambda st, t: self._run(nnx.merge(graphdef, st), t, False, None), state, tokens)
+        except ShardlmError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code, reported in one line
+            raise ShardlmError(f"model={self.spec}: running it on tokens [2, {seq}] failed ({type(e).__name__}: "
+                               f"{(str(e).splitlines() or [''])[0][:200]}); shardlm calls model(tokens) -> logits "
+                               "[batch, seq, vocab]: for another call, give model.call=NAME (call(model, tokens[, "
+                               "train]) in the model's file)") from e
+        if not (hasattr(out, "shape") and len(out.shape) == 3 and out.shape[:2] == (2, seq) and out.shape[2] >= vocab):
+            got = f"shape {tuple(out.shape)}" if hasattr(out, "shape") else f"a {type(out).__name__}"
+            raise ShardlmError(f"model={self.spec}: on tokens [2, {seq}] it returned {got}, not logits [2, {seq}, "
+                               f"{vocab}]; give model.call=NAME, a function in its file returning the logits")
+        self.forward_checked = True
 
     def explain(self, state, mesh):
         """Where every parameter and optimizer-state leaf of a train state lives, and the plan's rule that placed
@@ -251,14 +298,30 @@ class PlannedModel:
         layout = self.layout(state["model"], mesh)
         params = nnx.filter_state(state["model"], nnx.Param)
         placed_by = {p.path: p.placed_by for p in layout.placements}
-        return explain_trees(params, state["optimizer"], mesh, placed_by, layout.notes())
+        return explain_trees(params, state["optimizer"], mesh, placed_by, layout.notes() + self.mode_notes())
+
+    def mode_notes(self) -> list[str]:
+        """A model whose call takes its training mode as an argument, run without an adapter that passes it, is
+        called with that argument's default in training as in evaluation: worth a note."""
+        if self.call is not None:
+            return []
+        with nnx.use_eager_sharding(False):
+            model = nnx.eval_shape(self.factory(self.placeholder_vocab or 256))
+        module = model.linen_module if isinstance(model, LinenModel) else model
+        named = inspect.signature(type(module).__call__).parameters
+        flags = [n for n in ("train", "training", "is_training", "deterministic") if n in named]
+        if not flags:
+            return []
+        return [f"{type(module).__name__}.__call__ takes `{flags[0]}`, and shardlm calls model(tokens), so training "
+                f"runs with its default; give model.call=NAME, a function call(model, tokens, train) in the model's "
+                f"file, to pass it"]
 
     def split_note(self, mesh) -> str | None:
         return None  # its attention is its own: what a context split costs it is in the compiled step (`plan`)
 
     def generator(self, graphdef, state, mesh, *, eot_id: int, vocab_size: int, **options):
         options["use_cache"] = False
-        return Generator(graphdef, state, mesh, eot_id=eot_id, context=self.cfg.model.seq_len, vocab=vocab_size,
+        return Generator(graphdef, state, mesh, eot_id=eot_id, context=self.model_cfg.seq_len, vocab=vocab_size,
                          forward=lambda model, tokens: self.logits(model, tokens, mesh, train=False), **options)
 
 

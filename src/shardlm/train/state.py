@@ -165,13 +165,6 @@ def init_model(cfg: Config, mesh, vocab_size: int):
     return graphdef, state
 
 
-def model_flops_per_step(cfg: Config, vocab_size: int, tensor_degree: int) -> int:
-    """Model FLOPs of one train step of `cfg`: per token (`shardlm.flops`' convention for shardlm's models, XLA's
-    count of the forward pass x 3 for a model from a py: file), times the global batch's tokens."""
-    tokens = cfg.train.batch_size * cfg.model.seq_len
-    return model_source(cfg).flops_per_token(vocab_size, tensor_degree) * tokens
-
-
 def compile_init(cfg: Config, mesh, vocab_size: int):
     """(graphdef, compiled init, shardings): the init computes each device's shards of model + AdamW state."""
     build, graphdef, _, shardings = abstract_train_state(cfg, mesh, vocab_size)

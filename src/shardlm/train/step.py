@@ -72,7 +72,9 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch
     Microbatch i is rows i, i + k, i + 2k, ...: each device's contiguous block of the batch (its data x fsdp
     shard) holds the same number of rows of every microbatch, so splitting needs no communication. Each
     microbatch's dropout key is the step's key folded with i. The running sum is kept sharded like the
-    parameters, so under FSDP every microbatch's gradient is reduce-scattered into it.
+    parameters, so under FSDP every microbatch's gradient is reduce-scattered into it. The model's other variables
+    (a user's model's batch statistics, RNG streams) go from microbatch to microbatch in the scan's carry, and the
+    model holds the last microbatch's when this returns, as after one pass over the whole batch.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rows, width = batch.shape
@@ -80,20 +82,26 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch
     rows = batch_sharding.spec[0]  # each microbatch's rows split as the batch's, each row whole
     micro = jax.lax.with_sharding_constraint(micro, NamedSharding(batch_sharding.mesh, P(None, rows, None)))
 
+    def micro_loss(p, rest, tokens, key):
+        # Fresh copies of the other variables in this trace: a model's RNG streams are reseeded and its statistics
+        # updated inside it, and NNX refuses to write variables created at another trace level.
+        model = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
+        return loss_fn(model, tokens, key), nnx.split(model, nnx.Param, ...)[2]
+
     def micro_step(carry, xs):
-        grad_sum, loss_sum = carry
+        grad_sum, loss_sum, rest = carry
         tokens, i = xs
-        # Fresh copies of the other variables in this trace: a model's RNG streams are reseeded inside it, and NNX
-        # refuses to write variables created at another trace level.
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest)),
-                                                           tokens, jax.random.fold_in(key, i)))(params)
+        (loss, rest), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, rest, tokens,
+                                                                          jax.random.fold_in(key, i))
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        return (jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads), loss_sum + loss), None
+        return (jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads), loss_sum + loss, rest), None
 
     # The running sum is float32 even for bfloat16 parameters, and is cast back once at the end.
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
                                              param_shardings)
-    (grad_sum, loss_sum), _ = jax.lax.scan(micro_step, (zeros, jnp.zeros((), jnp.float32)), (micro, jnp.arange(k)))
+    (grad_sum, loss_sum, rest), _ = jax.lax.scan(micro_step, (zeros, jnp.zeros((), jnp.float32), rest),
+                                                 (micro, jnp.arange(k)))
+    nnx.update(model, rest)
     return loss_sum / k, jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grad_sum, params)
 
 
