@@ -55,6 +55,20 @@ def test_flops_per_token_by_hand():
     assert flops_per_token(cfg.model, v) == 6 * n + 12 * 4 * 128 * 256
 
 
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_the_jaxpr_count_of_a_forward_pass_is_the_6n_plus_12ltd_convention(preset):
+    """The count used for models from a user's file (3x the forward's matmuls, from its jaxpr) gives exactly the
+    formula's FLOPs on shardlm's own models: the two conventions are one."""
+    from shardlm.flops import jaxpr_matmul_flops
+
+    cfg = load_config(None, [f"model={preset}"])
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(nnx.eval_shape(model_source(cfg).factory(500, 1)))
+    tokens = jax.ShapeDtypeStruct((1, cfg.model.seq_len), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
+    assert 3 * jaxpr_matmul_flops(jaxpr) == cfg.model.seq_len * flops_per_token(cfg.model, padded_vocab_size(500))
+
+
 @pytest.mark.parametrize("kind, dtype, peak", [
     ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
     ("NVIDIA H100 PCIe", "bfloat16", 756e12),
