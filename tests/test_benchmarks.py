@@ -28,3 +28,14 @@ def test_gpu_benchmark_runs_shardlm_and_transformers_on_the_same_tokens():
     assert ours["flops"] == theirs["flops"]  # one FLOP count for both, so MFUs compare
     assert ours["impl"].startswith("shardlm") and theirs["impl"].startswith("transformers")
     assert "tok/s" in gpu.report(ours, 64)
+
+
+def test_compile_depth_benchmark_measures_scanned_and_looped_steps():
+    """The benchmark's measurement on two small depths: with the blocks scanned the compiled program does not
+    grow with depth; block by block it does."""
+    compile_depth = load("compile_depth")
+    rows = {(r["layers"], r["scan"]): r for r in (compile_depth.measure(n, 1, scan) for n in (2, 6)
+                                                  for scan in (True, False))}
+    assert all(r["compile_s"] > 0 and r["lower_s"] > 0 for r in rows.values())
+    assert rows[6, True]["hlo_kb"] < 1.2 * rows[2, True]["hlo_kb"]
+    assert rows[6, False]["hlo_kb"] > 2 * rows[2, False]["hlo_kb"]

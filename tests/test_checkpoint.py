@@ -19,6 +19,7 @@ from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh
 from shardlm.checkpoint import RunCheckpoints
+from shardlm.train import stored
 from shardlm.train.loop import train
 from shardlm.train.state import abstract_train_state
 from test_cli import assert_one_line_error, shardlm
@@ -67,7 +68,7 @@ def restore_arrays(run_dir, step, mesh, optimizer=True):
     _, _, abstract, shardings = abstract_train_state(cfg_for(), mesh, VOCAB)
     ck = RunCheckpoints(run_dir, read_only=True)
     try:
-        return ck.restore(step, abstract), shardings
+        return stored.restore_state(ck, step, abstract), shardings
     finally:
         ck.close()
 
@@ -151,18 +152,42 @@ def test_restore_reads_each_array_into_the_new_sharding(reference):
     assert tensor_split >= 8  # attention and MLP weights of both layers, and their AdamW moments
 
 
-@pytest.mark.parametrize("mesh, devices", [({"data": 2, "tensor": 4}, 8), ({"fsdp": 2, "context": 4}, 8),
-                                           ({"data": 1}, 1)], ids=["dp2xtp4", "fsdp2xcp4", "one-device"])
-def test_fsdp8_checkpoint_continues_on_another_mesh(reference, tmp_path, mesh, devices):
+@pytest.mark.parametrize("mesh, devices, scan", [({"data": 2, "tensor": 4}, 8, False), ({"fsdp": 2, "context": 4}, 8, True),
+                                                 ({"data": 1}, 1, True)],
+                         ids=["dp2xtp4 block by block", "fsdp2xcp4", "one-device"])
+def test_fsdp8_checkpoint_continues_on_another_mesh(reference, tmp_path, mesh, devices, scan):
+    """The reference ran with its blocks scanned; a checkpoint continues on any mesh, scanned or block by block."""
     run_dir = copy_run(reference, tmp_path, keep_steps=[6])
-    summary = train(cfg_for(*(f"mesh.{a}={d}" for a, d in mesh.items())), run_dir, progress=False,
-                    devices=jax.devices()[:devices])
-    assert summary["resumed_from"] == 6 and summary["mesh"] == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1,
+    summary = train(cfg_for(*(f"mesh.{a}={d}" for a, d in mesh.items()), f"model.scan_layers={str(scan).lower()}"),
+                    run_dir, progress=False, devices=jax.devices()[:devices])
+    assert summary["resumed_from"] == 6 and summary["mesh"] == {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1,
                                                                 **mesh}
     want, got = losses(reference), losses(run_dir)
     assert sorted(got) == list(range(1, 11))
     for step in range(7, 11):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_a_checkpoint_stored_layer_by_layer_restores_into_scanned_blocks(reference, tmp_path):
+    """Checkpoints written before blocks were stored stacked hold a tree per layer; they resume the same, bit for
+    bit: the layout is read from the checkpoint's metadata and converted as the arrays are read."""
+    from shardlm.models.stack import per_layer_tree
+
+    run_dir = copy_run(reference, tmp_path, keep_steps=[6])
+    state, _ = restore_arrays(run_dir, 6, make_mesh(1, 8, 1))  # scanned: the blocks stacked
+    pure = per_layer_tree(nnx.to_pure_dict(state), 2)
+    ck = RunCheckpoints(run_dir)
+    meta, position = ck.read_meta(6), ck.read_position(6)
+    ck.close()
+    shutil.rmtree(run_dir / "checkpoints" / "6")
+    ck = RunCheckpoints(run_dir)
+    ck.save_trees(6, pure["model"], pure["optimizer"], position, meta)
+    ck.close()
+    ck = RunCheckpoints(run_dir, read_only=True)
+    assert sorted(ck.stored_tree(6)["blocks"]) == ["0", "1"]  # stored per layer
+    ck.close()
+    assert train(cfg_for(*FSDP8), run_dir, progress=False)["resumed_from"] == 6
+    assert rows(run_dir) == rows(reference)
 
 
 def test_raising_train_steps_extends_a_finished_run(reference, tmp_path):
@@ -223,7 +248,7 @@ def test_readers_load_parameters_only(reference, tmp_path, capsys):
     run_dir = copy_run(reference, tmp_path, keep_steps=[10])
     shutil.rmtree(run_dir / "checkpoints/10/optimizer")  # a reader that touched the optimizer state would fail
     loaded = load_model(run_dir, overrides=["mesh.tensor=2"])
-    assert loaded.step == 10 and dict(loaded.mesh.shape) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
+    assert loaded.step == 10 and dict(loaded.mesh.shape) == {"stage": 1, "data": 4, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2}
     saved, _ = restore_arrays(reference, 10, make_mesh(1, 8, 1))
     assert set(nnx.to_pure_dict(loaded.state)) == set(nnx.to_pure_dict(saved["model"]))
     for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(saved["model"])):

@@ -78,9 +78,9 @@ def test_train_writes_the_run_directory(fsdp_run):
     assert events and events[0].stat().st_size > 100
     assert (run_dir / "samples.txt").read_text().strip()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert summary["mesh"] == {"stage": 1, "data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
     assert "6*N_matmul" in summary["mfu_convention"] and "measured CPU matmul peak" in summary["peak_source"]
-    assert "mesh data=1 x fsdp=8 x context=1 x tensor=1" in proc.stderr + proc.stdout
+    assert "mesh stage=1 x data=1 x fsdp=8 x expert=1 x context=1 x tensor=1" in proc.stderr + proc.stdout
 
 
 def test_rerunning_a_finished_run_trains_nothing(fsdp_run):
@@ -98,8 +98,8 @@ def test_hybrid_mesh_command_as_spelled_in_the_issue(tmp_path):
                    "mesh.data=2", "mesh.fsdp=2", "--explain", "mesh.tensor=2", "train.eval_batches=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert "mesh data=2 x fsdp=2 x context=1 x tensor=2" in out
-    assert "blocks/0/mlp/w_in" in out and str(P("fsdp", "tensor")) in out
+    assert "mesh stage=1 x data=2 x fsdp=2 x expert=1 x context=1 x tensor=2" in out
+    assert "blocks/mlp/w_in" in out and str(P(None, "fsdp", "tensor")) in out  # stacked over the layers
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 20 and REQUIRED <= set(rows[-1])
 
@@ -107,14 +107,14 @@ def test_hybrid_mesh_command_as_spelled_in_the_issue(tmp_path):
 def test_explain_command():
     proc = shardlm("explain", "--cpu-devices", "8", "mesh.fsdp=4", "mesh.tensor=2", "data.tokenizer=bytes")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "blocks/3/attn/wq" in proc.stdout and "(128, 4, 32)" in proc.stdout
-    assert str(P("fsdp", "tensor", None)) in proc.stdout
+    assert "blocks/attn/wq" in proc.stdout and "(4, 128, 4, 32)" in proc.stdout  # stacked over the 4 layers
+    assert str(P(None, "fsdp", "tensor", None)) in proc.stdout
     assert "per device: parameters" in proc.stdout
     proc = shardlm("explain", "--cpu-devices", "8", "--json", "mesh.fsdp=4", "mesh.tensor=2", "data.tokenizer=bytes")
     data = json.loads(proc.stdout)
-    assert data["mesh"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2} and len(data["per_device"]) == 8
-    row = next(r for r in data["parameters"] if r["path"] == "blocks/3/attn/wq")
-    assert row["shape"] == [128, 4, 32] and row["bytes_per_device"] == 128 * 4 * 32 * 4 // 8
+    assert data["mesh"] == {"stage": 1, "data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2} and len(data["per_device"]) == 8
+    row = next(r for r in data["parameters"] if r["path"] == "blocks/attn/wq")
+    assert row["shape"] == [4, 128, 4, 32] and row["bytes_per_device"] == 4 * 128 * 4 * 32 * 4 // 8
     assert data["max_bytes_per_device"]["params"] == max(d["params"] for d in data["per_device"])
 
 

@@ -17,7 +17,7 @@ from shardlm.mesh import make_mesh
 from shardlm.models.layers import attention_impl
 from shardlm.perf import hlo
 from shardlm.perf.strategies import Strategy, all_strategies, parse_strategy, wants_context_splits
-from shardlm.train.state import TrainState, abstract_train_state, check_shardable, sequence_split_note
+from shardlm.train.state import TrainState, abstract_train_state, check_shardable, split_notes
 from shardlm.train.step import batch_struct, train_step_for
 from test_cli import assert_one_line_error, shardlm
 
@@ -49,10 +49,10 @@ def test_context_split_matches_one_device(trajectories, split):
     assert abs(got[0] - want[0]) / want[0] < 1e-5, (family, split, got[0], want[0])
     assert abs(got[-1] - want[-1]) / want[-1] < 1e-3, (family, split, got[-1], want[-1])
     # Read back from the arrays: the context devices hold FSDP shards of the weights (embed over fsdp x context).
-    wq = runs[split][1].state["model"]["blocks"][0]["attn"]["wq"][...]
-    assert wq.sharding.spec[0] == ("fsdp", "context")
+    wq = runs[split][1].state["model"]["blocks"]["attn"]["wq"][...]  # stacked over the layers
+    assert wq.sharding.spec[1] == ("fsdp", "context")
     degrees = SPLITS[split]
-    assert wq.addressable_shards[0].data.shape == (64 // (degrees.get("fsdp", 1) * degrees["context"]),
+    assert wq.addressable_shards[0].data.shape == (wq.shape[0], 64 // (degrees.get("fsdp", 1) * degrees["context"]),
                                                    4 // degrees.get("tensor", 1), 16)
 
 
@@ -94,12 +94,13 @@ def test_keys_and_values_are_all_gathered_over_context_and_nothing_else_is():
         return [op for op in ops if op.kind == kind and sorted(sorted(g) for g in op.groups) == context_groups]
 
     gathers = over_context("all-gather")
-    assert [op.bytes for op in gathers] == [kv_bytes] * 2 * 2  # K and V of both layers, and nothing else
+    # K and V of both layers, and nothing else: each gathered once per layer of the scanned blocks' loop
+    assert sorted(op.bytes for op in gathers for _ in range(op.times)) == [kv_bytes] * 2 * 2
     # Their gradients, reduce-scattered back over context (XLA may issue a layer's two as one collective).
-    assert sum(op.bytes for op in over_context("reduce-scatter")) == 2 * 2 * kv_bytes
+    assert sum(op.bytes * op.times for op in over_context("reduce-scatter")) == 2 * 2 * kv_bytes
     assert q_bytes not in [op.bytes for op in ops if op.kind == "all-gather"]  # queries stay split
     # What the run header and `explain` say it costs is what the compiled step gathers.
-    note = sequence_split_note(load_config(None, LLAMA_GQA), mesh)
+    (note,) = split_notes(load_config(None, LLAMA_GQA), mesh)
     assert "each device holds 16 of every 32 tokens" in note and f"{2 * kv_bytes // 1024}.00 KiB per layer" in note
     assert not [op for op in ops if op.kind in ("all-to-all", "collective-permute") and op.bytes >= kv_bytes]
 
@@ -143,8 +144,9 @@ def test_plan_enumerates_and_costs_context_splits_for_a_batch_smaller_than_the_d
     assert proc.returncode == 0, proc.stderr
     plans = {p["name"]: p for p in json.loads(proc.stdout)}
     assert set(plans) == {"cp4", "cp2+tp2", "tp4"}, set(plans)
-    assert plans["cp4"]["mesh"] == {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
-    assert plans["cp4"]["overrides"] == ["mesh.data=1", "mesh.fsdp=1", "mesh.context=4", "mesh.tensor=1"]
+    assert plans["cp4"]["mesh"] == {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "context": 4, "tensor": 1}
+    assert plans["cp4"]["overrides"] == ["mesh.stage=1", "mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=4",
+                                         "mesh.tensor=1"]
     kv_bytes = 2 * 2 * 256 * 4 * 16 * 4  # K and V of 2 layers: [1 row, 256 positions, 4 heads, 16] float32
     gathered = {c["kind"]: c["bytes"] for c in plans["cp4"]["collectives"]}["all-gather"]
     full_weights = 4 * plans["cp4"]["bytes_per_device"]["params"]  # each device holds a quarter of them
@@ -166,12 +168,12 @@ def test_a_context_run_trains_samples_resumes_and_generates_the_same_on_one_devi
            "data.tokenizer=bytes", "checkpoint.every=2", "mesh.fsdp=2", "mesh.context=4"]
     run_dir = tmp_path / "run"
     summary = train(load_config(None, run + ["train.steps=2"]), run_dir, progress=False)
-    assert summary["mesh"] == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    assert summary["mesh"] == {"stage": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 4, "tensor": 1}
     assert (run_dir / "samples.txt").read_text().strip()  # sampled on the context mesh
     # Resumed onto another context degree.
     summary = train(load_config(None, run[:-1] + ["train.steps=4", "mesh.context=2", "mesh.tensor=2"]), run_dir,
                     progress=False)
-    assert summary["resumed_from"] == 2 and summary["mesh"] == {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}
+    assert summary["resumed_from"] == 2 and summary["mesh"] == {"stage": 1, "data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 2}
     prompt = [[ord(c) for c in "ROMEO:"]]
     tokens = {}
     for name, overrides, devices in (("run's mesh", (), None), ("one device", ["mesh.data=1"], jax.devices()[:1])):

@@ -140,7 +140,7 @@ def test_shard_your_own_model_example_runs_and_its_plan_file_applies(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "mesh data=2 x fsdp=2 x context=1 x tensor=2: 35 parameters" in out
+    assert "mesh stage=1 x data=2 x fsdp=2 x expert=1 x context=1 x tensor=2: 35 parameters" in out
     assert "head/kernel" in out and "P('fsdp', 'tensor')" in out
     losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0]

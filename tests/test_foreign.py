@@ -321,7 +321,7 @@ def test_explain_table_and_json_are_read_back_from_the_arrays():
     trainer = shard_model("linen", "fsdp").trainer(optax.adamw(LR))
     ex = shardlm.explain(trainer)
     data = ex.to_dict()
-    assert data["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert data["mesh"] == {"stage": 1, "data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
     rows = {r["path"]: r for r in data["parameters"]}
     row = rows["params/Dense_0/kernel"]
     assert row["shape"] == [32, 64] and row["dtype"] == "float32" and row["spec"] == [None, "fsdp"]

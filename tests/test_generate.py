@@ -123,10 +123,11 @@ def test_sharded_generation_equals_single_device(model, single_device_outputs, d
     by_row = jax.device_put(np.ones(rows, np.int32), gen.row_sharding)
     _, _, cache = prefill(gen.params, jax.device_put(np.ones((rows, 16), np.int32), batch_sharding(mesh)), by_row,
                           by_row, jax.device_put(np.uint32(0), replicated(mesh)))
-    k = cache[0].k
-    assert k.sharding.spec == P(("data", "fsdp"), "tensor", None, None)  # [batch, heads, seq, head_dim]
-    assert k.addressable_shards[0].data.shape == (rows // gen.rows_multiple, CFG.n_heads // mesh.shape["tensor"],
-                                                  CFG.seq_len, CFG.d_model // CFG.n_heads)
+    k = cache.k  # stacked over the layers: [layers, batch, heads, seq, head_dim]
+    assert k.sharding.spec == P(None, ("data", "fsdp"), "tensor", None, None)
+    assert k.addressable_shards[0].data.shape == (CFG.n_layers, rows // gen.rows_multiple,
+                                                  CFG.n_heads // mesh.shape["tensor"], CFG.seq_len,
+                                                  CFG.d_model // CFG.n_heads)
 
 
 def test_a_sample_does_not_depend_on_its_batch(model):

@@ -100,13 +100,14 @@ def test_an_imported_checkpoint_computes_transformers_logits_on_a_mesh(hf_dirs, 
     m = load_model(f"hf:{hf_dirs[name]}", overrides=MESH)
     params = m.state
     # every array read back sits in its FSDP 4 x TP 2 sharding
-    assert m.mesh.shape == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
-    assert params["blocks"][0]["attn"]["wq"][...].sharding.spec == P("fsdp", "tensor", None)
-    assert params["blocks"][0]["attn"]["wk"][...].sharding.spec == P("fsdp", "tensor", None)  # 2 kv heads / tp 2
-    assert params["blocks"][0]["attn"]["wo"][...].sharding.spec == P("tensor", None, "fsdp")
+    assert m.mesh.shape == {"stage": 1, "data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
+    # the blocks stacked over the layers (a scanned model), read from the per-layer Hugging Face tensors
+    assert params["blocks"]["attn"]["wq"][...].sharding.spec == P(None, "fsdp", "tensor", None)
+    assert params["blocks"]["attn"]["wk"][...].sharding.spec == P(None, "fsdp", "tensor", None)  # 2 kv heads / tp 2
+    assert params["blocks"]["attn"]["wo"][...].sharding.spec == P(None, "tensor", None, "fsdp")
     assert params["wte"][...].sharding.spec == P("tensor", "fsdp") and params["wte"][...].shape == (320, 64)
-    wq = params["blocks"][0]["attn"]["wq"][...]
-    assert {s.data.shape for s in wq.addressable_shards} == {(16, 2, 16)}  # (64/4, 4/2, 16)
+    wq = params["blocks"]["attn"]["wq"][...]
+    assert {s.data.shape for s in wq.addressable_shards} == {(wq.shape[0], 16, 2, 16)}  # (layers, 64/4, 4/2, 16)
     if name == "llama":
         assert params["lm_head"][...].sharding.spec == P("fsdp", "tensor")
     reference = AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()

@@ -44,8 +44,9 @@ def _model(overrides, vocab=500):
 def test_grouped_query_attention_is_attention_with_shared_kv_heads(kv_heads):
     """A model with kv_heads key/value heads computes what the 4-head model computes when every query head's k/v
     weights are those of its group's kv head (query head n reads kv head n // (heads / kv_heads))."""
-    gqa = _model(LLAMA + [f"model.n_kv_heads={kv_heads}"])
-    mha = _model(LLAMA + ["model.n_kv_heads=4"])
+    per_layer = ["model.scan_layers=false"]  # block by block
+    gqa = _model(LLAMA + per_layer + [f"model.n_kv_heads={kv_heads}"])
+    mha = _model(LLAMA + per_layer + ["model.n_kv_heads=4"])
     assert gqa.blocks[0].attn.wk[...].shape == (64, kv_heads, 16)
     g = 4 // kv_heads
     # Same seed, same order of initialisers: every other parameter is already equal.
@@ -67,10 +68,10 @@ def test_gqa_trains_the_same_sharded(kv_heads, degrees):
     ref = run_steps(overrides, (1, 1, 1), steps=2)[0]
     got, ts, mesh = run_steps(overrides, degrees, steps=2)
     np.testing.assert_allclose(got, ref, rtol=2e-5)
-    wk = ts.state["model"]["blocks"][0]["attn"]["wk"][...]
-    assert wk.shape == (64, kv_heads, 16)
+    wk = ts.state["model"]["blocks"]["attn"]["wk"][...]  # stacked over the layers
+    assert wk.shape == (2, 64, kv_heads, 16)
     shard = wk.sharding.shard_shape(wk.shape)
-    assert shard == (64 // degrees[1], kv_heads // degrees[2], 16)
+    assert shard == (2, 64 // degrees[1], kv_heads // degrees[2], 16)
 
 
 def test_kv_heads_not_divisible_by_tensor_is_a_clear_error():
@@ -112,7 +113,7 @@ def test_bfloat16_compute_tracks_float32_and_keeps_float32_state(llama_trajector
     model = _model(LLAMA + ["model.dtype=bfloat16"])
     tokens = jnp.zeros((2, 16), jnp.int32)
     assert model(tokens).dtype == jnp.float32
-    assert model.init_cache(2)[0].k.dtype == jnp.bfloat16  # the KV cache follows the compute dtype
+    assert model.init_cache(2).k.dtype == jnp.bfloat16  # the KV cache follows the compute dtype
     hlo = jax.jit(lambda m, t: m(t)).lower(model, tokens).as_text()
     import re
 
@@ -161,7 +162,8 @@ def test_grad_accum_is_the_full_batch_step(llama_trajectories):
     params_sharding = ts.shardings["model"]
 
     def loss_fn(model, tokens, key):
-        return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        return loss, {"loss": loss}
 
     @jax.jit
     def both(state, batch):
@@ -169,10 +171,10 @@ def test_grad_accum_is_the_full_batch_step(llama_trajectories):
 
         model = nnx.merge(ts.graphdef, state)["model"]
         with use_mesh_rules(mesh):
-            full = nnx.value_and_grad(loss_fn)(model, batch, None)
-            accumulated = accumulated_grads(loss_fn, model, batch, jax.random.key(0), 4, params_sharding,
-                                            batch_struct(cfg, mesh).sharding)
-        return full, accumulated
+            full = nnx.value_and_grad(lambda *a: loss_fn(*a)[0])(model, batch, None)
+            metrics, grads = accumulated_grads(loss_fn, model, batch, jax.random.key(0), 4, params_sharding,
+                                               batch_struct(cfg, mesh).sharding)
+        return full, (metrics["loss"], grads)
 
     (loss_1, grads_1), (loss_4, grads_4) = both(ts.state, batch)
     assert float(loss_4) == pytest.approx(float(loss_1), rel=1e-5)
@@ -233,8 +235,8 @@ def test_llama_trains_checkpoints_and_generates_with_every_lever(tmp_path, capsy
     assert summary["final_eval_loss"] < summary["first_eval_loss"] and (run / "samples.txt").exists()
     loaded = load_model(run, overrides=["mesh.tensor=2"])
     assert loaded.step == 6 and loaded.cfg.model.family == "llama" and loaded.mesh.shape["data"] == 4
-    wk = loaded.state["blocks"][0]["attn"]["wk"][...]
-    assert wk.dtype == jnp.float32 and wk.sharding.shard_shape(wk.shape) == (128, 1, 32)  # 2 kv heads / tensor 2
+    wk = loaded.state["blocks"]["attn"]["wk"][...]  # stacked over the 2 layers
+    assert wk.dtype == jnp.float32 and wk.sharding.shard_shape(wk.shape) == (2, 128, 1, 32)  # 2 kv heads / tp 2
     assert main(["generate", str(run), "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0", "--json",
                  "mesh.tensor=2"]) == 0
     out = capsys.readouterr().out

@@ -23,8 +23,9 @@ from shardlm.mesh import make_mesh, resolve_degrees
 def test_resolve_degrees(degrees, expected):
     data, fsdp, tensor, *context = degrees
     got = resolve_degrees(data, fsdp, tensor, n_devices=8, context=context[0] if context else 1)
-    want = dict(zip(("data", "fsdp", "tensor", "context"), expected + (1,) * (4 - len(expected))))
-    assert got == want and list(got) == ["data", "fsdp", "context", "tensor"]
+    want = {"stage": 1, "expert": 1,
+            **dict(zip(("data", "fsdp", "tensor", "context"), expected + (1,) * (4 - len(expected))))}
+    assert got == want and list(got) == ["stage", "data", "fsdp", "expert", "context", "tensor"]
 
 
 @pytest.mark.parametrize(
@@ -43,6 +44,6 @@ def test_bad_mesh(degrees, fragment):
 
 def test_make_mesh_has_named_auto_axes():
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     assert mesh.devices.size == jax.device_count() == 8

@@ -45,7 +45,7 @@ def test_attention_is_causal():
 def test_untied_head_and_no_bias():
     model = _model(extra=["model.tie_embeddings=false", "model.use_bias=false"])
     assert model.lm_head is not None and model.lm_head[...].shape == (64, 512)
-    assert model.blocks[0].attn.q_bias is None and model.blocks[0].ln1.bias is None
+    assert model.blocks.attn.q_bias is None and model.blocks.ln1.bias is None
     assert model(jnp.zeros((1, 8), jnp.int32)).shape == (1, 8, 512)
 
 

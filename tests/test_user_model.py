@@ -109,7 +109,7 @@ def test_a_users_model_trains_from_the_cli_like_a_plain_single_device_loop(cli_r
         assert abs(got[step] - want[step - 1]) <= 1e-4 * want[step - 1], (step, got[step], want[step - 1])
     assert got[8] < got[1] - 0.5  # it learns
     saved = json.loads((run_dir / "summary.json").read_text())
-    assert saved["mesh"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}  # the plan's mesh, no mesh.* given
+    assert saved["mesh"] == {"stage": 1, "data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}  # the plan's mesh, no mesh.* given
     assert saved["final_eval_loss"] < saved["first_eval_loss"] and saved["mfu_convention"].startswith("3x")
     assert (run_dir / "samples.txt").read_text().strip()  # it can generate: whole-context decoding
     assert (run_dir / "loss.png").is_file() and any((run_dir / "tensorboard").iterdir())

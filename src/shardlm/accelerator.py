@@ -59,6 +59,35 @@ def compiling_for(accelerator: Accelerator):
         _override = before
 
 
+# XLA:GPU options for the programs shardlm compiles: with the blocks scanned (`model.scan_layers`), the gathers of
+# a layer's FSDP shards, the reduce-scatters of its gradients and its all-reduces sit inside the scan's loop, and
+# XLA:GPU overlaps them with the neighbouring iterations' compute only when told to pipeline them (compiled for
+# gpt2-small FSDP 8 on 8 H100s: 3% of the gathers' time hidden without, 76% with). The target compiles
+# (`shardlm.perf.compiled`) pass them as compiler options; a run on GPUs gets them in XLA_FLAGS (`gpu_xla_flags`).
+GPU_COMPILER_OPTIONS = {
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+}
+
+
+def gpu_xla_flags() -> None:
+    """On a host with an NVIDIA GPU, add `GPU_COMPILER_OPTIONS` to XLA_FLAGS (those the user set win). Before JAX
+    starts its backends."""
+    import os
+
+    try:
+        from jax._src import hardware_utils as hw
+
+        if not hw.has_visible_nvidia_gpu():
+            return
+    except Exception:  # noqa: BLE001 - a JAX that moved its checks, or a host it cannot read: leave the flags
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    extra = [f"--{k}={str(v).lower()}" for k, v in GPU_COMPILER_OPTIONS.items() if f"--{k}=" not in flags]
+    os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+
+
 def default_compute_dtype(platform: str) -> str:
     """What `model.dtype=auto` computes in: bfloat16 where the matrix units run it natively (GPU, TPU)."""
     return "bfloat16" if platform in ("gpu", "tpu") else "float32"

@@ -227,6 +227,15 @@ class RunCheckpoints:
                                   else "its meta item is not a shardlm checkpoint's")
         return meta
 
+    def stored_tree(self, step: int, item: str = "params") -> dict:
+        """The nested keys of an array item as stored (dict keys as strings, leaves Orbax's array metadata), read
+        from its metadata without reading any array."""
+        try:
+            with _QuietFailedReads():  # the metadata lives in the arrays' files: a damaged one fails here first
+                return self.manager.item_metadata(step)[item].tree
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(step, f"its {item} metadata cannot be read: {_reason(e)}") from e
+
     def read_position(self, step: int) -> int:
         """The index of the first batch a run resumed from `step` trains on."""
         old = sorted((self.directory / str(step) / "data").glob("process_*-of-*.json"))

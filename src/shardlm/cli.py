@@ -30,7 +30,7 @@ import os
 import sys
 
 from shardlm import distributed
-from shardlm.accelerator import cpu_unless_accelerator, start_cpu_quietly
+from shardlm.accelerator import cpu_unless_accelerator, gpu_xla_flags, start_cpu_quietly
 from shardlm.distributed import add_options as add_distributed_options
 from shardlm.errors import ShardlmError
 from shardlm.units import parse_bytes
@@ -372,7 +372,7 @@ def _plan(args: argparse.Namespace) -> None:
     cfg = _load_for(target, args)
     memory = parse_bytes(args.memory) if args.memory else None
     if target:
-        hw = target.hardware(cfg.model.dtype, n, args.hosts, memory)
+        hw = target.hardware(cfg.model.dtype, n, args.hosts, memory, args.inter_host_bandwidth)
     else:
         hw = hardware_for(n, cfg.model.dtype, memory_bytes=memory or 80e9, peak_tflops=args.peak_tflops,
                           intra_node_gbs=args.intra_node_gbs, hosts=args.hosts,
@@ -384,7 +384,8 @@ def _plan(args: argparse.Namespace) -> None:
     p = plan(cfg, n if target else args.devices, hw, strategies=strategies, log=report_progress, target=target,
              hosts=args.hosts)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
-    report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s")
+    report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s"
+                    + (f" ({len(p.pruned)} more pruned: they cannot win)" if p.pruned else ""))
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -578,6 +579,8 @@ def _run(args: argparse.Namespace) -> int | None:
     if args.command in LOCAL_COMMANDS:
         return LOCAL_COMMANDS[args.command](args)
     cpu_only = cpu_unless_accelerator()
+    if not cpu_only:
+        gpu_xla_flags()
     _simulate_devices(args)
     if args.command != "plan":  # a plan compiles on this process's (simulated) devices only
         _join(args)

@@ -33,15 +33,21 @@ from shardlm.foreign.modules import is_py, parse_spec
 from shardlm.foreign.plan import Plan
 from shardlm.hf.config import HF_PREFIX, is_hf, model_config_from
 from shardlm.hf.config import model_label as hf_model_label
+from shardlm.mesh import MESH_AXES
 from shardlm.models.config import ModelConfig, check_model
 from shardlm.models.presets import model_preset
 
 
 @dataclasses.dataclass
 class MeshConfig:
+    # Pipeline stages: splits the model's layers (`model.pipeline_microbatches`, `model.pipeline_repeats`); spans
+    # hosts first.
+    stage: int = 1
     # None = all remaining devices (unless another axis is -1); -1 = all remaining devices.
     data: int | None = None
     fsdp: int = 1
+    # Splits a mixture of experts' experts (tokens travel to them by all-to-all); FSDP for the dense weights.
+    expert: int = 1
     # Splits each sequence of the activations (context parallelism): for sequences too long for one device.
     context: int = 1
     tensor: int = 1
@@ -422,7 +428,7 @@ def validate(cfg: Config) -> None:
         raise ShardlmError(f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:
         raise ShardlmError(f"checkpoint.keep must be at least 1, got {cfg.checkpoint.keep}")
-    for axis in ("data", "fsdp", "context", "tensor"):
+    for axis in MESH_AXES:
         v = getattr(cfg.mesh, axis)
         if v is not None and v != -1 and v < 1:
             raise ShardlmError(f"mesh.{axis} must be a positive degree or -1 (the rest), got {v}")

@@ -37,8 +37,10 @@ from shardlm.hf.weights import hf_tensors
 from shardlm.hf.writer import DEFAULT_MAX_SHARD_BYTES, ModelDirWriter
 from shardlm.load import LoadedModel, load_model, run_tokenizer
 from shardlm.models.config import FAMILY_NAMES
+from shardlm.models.stack import rows_of_layers, split_layer_path
 from shardlm.checkpoint import RunCheckpoints, complete_steps
 from shardlm.train.rundir import CONFIG_FILE
+from shardlm.train.source import model_source
 from shardlm.trees import path_str
 
 DTYPES = ("float32", "bfloat16")
@@ -126,7 +128,17 @@ def _add_tensors(writer: ModelDirWriter, m: LoadedModel, vocab: int, dtype: str)
 
     leaves = {path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(m.state))[0]}
     cast = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    for name, array in hf_tensors(m.cfg.model, vocab, lambda path: _gather(leaves[path])):
+
+    # A per-layer path; a scanned model holds layer i in a row of the stacked parameter (row i, but for a circular
+    # pipeline's order).
+    rows = rows_of_layers(model_source(m.cfg).layer_order(m.mesh), m.cfg.model.n_layers)
+
+    def get(path):
+        if path not in leaves and (hit := split_layer_path(path)):
+            return _gather(leaves[hit[1]][rows[hit[0]]])
+        return _gather(leaves[path])
+
+    for name, array in hf_tensors(m.cfg.model, vocab, get):
         writer.add(name, np.ascontiguousarray(array.astype(cast)))
 
 

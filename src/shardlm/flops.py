@@ -3,8 +3,9 @@
 Convention (PaLM appendix B, as in nanoGPT's `estimate_mfu`):
     FLOPs per token = 6 * N_matmul + 12 * n_layers * seq_len * d_model
 - N_matmul counts the weights that take part in matrix multiplies: the attention weights (q, k, v, o; k and v
-  narrower under grouped-query attention) and MLP weights (two matrices, three for SwiGLU) of every block, and the
-  output head (d_model x padded vocabulary, counted once even when tied to the embedding). The embedding lookups,
+  narrower under grouped-query attention) and MLP weights (two matrices, three for SwiGLU) of every block (of a
+  mixture of experts, the active ones: the top-k experts a token is routed to, the shared expert and the router),
+  and the output head (d_model x padded vocabulary, counted once even when tied to the embedding). The embedding lookups,
   biases and norms do no matmul and are left out. The factor 6 is 2 (multiply-add) x 3 (forward,
   and backward for activations and for weights).
 - 12 * L * T * d is attention's QK^T and AV, forward and backward, *not* halved for causal masking.
@@ -52,10 +53,16 @@ def _is_jaxpr(value) -> bool:
 
 
 def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
+    """The weights one token multiplies by (a mixture of experts' active ones: its top-k experts, the shared
+    expert and the router, not every expert)."""
     d, f, L = cfg.d_model, cfg.d_mlp, cfg.n_layers
     kv_width = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)  # grouped-query k and v are narrower
     mlp_matrices = 3 if cfg.family == "llama" else 2  # SwiGLU: gate, up, down; GPT: in, out
-    return L * (2 * d * d + 2 * d * kv_width + mlp_matrices * d * f) + d * padded_vocab
+    sparse = L // cfg.moe_every if cfg.moe_experts else 0
+    experts_per_token = cfg.moe_top_k + (1 if cfg.moe_shared_expert else 0)
+    moe_mlp = experts_per_token * mlp_matrices * d * (cfg.moe_d_ff or f) + d * cfg.moe_experts  # + the router
+    return (L * (2 * d * d + 2 * d * kv_width) + (L - sparse) * mlp_matrices * d * f + sparse * moe_mlp
+            + d * padded_vocab)
 
 
 def flops_per_token(cfg: ModelConfig, padded_vocab: int) -> int:

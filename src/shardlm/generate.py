@@ -18,10 +18,12 @@ Everything runs on the mesh the parameters are sharded on: rows are split over d
 a multiple of that), heads and the cache over tensor, exactly as in training. The sequence is not split: a
 decode step has one token per row, so on a mesh with a context axis (a long-context run's own) the context
 devices hold the same rows and compute them as replicas, and the prefill does the same (prompts are short next
-to the training sequences context parallelism is for).
+to the training sequences context parallelism is for). Nor are the layers pipelined: on a mesh with pipeline
+stages every stage's devices are given every layer and serve as replicas too.
 """
 
 import dataclasses
+import math
 import time
 from typing import Callable
 
@@ -32,9 +34,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardlm.errors import ShardlmError
-from shardlm.models.layers import CACHE_AXES, LayerCache
+from shardlm.models.layers import STACKED_CACHE_AXES, LayerCache
+from shardlm.models.stack import unstacked
 from shardlm.sampling import Sampling, next_tokens
-from shardlm.sharding import batch_sharding, logical_to_spec, replicated, use_mesh_rules, without_sequence_split
+from shardlm.sharding import (
+    batch_sharding,
+    generation_rules,
+    logical_to_spec,
+    replicated,
+    state_shardings,
+    use_mesh_rules,
+)
 
 MIN_BUCKET = 16  # prompt lengths are padded to 16, 32, 64, ... (capped at the context): one prefill compile each
 
@@ -71,6 +81,10 @@ class Generator:
 
     def __init__(self, graphdef, state, mesh, *, eot_id: int, use_cache: bool = True, max_batch: int = 32,
                  forward: Callable | None = None, context: int | None = None, vocab: int | None = None):
+        if forward is None:  # shardlm's own model decodes with its blocks one module per layer (`unstacked`)
+            if mesh.shape.get("stage", 1) > 1:  # every stage's devices hold every layer (`generation_rules`)
+                state = _placed(state, state_shardings(state, mesh, generation_rules()))
+            graphdef, state = nnx.split(unstacked(nnx.merge(graphdef, state)))
         self.graphdef, self.mesh = graphdef, mesh
         # The parameters travel as a flat list of arrays: flattening an nnx.State (its Variables) at every call
         # costs ~2 ms of host time per decode step for a 6-layer model.
@@ -78,14 +92,15 @@ class Generator:
         self.eot_id, self.use_cache, self.forward, self.vocab = eot_id, use_cache, forward, vocab
         if forward is None:
             model = nnx.merge(graphdef, state)
-            self.context, self.n_layers = model.context, len(model.blocks)
+            self.context, self.n_layers = model.context, model.n_layers
         elif use_cache or context is None:
             raise ValueError("a model run by `forward` generates without a cache, over `context` tokens")
         else:
             self.context, self.n_layers = context, 0
-        self.rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]  # the batch dimension is split over both
+        self.row_sharding = NamedSharding(mesh, logical_to_spec(("batch",), mesh=mesh))
+        # the batch's split (data x fsdp x expert): a batch is padded to a multiple of it
+        self.rows_multiple = math.prod(mesh.shape[a] for a in _axes(self.row_sharding.spec[0]))
         self.max_batch = max(self.rows_multiple, max_batch // self.rows_multiple * self.rows_multiple)
-        self.row_sharding = NamedSharding(mesh, logical_to_spec(("batch",)))
         self.compile_s = 0.0  # total time spent compiling, for reports
         self._compiled: dict = {}
 
@@ -178,9 +193,9 @@ class Generator:
         # The host reads every row's new token. In a run of several processes a process holds only its rows, so
         # there the tokens come out replicated (a few bytes gathered per step).
         new_s = replicated(mesh) if jax.process_count() > 1 else row_s
-        rules = without_sequence_split()  # a mesh's context devices serve as replicas (see the module docstring)
-        cache_s = NamedSharding(mesh, logical_to_spec(CACHE_AXES, rules))
-        carry_s = [LayerCache(cache_s, cache_s)] * self.n_layers if use_cache else tok_s
+        rules = generation_rules()  # context and stage devices serve as replicas (see the module docstring)
+        cache_s = NamedSharding(mesh, logical_to_spec(STACKED_CACHE_AXES, rules, mesh=mesh))
+        carry_s = LayerCache(cache_s, cache_s) if use_cache else tok_s
 
         model_of = lambda params: nnx.merge(graphdef, jax.tree.unflatten(self.params_def, params))  # noqa: E731
         forward, vocab = self.forward, self.vocab
@@ -228,6 +243,20 @@ class Generator:
                                                  ).lower(self.params, new_arg, row_arg, row_arg, seed_arg,
                                                          carry_arg).compile()
         return prefill_c, self._compiled[decode_key]
+
+
+def _axes(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _placed(state, shardings):
+    """`state` on `shardings`: arrays moved there, abstract arrays (a compile for a target) given them."""
+    def place(a, s):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        return jax.device_put(a, s)
+
+    return jax.tree.map(place, state, shardings)
 
 
 # --- prompts and text -------------------------------------------------------------------------------------------

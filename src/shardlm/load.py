@@ -17,6 +17,7 @@ from shardlm.mesh import mesh_from_config
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, complete_steps
 from shardlm.train.init_from import import_params
 from shardlm.train.rundir import CONFIG_FILE, check_vocab_padding, unreadable
+from shardlm.train import stored
 from shardlm.train.source import model_source
 from shardlm.train.state import abstract_model, vocab_sizes
 
@@ -79,12 +80,15 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
         real, padded = vocab_sizes(cfg, meta["vocab"]["real"], mesh.shape["tensor"])
         check_vocab_padding(meta, padded, mesh.shape["tensor"], "load")
         graphdef, abstract = abstract_model(cfg, mesh, real)
+        source = model_source(cfg)
+        stacks, order = source.stacks_blocks, source.layer_order(mesh)
         try:
-            state = reader.restore(step, abstract, optimizer=False)
+            state = stored.restore_state(reader, step, abstract, optimizer=False, stacks_blocks=stacks, order=order)
         except CheckpointError as e:
             older = [s for s in steps if s < step]
             raise unreadable(run_dir, e, older, reader,
-                             check=lambda s: (reader.read_meta(s), reader.restore(s, abstract, optimizer=False))
+                             check=lambda s: (reader.read_meta(s), stored.restore_state(
+                                 reader, s, abstract, optimizer=False, stacks_blocks=stacks, order=order))
                              ) from None
     finally:
         reader.close()

@@ -1,17 +1,21 @@
-"""The device mesh: named axes (data, fsdp, context, tensor), degrees with -1 = "the rest", CPU device simulation.
+"""The device mesh: named axes (stage, data, fsdp, expert, context, tensor), degrees with -1 = "the rest", CPU
+device simulation.
 
-The axes are always the same four, in this order, so a strategy is nothing but four integers: DP is
-(N, 1, 1, 1), FSDP is (1, N, 1, 1), context parallelism (the sequence split) is (1, 1, N, 1), Megatron TP is
-(1, 1, 1, N), and every hybrid is a product. Axes are created as `AxisType.Auto`: since JAX 0.9 `jax.make_mesh`
-defaults to Explicit axes, under which XLA refuses the contracting dimension sharding that row-parallel
-(Megatron) weights need.
+The axes are always the same six, in this order, so a strategy is nothing but six integers: pipeline stages
+(`stage`, the model's depth split), DP (`data`), FSDP (`fsdp`), expert parallelism (`expert`, a mixture of
+experts' experts split; FSDP for everything else), context parallelism (`context`, the sequence split) and
+Megatron TP (`tensor`); every hybrid is a product, and an axis of degree 1 splits nothing. Axes are created as
+`AxisType.Auto`: since JAX 0.9 `jax.make_mesh` defaults to Explicit axes, under which XLA refuses the contracting
+dimension sharding that row-parallel (Megatron) weights need.
 
 Across hosts, the devices are laid out process by process (host by host) with `tensor` innermost, then
-`context`, then `fsdp`, then `data`: tensor groups, the chattiest (an all-reduce per layer), stay inside a host
-whenever the tensor degree divides the devices of one, then the context axis's key/value all-gathers (per layer,
-and growing with the sequence), FSDP's weight all-gathers next, and data parallelism, one gradient reduction per
-step, spans the hosts. This is what MaxText's ICI/DCN meshes do; the links between hosts are an order of magnitude
-slower. `axes_across_hosts` reads back which axes a mesh stretches over several hosts.
+`context`, `expert`, `fsdp`, `data`, and `stage` outermost: tensor groups, the chattiest (an all-reduce per
+layer), stay inside a host whenever the tensor degree divides the devices of one, then the context axis's
+key/value all-gathers (per layer, and growing with the sequence), the experts' all-to-alls (per sparse layer),
+FSDP's weight all-gathers next, then data parallelism, one gradient reduction per step; pipeline stages, which
+send only activations to the next stage, span the hosts first. This is what MaxText's ICI/DCN meshes do; the links
+between hosts are an order of magnitude slower. `axes_across_hosts` reads back which axes a mesh stretches over
+several hosts.
 """
 
 import math
@@ -21,7 +25,7 @@ import re
 
 from shardlm.errors import ShardlmError
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -48,13 +52,15 @@ def simulate_cpu_devices(n: int) -> None:
             )
 
 
-def resolve_degrees(data: int | None, fsdp: int, tensor: int, n_devices: int, context: int = 1) -> dict[str, int]:
+def resolve_degrees(data: int | None, fsdp: int, tensor: int, n_devices: int, context: int = 1, stage: int = 1,
+                    expert: int = 1) -> dict[str, int]:
     """Turn configured degrees (None / -1 allowed) into concrete ones whose product is `n_devices`, as
     {axis: degree} in `MESH_AXES` order. `data=None` means "the rest" unless another axis already is."""
     if data is None:
-        data = 1 if -1 in (fsdp, context, tensor) else -1
-    return resolve_axis_degrees({"data": data, "fsdp": fsdp, "context": context, "tensor": tensor}, n_devices,
-                                knobs="mesh.data, mesh.fsdp, mesh.context and mesh.tensor")
+        data = 1 if -1 in (stage, fsdp, expert, context, tensor) else -1
+    degrees = {"stage": stage, "data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
+    return resolve_axis_degrees(degrees, n_devices, knobs="mesh.stage, mesh.data, mesh.fsdp, mesh.expert, "
+                                                          "mesh.context and mesh.tensor")
 
 
 def resolve_axis_degrees(degrees: dict[str, int], n_devices: int, knobs: str = "the mesh degrees") -> dict[str, int]:
@@ -89,13 +95,13 @@ def _describe(degrees: dict) -> str:
     return " x ".join(f"{k}={'-1' if v == -1 else v}" for k, v in degrees.items())
 
 
-def make_mesh(data: int | None = None, fsdp: int = 1, tensor: int = 1, devices=None, *, context: int = 1):
-    """A `jax.sharding.Mesh` over `devices` (default: all) with axes (data, fsdp, context, tensor), all
-    `AxisType.Auto`."""
+def make_mesh(data: int | None = None, fsdp: int = 1, tensor: int = 1, devices=None, *, context: int = 1,
+              stage: int = 1, expert: int = 1):
+    """A `jax.sharding.Mesh` over `devices` (default: all) with axes `MESH_AXES`, all `AxisType.Auto`."""
     import jax
 
     devices = list(jax.devices() if devices is None else devices)
-    return make_named_mesh(resolve_degrees(data, fsdp, tensor, len(devices), context), devices)
+    return make_named_mesh(resolve_degrees(data, fsdp, tensor, len(devices), context, stage, expert), devices)
 
 
 def make_named_mesh(degrees: dict[str, int], devices=None):
@@ -131,7 +137,8 @@ def balanced_degrees(n_devices: int, n_axes: int) -> tuple[int, ...]:
 
 
 def mesh_from_config(mesh_cfg, devices=None):
-    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=devices, context=mesh_cfg.context)
+    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=devices, context=mesh_cfg.context,
+                     stage=mesh_cfg.stage, expert=mesh_cfg.expert)
 
 
 def describe_mesh(mesh) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from shardlm.errors import ShardlmError
-from shardlm.hf.weights import Checkpoint, View, parameter_views
+from shardlm.hf.weights import Checkpoint, View, parameter_views, stacked_views
 from shardlm.models.config import ModelConfig
 from shardlm.trees import path_str
 
@@ -31,13 +31,15 @@ def check_checkpoint(directory: Path, model: ModelConfig, vocab: int, padded: in
     parameter_views(model, vocab, padded, Checkpoint(directory))
 
 
-def read_params(directory: Path, model: ModelConfig, vocab: int, padded: int, abstract, log=None):
+def read_params(directory: Path, model: ModelConfig, vocab: int, padded: int, abstract, log=None,
+                order: tuple[int, ...] | None = None):
     """`abstract` (an nnx.State of ShapeDtypeStructs carrying their target shardings) filled with the weights of the
     checkpoint in `directory`, each device reading its own shards. `vocab` is the real vocabulary, `padded` the
-    model's padded one."""
+    model's padded one; `order` the layer each row of stacked blocks holds (None: row i is layer i)."""
     t0 = time.perf_counter()
-    views = parameter_views(model, vocab, padded, Checkpoint(directory))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))
+    views = stacked_views(parameter_views(model, vocab, padded, Checkpoint(directory)),  # a scanned model's too
+                          [path_str(path) for path, _ in leaves], order)
     arrays, nbytes = [], 0
     for path, leaf in leaves:
         name = path_str(path)

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from shardlm.errors import ShardlmError
+from shardlm.models.stack import split_layer_path
 
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -124,6 +125,35 @@ class Window(View):
     def block(self, bounds):
         a, b = bounds[self.dim]
         return self.inner.block(_replace(bounds, self.dim, (a + self.offset, b + self.offset)))
+
+
+@dataclasses.dataclass
+class Stacked(View):
+    """Per-layer views of one parameter, stacked on a new leading axis: a scanned model's [n_layers, ...]."""
+
+    layers: tuple[View, ...]
+
+    @property
+    def shape(self):
+        return (len(self.layers), *self.layers[0].shape)
+
+    def block(self, bounds):
+        (a, b), rest = bounds[0], bounds[1:]
+        return np.stack([self.layers[i].block(rest) for i in range(a, b)])
+
+
+def stacked_views(views: dict[str, View], wanted, order: tuple[int, ...] | None = None) -> dict[str, View]:
+    """`views` (per-layer paths) with the per-layer views of every stacked parameter in `wanted` (paths such as
+    'blocks/attn/wq') replaced by one `Stacked` view, whose row p is layer `order[p]` (default: layer p)."""
+    out = dict(views)
+    for path in wanted:
+        if path in out:
+            continue
+        layers = sorted((hit[0], p) for p in views if (hit := split_layer_path(p)) and hit[1] == path)
+        if layers:
+            per_layer = [out.pop(p) for _, p in layers]
+            out[path] = Stacked(tuple(per_layer[i] for i in (order or range(len(per_layer)))))
+    return out
 
 
 @dataclasses.dataclass

@@ -38,6 +38,28 @@ class ModelConfig:
     param_dtype: str = "float32"  # the master weights (and so the gradients and AdamW moments)
     # Rematerialise each block in the backward pass: none | full | dots_saveable | dots_with_no_batch_dims_saveable
     remat: str = "none"
+    # The blocks' parameters stacked on a leading `layers` axis and run with a scan (one block compiled, whatever
+    # the depth), or one module per layer. Checkpoints are the same either way.
+    scan_layers: bool = True
+    # Pipeline stages (mesh.stage > 1) only: microbatches per step (per gradient-accumulation step), a multiple of
+    # the stages (0 = one per stage), and circular repeats: each stage holds n_layers / (stages x repeats) layers
+    # per repeat, and a microbatch passes every stage `repeats` times (the bubble shrinks by as much).
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
+    # What `remat` rematerialises in a pipeline: each iteration's stage compute as a whole (iteration), or that and
+    # each layer inside it as well (layer: one more forward pass recomputed, one layer's activations alive at a
+    # time instead of a stage's).
+    pipeline_remat: str = "iteration"
+    # A mixture of experts (llama family): the MLP of every `moe_every`-th layer (layers moe_every - 1,
+    # 2 moe_every - 1, ...) is `moe_experts` SwiGLU experts of hidden size `moe_d_ff` (0 = d_mlp), each token routed
+    # to `moe_top_k` of them (dropless), plus a dense shared expert with `moe_shared_expert`. 0 experts = dense.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_d_ff: int = 0
+    moe_shared_expert: bool = False
+    # The load-balancing loss's weight in the training loss (Switch Transformer's; 1.0 when perfectly balanced).
+    moe_aux_loss_weight: float = 0.01
     # jax.nn.dot_product_attention implementation: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes, else XLA) | xla
     # | cudnn
     attention: str = "auto"
@@ -62,6 +84,33 @@ def check_model(m: ModelConfig) -> None:
     _check_kinds(m)
     check_in_range("model.dropout", m.dropout, 0.0, 1.0)
     check_positive("model.layer_norm_eps", m.layer_norm_eps)
+    check_positive("model.pipeline_repeats", m.pipeline_repeats)
+    check_one_of("model.pipeline_remat", m.pipeline_remat, ("iteration", "layer"))
+    _check_moe(m)
+    if m.pipeline_microbatches < 0:
+        raise ShardlmError(f"model.pipeline_microbatches must be >= 0 (0 = one per stage), got "
+                           f"{m.pipeline_microbatches}")
+
+
+def _check_moe(m: ModelConfig) -> None:
+    """The mixture of experts' fields, each a one-line error."""
+    if m.moe_experts == 0:
+        return
+    if m.family != "llama":
+        raise ShardlmError("model.moe_experts applies to the llama family (SwiGLU experts): use a llama preset "
+                           "(model=llama-tiny, moe-tiny, ...) or drop it")
+    if m.moe_experts < 2 or not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ShardlmError(f"model.moe_experts={m.moe_experts} and model.moe_top_k={m.moe_top_k}: a mixture needs at "
+                           "least 2 experts and 1 <= top_k <= experts")
+    check_positive("model.moe_every", m.moe_every)
+    if m.n_layers % m.moe_every:
+        raise ShardlmError(f"model.moe_every={m.moe_every} does not divide model.n_layers={m.n_layers}: every "
+                           f"{m.moe_every}-th layer is sparse; choose a divisor of {m.n_layers}")
+    if m.moe_every > 1 and m.scan_layers:
+        raise ShardlmError(f"model.moe_every={m.moe_every} mixes dense and sparse layers, which a scan over one "
+                           "stacked block cannot run: set model.scan_layers=false (or model.moe_every=1)")
+    if m.moe_d_ff < 0 or m.moe_aux_loss_weight < 0:
+        raise ShardlmError("model.moe_d_ff and model.moe_aux_loss_weight must be >= 0")
 
 
 def _check_kinds(m: ModelConfig) -> None:

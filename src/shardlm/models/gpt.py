@@ -83,9 +83,10 @@ class Block(PreNormBlock):
 
 
 class GPT(CausalLM):
-    """`vocab_size` is the tokenizer's; the embedding tables are `padded_vocab` rows."""
+    """`vocab_size` is the tokenizer's; the embedding tables are `padded_vocab` rows; `stages`: the pipeline stages of
+    the mesh it is built for."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs, *, stages: int = 1):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
         self.dtype, self.attention, self.remat = compute_dtype(cfg.dtype), cfg.attention, cfg.remat
         pd = DTYPES[cfg.param_dtype]
@@ -93,7 +94,7 @@ class GPT(CausalLM):
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd)
         self.wpe = param(rngs, init, (cfg.seq_len, cfg.d_model), ("pos", "embed"), pd)
         self.dropout = nnx.Dropout(cfg.dropout)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self._stack_blocks(cfg, lambda r, i=None: Block(cfg, r), rngs, stages)
         self.ln_f = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.lm_head = None if cfg.tie_embeddings else param(rngs, init, (cfg.d_model, padded_vocab),
                                                              ("embed", "vocab"), pd)

@@ -24,8 +24,10 @@ Design choices:
   in the compute dtype (`CACHE_AXES`: TP splits it by kv heads and DP/FSDP by batch). `prefill` fills positions
   0..T-1 from a prompt; `decode` feeds one token per row at that row's own position and attends to the cache up
   to it. Rows may sit at different positions (prompts of different lengths).
-- `remat` wraps each block in `nnx.remat` during training: "full" saves only the block's input and recomputes the
+- `remat` rematerialises each block during training: "full" saves only the block's input and recomputes the
   rest in the backward pass; "dots_saveable" saves matmul outputs and recomputes the cheap elementwise work.
+- The blocks are one module per layer or one scanned stack (`model.scan_layers`, `shardlm.models.stack`); the
+  KV cache is stacked over the layers either way.
 """
 
 import math
@@ -37,10 +39,13 @@ from flax import nnx
 
 from shardlm.accelerator import current, resolve_dtype
 from shardlm.errors import ShardlmError
+from shardlm.models.pipeline import row_order, run_pipeline
+from shardlm.models.stack import LAYERS, LayerCache, build_blocks, layer_rngs, run_blocks
 from shardlm.sharding import active_degree, constrain, gathered
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
-CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")
+CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")  # one layer's keys or values
+STACKED_CACHE_AXES = (LAYERS, *CACHE_AXES)  # the model's cache, every layer's
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bfloat16 on GPUs and TPUs, float32 on a CPU (`shardlm.accelerator`)
 REMAT_POLICIES = {
@@ -73,23 +78,20 @@ def use(p: nnx.Param, dtype) -> jax.Array:
     x = p[...]
     if x.dtype == jnp.dtype(dtype):
         return x
-    return constrain(x.astype(dtype), *p.get_metadata()["out_sharding"])
-
-
-class LayerCache(NamedTuple):
-    """One layer's keys and values, [batch, kv_heads, seq_len, head_dim] each (`CACHE_AXES`)."""
-
-    k: jax.Array
-    v: jax.Array
+    names = p.get_metadata()["out_sharding"]
+    # Inside the scan over stacked blocks a parameter is one layer's slice and keeps the stack's names: the
+    # leading ones (`layers`) name axes the slice does not have.
+    return constrain(x.astype(dtype), *names[len(names) - x.ndim:])
 
 
 class Context(NamedTuple):
-    """What a forward pass computes once and every block reads."""
+    """What a forward pass computes once and every block reads, and the index of the block reading it."""
 
     impl: str  # "xla" or "cudnn", resolved for this trace
     mask: jax.Array | None  # [1, 1, T, T] causal mask for the XLA attention path; None for cuDNN and decoding
     rope: tuple[jax.Array, jax.Array] | None  # (sin, cos) [rows or 1, T, head_dim / 2], rotary families only
     pos: jax.Array | None  # decoding: each row's position [batch]
+    layer: jax.Array | int = 0  # the block's index: its slice of the stacked KV cache
 
 
 def check_attention(requested: str, seq_split: int) -> None:
@@ -138,9 +140,11 @@ def _attend_to_cache(q, cache: LayerCache, pos):
 def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
     """q [batch, T, heads, head_dim], k and v [batch, T, kv_heads, head_dim] -> ([batch, T, heads, head_dim], cache).
 
-    No cache: causal attention over the T positions (training). A cache and no `ctx.pos`: a prefill of positions
-    0..T-1, whose keys and values are written to the cache. A cache and `ctx.pos`: one decode step, T = 1 at
-    position pos[b] of row b; its key and value are written there and it attends to positions 0..pos[b].
+    No cache: causal attention over the T positions (training). A cache (stacked over the layers; this block's
+    slice is `ctx.layer`) and no `ctx.pos`: a prefill of positions 0..T-1, whose keys and values are written to
+    the cache. A cache and `ctx.pos`: one decode step, T = 1 at position pos[b] of row b; its key and value are
+    written there and it attends to positions 0..pos[b]. Writes go straight into the stacked cache (in place in
+    the donated buffer), never through a copy of the layer's slice.
     """
     if ctx.pos is None:
         # Every key and value position, as each query block needs: an all-gather over context when the sequence
@@ -152,16 +156,16 @@ def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
             y = jax.nn.dot_product_attention(q, k_all, v_all, mask=ctx.mask, implementation="xla")
         if cache is not None:
             t = q.shape[1]
-            cache = LayerCache(*(constrain(c.at[:, :, :t].set(n.transpose(0, 2, 1, 3).astype(c.dtype)), *CACHE_AXES)
-                                 for c, n in zip(cache, (k, v))))
+            cache = LayerCache(*(constrain(c.at[ctx.layer, :, :, :t].set(n.transpose(0, 2, 1, 3).astype(c.dtype)),
+                                           *STACKED_CACHE_AXES) for c, n in zip(cache, (k, v))))
     else:
         # A scatter of one position per row, in place in the donated cache: O(1) per step, where a select over the
         # whole cache cost ~40% of a step. Sharded over batch, XLA all-gathers only the new rows' k and v
         # ([batch, kv_heads, head_dim] per layer), never the cache.
         rows = jnp.arange(q.shape[0])
-        cache = LayerCache(*(constrain(c.at[rows, :, ctx.pos].set(n[:, 0].astype(c.dtype)), *CACHE_AXES)
-                             for c, n in zip(cache, (k, v))))
-        y = _attend_to_cache(q, cache, ctx.pos)
+        cache = LayerCache(*(constrain(c.at[ctx.layer, rows, :, ctx.pos].set(n[:, 0].astype(c.dtype)),
+                                       *STACKED_CACHE_AXES) for c, n in zip(cache, (k, v))))
+        y = _attend_to_cache(q, LayerCache(cache.k[ctx.layer], cache.v[ctx.layer]), ctx.pos)
     return constrain(y, "batch", "seq", "act_heads", "head_dim"), cache
 
 
@@ -229,23 +233,47 @@ class Attention(nnx.Module):
 
 class PreNormBlock(nnx.Module):
     """x + attn(ln1(x)), then x + mlp(ln2(x)), with dropout on both residual branches. A family's block builds
-    `ln1`, `attn`, `ln2`, `mlp` and `dropout`."""
+    `ln1`, `attn`, `ln2`, `mlp` and `dropout`, and sets `sparse` when its MLP is a mixture of experts (which
+    returns its statistics with its output: `shardlm.models.moe`)."""
+
+    sparse = False
 
     def __call__(self, x, rngs: nnx.Rngs | None, cache: LayerCache | None, ctx: Context):
+        """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens"} for a sparse block, {} for a dense one."""
         a, cache = self.attn(self.ln1(x), cache, ctx)
         x = x + self.dropout(a, deterministic=rngs is None, rngs=rngs)
         x = constrain(x, "batch", "seq", "act_embed")
-        x = x + self.dropout(self.mlp(self.ln2(x)), deterministic=rngs is None, rngs=rngs)
-        return constrain(x, "batch", "seq", "act_embed"), cache
+        h, stats = self.mlp(self.ln2(x)), {}
+        if self.sparse:
+            h, moe = h
+            stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens}
+        x = x + self.dropout(h, deterministic=rngs is None, rngs=rngs)
+        return constrain(x, "batch", "seq", "act_embed"), cache, stats
 
 
 class CausalLM(nnx.Module):
     """The decoder-only forward pass every family shares. A family provides `_embed(tokens, table, rngs, pos)`
-    (tokens to the residual stream, and rotary tables if it uses them), `blocks` (`PreNormBlock`s), the final norm
-    `ln_f`, the token table `wte` and, untied, `lm_head`, and sets
-    `vocab_size` (the tokenizer's; the tables have `padded_vocab` rows), `context` (seq_len), `dtype` (compute),
-    `attention` (the requested implementation) and `remat` (a `REMAT_POLICIES` name).
+    (tokens to the residual stream, and rotary tables if it uses them), `blocks` (`PreNormBlock`s, built by
+    `shardlm.models.stack.build_blocks`), the final norm `ln_f`, the token table `wte` and, untied, `lm_head`, and
+    sets `vocab_size` (the tokenizer's; the tables have `padded_vocab` rows), `context` (seq_len), `dtype`
+    (compute), `attention` (the requested implementation) and `remat` (a `REMAT_POLICIES` name), and builds its
+    blocks with `_stack_blocks`.
+
+    With the stacked blocks split over pipeline stages (the rule table maps `layers` to the `stage` mesh axis), a
+    training or evaluation pass runs them as a pipeline (`shardlm.models.pipeline`); the embedding and the head
+    stay outside it. Decoding runs them one after another.
     """
+
+    def _stack_blocks(self, cfg, make_block, rngs: nnx.Rngs, stages: int = 1):
+        """The blocks (`make_block(rngs)` per layer) and what running them needs: their number and layout, the head
+        shape of the KV cache, and the pipeline's settings for a mesh of `stages` pipeline stages (a circular
+        schedule holds the stack's rows in its own order: `layer_order`, None when row i is layer i)."""
+        self.n_layers, self.scan_layers = cfg.n_layers, cfg.scan_layers
+        self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.stages, self.microbatches, self.repeats = stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
+        self.pipeline_remat = cfg.pipeline_remat
+        self.layer_order = row_order(cfg.n_layers, stages, cfg.pipeline_repeats)
+        self.blocks = build_blocks(make_block, cfg.n_layers, rngs.params(), cfg.scan_layers, self.layer_order)
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None, *, at: jax.Array | None = None
                  ) -> jax.Array:
@@ -254,26 +282,42 @@ class CausalLM(nnx.Module):
         most of a small model's FLOPs, and all the positions' logits of a long batch are gigabytes)."""
         return self._forward(tokens, rngs, at=at)[0]
 
-    def init_cache(self, batch: int) -> list[LayerCache]:
-        """An empty KV cache for `batch` rows and the whole context, in the compute dtype (shard it with
-        `CACHE_AXES`)."""
-        kv_heads, head_dim = self.blocks[0].attn.wk.shape[1:]
-        shape = (batch, kv_heads, self.context, head_dim)
-        return [LayerCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in self.blocks]
+    def with_stats(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
+        """(logits, the blocks' statistics): a mixture of experts' {"aux_loss" (its load-balancing loss, the mean
+        over the sparse layers), "expert_tokens" ([experts]: token-assignments each expert received, summed over
+        them)}; {} for a dense model. What a training step reads."""
+        logits, _, stats = self._forward(tokens, rngs)
+        if "aux_loss" in stats:  # a mean over the sparse layers, so that balanced routing reads 1.0
+            stats = {**stats, "aux_loss": stats["aux_loss"] / (self.n_layers // self.moe_every)}
+        return logits, stats
 
-    def prefill(self, tokens: jax.Array, cache: list[LayerCache], *, at: jax.Array | None = None
-                ) -> tuple[jax.Array, list[LayerCache]]:
+    def init_cache(self, batch: int) -> LayerCache:
+        """An empty KV cache for `batch` rows and the whole context, stacked over the layers, in the compute dtype
+        (shard it with `STACKED_CACHE_AXES`)."""
+        shape = (self.n_layers, batch, self.kv_heads, self.context, self.head_dim)
+        return LayerCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+    def prefill(self, tokens: jax.Array, cache: LayerCache, *, at: jax.Array | None = None
+                ) -> tuple[jax.Array, LayerCache]:
         """tokens [batch, T] at positions 0..T-1 -> (logits [batch, T, padded_vocab], cache holding them); with
         `at` [batch], only each row's logits at position at[b] ([batch, 1, padded_vocab])."""
-        return self._forward(tokens, None, cache, at=at)
+        return self._forward(tokens, None, cache, at=at)[:2]
 
-    def decode(self, tokens: jax.Array, pos: jax.Array, cache: list[LayerCache]
-               ) -> tuple[jax.Array, list[LayerCache]]:
+    def decode(self, tokens: jax.Array, pos: jax.Array, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
         """tokens [batch, 1], row b at position pos[b] (< seq_len) -> (logits [batch, 1, padded_vocab], cache)."""
-        return self._forward(tokens, None, cache, pos)
+        return self._forward(tokens, None, cache, pos)[:2]
+
+    def _stats_zeros(self) -> dict:
+        """The structure the blocks' statistics take, zero: a mixture of experts' (see `with_stats`), or {}."""
+        if not getattr(self, "moe_experts", 0):
+            return {}
+        return {"aux_loss": jnp.zeros((), jnp.float32), "expert_tokens": jnp.zeros((self.moe_experts,), jnp.float32)}
 
     def _forward(self, tokens, rngs, cache=None, pos=None, at=None):
-        impl = attention_impl(self.attention, self.dtype, self.blocks[0].attn.wq.shape[2], active_degree("seq"))
+        impl = attention_impl(self.attention, self.dtype, self.head_dim, active_degree("seq"))
+        # One dropout key for the pass: layer i draws from it folded with i, the embedding with n_layers
+        # (`stack.layer_rngs`), whichever layout the blocks are in.
+        key = rngs.dropout() if rngs is not None else None
         with jax.named_scope("embed"):
             # FSDP shards of the table are gathered before the lookup (what FSDP does for every weight): a lookup
             # into a table split over the same axis as the batch is otherwise fully rematerialised by XLA's
@@ -283,20 +327,25 @@ class CausalLM(nnx.Module):
                 table = constrain(table, "vocab", "act_embed")
             else:  # gathered, its gradient reduce-scattered back into the table's shards (`gathered`)
                 table = gathered(table, ("vocab", "act_embed"), self.wte.get_metadata()["out_sharding"])
-            x, rope = self._embed(tokens, table, rngs, pos)
+            x, rope = self._embed(tokens, table, layer_rngs(key, self.n_layers), pos)
             x = constrain(x, "batch", "seq", "act_embed")
         mask = causal_mask(tokens.shape[1]) if pos is None and impl == "xla" else None  # once, for every layer
         ctx = Context(impl, mask, rope, pos)
-        new_cache = None if cache is None else []
         policy = REMAT_POLICIES[self.remat] if cache is None else None
-        for i, block in enumerate(self.blocks):
-            with jax.named_scope(f"layer{i}"):  # names the layer's ops in profiles and HLO (`shardlm profile`)
-                if policy is not None:
-                    x = _remat_block(block, x, rngs, ctx, policy)
-                else:
-                    x, layer = block(x, rngs, None if cache is None else cache[i], ctx)
-                    if cache is not None:
-                        new_cache.append(layer)
+        step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
+        stages = active_degree(LAYERS)
+        if cache is None and stages > 1:
+            if stages != self.stages:
+                raise ShardlmError(f"the model was built for {self.stages} pipeline stage(s) but runs on "
+                                   f"{stages}: build it for the mesh it runs on")
+            x, stats = run_pipeline(self.blocks, self.n_layers, step, x, stages=stages,
+                                    microbatches=self.microbatches, repeats=self.repeats, dropout_key=key,
+                                    policy=policy, remat_unit=self.pipeline_remat, compute_dtype=self.dtype,
+                                    stats=self._stats_zeros())
+        else:
+            x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, step, x, dropout_key=key,
+                                         cache=cache, policy=policy, order=self.layer_order,
+                                         stats=self._stats_zeros())
         if at is not None:  # one position per row reaches the head
             x = jnp.take_along_axis(x, at[:, None, None], axis=1)
         with jax.named_scope("head"):
@@ -308,7 +357,7 @@ class CausalLM(nnx.Module):
             logits = constrain(logits, "batch", "seq", "act_vocab")
             if self.padded_vocab != self.vocab_size:  # padded rows never receive probability mass
                 logits = jnp.where(jnp.arange(self.padded_vocab) < self.vocab_size, logits, -jnp.inf)
-        return logits, new_cache
+        return logits, cache, stats
 
 
 def float32_logits(contraction: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -326,15 +375,12 @@ def float32_logits(contraction: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
     def backward(saved, g):
         x, w = saved
-        return jax.vjp(lambda a, b: jnp.einsum(contraction, a, b), x, w)[1](g.astype(x.dtype))
+        g = g.astype(x.dtype)
+        # Each operand's matmul transposed on its own: `jax.vjp` would also recompute the forward matmul, dead
+        # code that XLA drops but that a count of the program's matmuls (`flops.jaxpr_matmul_flops`) would not.
+        (dx,) = jax.linear_transpose(lambda a: jnp.einsum(contraction, a, w), x)(g)
+        (dw,) = jax.linear_transpose(lambda b: jnp.einsum(contraction, x, b), w)(g)
+        return dx, dw
 
     head.defvjp(forward, backward)
     return head(x, w)
-
-
-def _remat_block(block, x, rngs, ctx: Context, policy):
-    """One block's training forward under `nnx.remat`: what `policy` does not save is recomputed in the backward
-    pass. The context is closed over rather than passed: it holds the implementation's name, which is not an
-    array, and its arrays (mask, rotary tables) are the same for every block."""
-    run = nnx.remat(lambda blk, x, rngs: blk(x, rngs, None, ctx)[0], policy=policy)
-    return run(block, x, rngs)

@@ -13,6 +13,9 @@ Design choices:
   (row-parallel); its hidden size `d_mlp` is usually ~8/3 d_model rounded, not GPT's 4 d_model.
 - Initialisation: N(0, 0.02), with the residual output projections (wo, w_down) scaled by 1/sqrt(2 * n_layers)
   as in GPT-2; norm scales start at one.
+- A mixture of experts (`model.moe_experts`, Mixtral's and Qwen3-MoE's shape): the MLP of every
+  `model.moe_every`-th layer is a `MoeMLP` (routed SwiGLU experts, `shardlm.models.moe`); the rest of the block is
+  unchanged, and the block reports the layer's load-balancing loss and expert loads with its output.
 """
 
 import math
@@ -23,6 +26,7 @@ from flax import nnx
 
 from shardlm.models.config import ModelConfig
 from shardlm.models.layers import DTYPES, Attention, CausalLM, PreNormBlock, compute_dtype, param, rope_tables, use
+from shardlm.models.moe import MoeMLP
 from shardlm.sharding import constrain
 
 
@@ -53,29 +57,45 @@ class SwiGLU(nnx.Module):
 
 
 class Block(PreNormBlock):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """A Llama block; with `sparse`, its MLP is a mixture of experts (`shardlm.models.moe`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
         dt, pd = compute_dtype(cfg.dtype), DTYPES[cfg.param_dtype]
         # ln1 / ln2 / ln_f: RMSNorms, named as the GPT family's norms (and Hugging Face's "input_layernorm").
         self.ln1 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, dt, pd,
                               rngs)
         self.ln2 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
-        self.mlp = SwiGLU(cfg, rngs)
+        self.sparse = sparse
+        if sparse:
+            self.mlp = MoeMLP(cfg.d_model, cfg.moe_d_ff or cfg.d_mlp, cfg.moe_experts, cfg.moe_top_k,
+                              shared_expert=cfg.moe_shared_expert, n_layers=cfg.n_layers, dtype=dt, param_dtype=pd,
+                              rngs=rngs)
+        else:
+            self.mlp = SwiGLU(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
 
 
-class Llama(CausalLM):
-    """`vocab_size` is the tokenizer's; the embedding tables are `padded_vocab` rows."""
+def is_sparse(cfg: ModelConfig, layer: int | None) -> bool:
+    """Whether `layer` has a mixture of experts for its MLP: every `moe_every`-th layer of a model with experts
+    (None: the layer of a scanned stack, where every layer is the same; `moe_every` is then 1)."""
+    return cfg.moe_experts > 0 and (layer is None or (layer + 1) % cfg.moe_every == 0)
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
+
+class Llama(CausalLM):
+    """`vocab_size` is the tokenizer's; the embedding tables are `padded_vocab` rows; `stages`: the pipeline stages of
+    the mesh it is built for."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs, *, stages: int = 1):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
         self.dtype, self.attention, self.remat = compute_dtype(cfg.dtype), cfg.attention, cfg.remat
-        self.head_dim, self.rope_theta = cfg.d_model // cfg.n_heads, cfg.rope_theta
+        self.rope_theta = cfg.rope_theta
         pd = DTYPES[cfg.param_dtype]
         init = nnx.initializers.normal(0.02)
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd)
         self.dropout = nnx.Dropout(cfg.dropout)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.moe_experts, self.moe_every = cfg.moe_experts, cfg.moe_every
+        self._stack_blocks(cfg, lambda r, i=None: Block(cfg, r, sparse=is_sparse(cfg, i)), rngs, stages)
         self.ln_f = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.lm_head = None if cfg.tie_embeddings else param(rngs, init, (cfg.d_model, padded_vocab),
                                                              ("embed", "vocab"), pd)

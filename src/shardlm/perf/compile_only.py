@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 
 from shardlm.config import Config, describe
-from shardlm.flops import mfu
+from shardlm.flops import jaxpr_matmul_flops, mfu
 from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.perf import hlo
 from shardlm.perf.compiled import CompiledStep, compile_step
@@ -76,12 +76,13 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
     vocab = tokenizer_vocab(cfg, log=log)
     with tracing_for(target) if target else contextlib.nullcontext():
         _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
-        lowered = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).lower(
+        traced = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).trace(
             abstract, batch_struct(cfg, mesh))
+        lowered = traced.lower()
     n = mesh.devices.size
     platform = target.platform if target else devices[0].platform
     log(f"compiling the train step for {n} {target.label if target else platform} device(s)")
-    step = compile_step(lowered, n, platform=platform, loop_trips=cfg.train.grad_accum, keep_hlo=True)
+    step = compile_step(lowered, n, platform=platform, matmul_flops=jaxpr_matmul_flops(traced.jaxpr), keep_hlo=True)
     hardware = (target.hardware(cfg.model.dtype, n, hosts) if target
                 else Hardware(peak_flops=h100_peak(cfg.model.dtype)))
     return CompileReport(cfg, describe_mesh(mesh), n, target, hardware, step, shard_bytes(abstract["model"]),

@@ -5,15 +5,17 @@ of its time.
 What each compiler gives:
 - XLA:CPU (plans on a CPU host): memory analysis, cost analysis (FLOPs), no time estimate.
 - XLA:GPU, deviceless (`--target h100`): memory analysis and the optimised HLO; no cost analysis. The time
-  estimate is the latency-hiding scheduler's (`shardlm.perf.schedule`), dumped to a temporary directory; FLOPs
-  are the lowered program's (XLA's cost analysis before partitioning, divided over the devices) plus cuDNN's
-  fused attention, counted from its calls.
+  estimate is the latency-hiding scheduler's (`shardlm.perf.schedule`), dumped to a temporary directory. It is
+  compiled with the options a run on GPUs gets (`accelerator.GPU_COMPILER_OPTIONS`).
 - XLA:TPU (`--target tpu-v5p`): memory analysis, cost analysis with `optimal_seconds` (its estimate of the
-  step's time) and FLOPs. A program too large for the chip's memory is refused with RESOURCE_EXHAUSTED: that is
-  reported (`CompiledStep.refusal`, with the temporaries it asked for), not raised.
+  step's time). A program too large for the chip's memory is refused with RESOURCE_EXHAUSTED: that is reported
+  (`CompiledStep.refusal`, with the temporaries it asked for), not raised.
 
-FLOPs counted inside loops: XLA's cost analyses count a `while` body once, so a gradient-accumulation scan of K
-microbatches is multiplied out (`loop_trips`).
+FLOPs inside loops: XLA's cost analyses count a `while` body once, and the blocks of a scanned model, the
+microbatches of gradient accumulation and a pipeline's iterations are all loops. XLA:CPU's are counted from its
+compiled program (`hlo.compiled_flops`: each loop's matmuls times its trip count). For a GPU or TPU the caller
+counts the program's matmuls from its jaxpr (`flops.jaxpr_matmul_flops`, loops by their trip counts), spread
+over the devices, plus on a GPU cuDNN's fused attention, counted from its calls in the compiled program.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardlm.accelerator import native_stderr_silenced
+from shardlm.accelerator import GPU_COMPILER_OPTIONS, native_stderr_silenced
 from shardlm.perf import hlo
 from shardlm.perf.schedule import Schedule, read_schedule
 
@@ -60,12 +62,15 @@ def _first(cost) -> dict:
     return dict(cost or {})
 
 
-def compile_step(lowered, n_devices: int, *, platform: str = "cpu", loop_trips: int = 1,
+def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops: float = 0.0,
                  keep_hlo: bool = False) -> CompiledStep:
-    """Compile `lowered` (a `jax.stages.Lowered`) and read it. `platform` is what it was lowered for."""
+    """Compile `lowered` (a `jax.stages.Lowered`) and read it. `platform` is what it was lowered for.
+    `matmul_flops`: the whole program's matrix-multiply FLOPs, counted from its jaxpr with every loop's trip count
+    (`shardlm.flops.jaxpr_matmul_flops`): a GPU's or TPU's FLOPs per device, which their compiled programs do not
+    show (cuBLAS and fusions hide the matmuls, and cost analysis counts a loop's body once)."""
     if platform == "gpu":
         with native_stderr_silenced():  # XLA:GPU's C++ warnings (e.g. rematerialisation falling short): the
-            return _compile_gpu(lowered, n_devices, loop_trips, keep_hlo)  # report says what they say
+            return _compile_gpu(lowered, n_devices, matmul_flops, keep_hlo)  # report says what they say
     t0 = time.perf_counter()
     try:
         with native_stderr_silenced() if platform == "tpu" else contextlib.nullcontext():
@@ -74,13 +79,14 @@ def compile_step(lowered, n_devices: int, *, platform: str = "cpu", loop_trips: 
         refusal = out_of_memory(str(e)) if platform == "tpu" else None
         if refusal is None:
             raise
-        return _refused(lowered, n_devices, platform, refusal, time.perf_counter() - t0, loop_trips)
+        return _refused(n_devices, platform, refusal, time.perf_counter() - t0, matmul_flops)
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     mem = compiled.memory_analysis()
     estimate = tpu_seconds(_first(compiled.cost_analysis()), text) if platform == "tpu" else None
+    flops = hlo.compiled_flops(compiled) if platform == "cpu" else matmul_flops / n_devices
     return CompiledStep(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                        mem.temp_size_in_bytes, hlo.collectives(text, n_devices), hlo.compiled_flops(compiled),
+                        mem.temp_size_in_bytes, hlo.collectives(text, n_devices), flops,
                         compile_s, platform, estimate, hlo_text=text if keep_hlo else "",
                         # XLA:CPU's plans keep the sum below (their numbers predate this field)
                         reported_peak=0 if platform == "cpu" else getattr(mem, "peak_memory_in_bytes", 0) or 0)
@@ -97,12 +103,13 @@ def tpu_seconds(cost: dict, hlo_text: str) -> float | None:
     return seconds if seconds > 0 else None
 
 
-def _compile_gpu(lowered, n_devices: int, loop_trips: int, keep_hlo: bool) -> CompiledStep:
+def _compile_gpu(lowered, n_devices: int, matmul_flops: float, keep_hlo: bool) -> CompiledStep:
     """XLA:GPU, with the latency-hiding schedule dumped to a directory of our own and read back."""
     dump = Path(tempfile.mkdtemp(prefix="shardlm-xla-gpu-"))
     try:
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options={
+            **GPU_COMPILER_OPTIONS,  # as a run on GPUs compiles (`shardlm.accelerator`)
             "xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True,
             # Only the schedule is read: no IR, PTX or pass-by-pass HLO written beside it.
             "xla_dump_hlo_pass_re": "^$", "xla_dump_hlo_as_text": False})
@@ -115,20 +122,8 @@ def _compile_gpu(lowered, n_devices: int, loop_trips: int, keep_hlo: bool) -> Co
     mem = compiled.memory_analysis()
     return CompiledStep(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
                         mem.temp_size_in_bytes, hlo.collectives(text, n_devices),
-                        program_flops(lowered, n_devices, loop_trips) + fused_attention_flops(text), compile_s, "gpu",
+                        matmul_flops / n_devices + fused_attention_flops(text), compile_s, "gpu",
                         schedule.step_s if schedule else None, schedule, text if keep_hlo else "")
-
-
-def program_flops(lowered, n_devices: int, loop_trips: int = 1) -> float:
-    """FLOPs per device of a lowered, unpartitioned program: XLA's HLO cost analysis of the whole program (run by
-    the CPU backend: a deviceless target's Lowered has none) spread over the devices, its loop body counted
-    `loop_trips` times (the optimizer's few FLOPs with it). Custom calls (cuDNN's attention) count nothing."""
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax
-
-    module = lowered._lowering.hlo().as_hlo_module()
-    cost = _first(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))
-    return float(cost.get("flops", 0.0)) * loop_trips / n_devices
 
 
 def fused_attention_flops(hlo_text: str) -> float:
@@ -184,7 +179,7 @@ def refused_bytes(message: str) -> tuple[int, int] | None:
     return None
 
 
-def _refused(lowered, n_devices, platform, refusal, compile_s, loop_trips) -> CompiledStep:
+def _refused(n_devices, platform, refusal, compile_s, matmul_flops: float) -> CompiledStep:
     used = refused_bytes(refusal)
-    return CompiledStep(0, 0, 0, used[0] if used else 0, [], program_flops(lowered, n_devices, loop_trips),
-                        compile_s, platform, refusal=refusal)
+    return CompiledStep(0, 0, 0, used[0] if used else 0, [], matmul_flops / n_devices, compile_s, platform,
+                        refusal=refusal)

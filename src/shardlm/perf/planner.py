@@ -1,7 +1,8 @@
 """`shardlm plan`: what every strategy costs before anything runs.
 
 For each assignment of N devices to (data, fsdp, tensor) that the config allows (and to context too, for long
-sequences or a batch smaller than the devices: `strategies.wants_context_splits`), the real train step (the one
+sequences or a batch smaller than the devices: `strategies.wants_context_splits`; to pipeline stages when the
+devices span hosts; to experts for a mixture of experts), the real train step (the one
 `shardlm train` runs: model, AdamW, loss, gradient clipping) is lowered and compiled against N devices, and read:
 
 - bytes per device: parameters and optimizer state from the shardings of the state (exactly what each device
@@ -13,7 +14,9 @@ sequences or a batch smaller than the devices: `strategies.wants_context_splits`
 - with several hosts (`--hosts`), which collectives cross between them and what each device sends across,
   costed at the hosts' network bandwidth: the hybrid that keeps its chatty axes inside hosts ranks first.
 
-Nothing is executed and no array is allocated: the state is abstract (shapes and shardings). On a CPU host the N
+Strategies are compiled in the order of an analytic lower bound on their step time (`shardlm.perf.bounds`);
+once one that fits has an estimate, those whose bound exceeds it are not compiled (listed as pruned, with the
+reason). Nothing is executed and no array is allocated: the state is abstract (shapes and shardings). On a CPU host the N
 devices are simulated (`--xla_force_host_platform_device_count`), so 64 or 256 work on a laptop; the compiled
 program is XLA:CPU's, whose partitioning is the accelerators' but whose buffer scheduling is its own, so the
 temporaries are indicative (within tens of percent of a GPU's), not exact.
@@ -35,9 +38,17 @@ import time
 from shardlm.config import Config, describe
 from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
+from shardlm.perf.bounds import lower_bound
 from shardlm.perf.compiled import CompiledStep, compile_step
 from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak, issued, split_traffic
-from shardlm.perf.strategies import Strategy, all_strategies, rejection, wants_context_splits
+from shardlm.perf.strategies import (
+    Strategy,
+    all_strategies,
+    rejection,
+    wants_context_splits,
+    wants_expert_splits,
+    wants_stage_splits,
+)
 from shardlm.perf.targets import Target
 from shardlm.units import fmt_bytes
 
@@ -126,6 +137,7 @@ class Plan:
     wall_s: float
     platform: str = "cpu"  # what it was compiled for
     target: Target | None = None
+    pruned: list[tuple[Strategy, str]] = dataclasses.field(default_factory=list)  # not compiled: cannot win
 
     @property
     def best(self) -> StrategyPlan | None:
@@ -156,11 +168,39 @@ def shard_bytes(tree) -> int:
     return total
 
 
+def _cannot_fit(cfg: Config, s: Strategy, vocab: int, devices, hardware: Hardware) -> str | None:
+    """Why strategy `s` cannot fit the hardware's memory before anything compiles (its parameters and optimizer
+    state alone exceed it), or None."""
+    from shardlm.train.state import abstract_train_state
+
+    abstract = abstract_train_state(cfg, s.make_mesh(devices), vocab)[2]
+    state = shard_bytes(abstract["model"]) + shard_bytes(abstract["optimizer"])
+    if state <= hardware.memory_bytes:
+        return None
+    return (f"does not fit: its parameters and optimizer state alone take {fmt_bytes(state)} per device, over "
+            f"the {fmt_bytes(hardware.memory_bytes)}")
+
+
+def _param_count(cfg: Config, vocab: int) -> int:
+    """The model's parameters (with its vocabulary padded for one tensor device): shapes only."""
+    import jax
+    from flax import nnx
+
+    from shardlm.train.source import model_source
+
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(model_source(cfg).factory(vocab, 1))
+    return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
 def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target | None = None):
-    """(lowered train step, param bytes/device, optimizer bytes/device, param count) for one strategy."""
+    """(lowered train step, its matmul FLOPs, param bytes/device, optimizer bytes/device, param count) for one
+    strategy."""
     import contextlib
 
     import jax
+
+    from shardlm.flops import jaxpr_matmul_flops
 
     from shardlm.perf.targets import tracing_for
     from shardlm.train.state import TrainState, abstract_train_state
@@ -170,9 +210,11 @@ def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target 
     with tracing_for(target) if target else contextlib.nullcontext():
         _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
         step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
-        lowered = step.lower(abstract, batch_struct(cfg, mesh))
+        traced = step.trace(abstract, batch_struct(cfg, mesh))
+        lowered = traced.lower()
     count = sum(leaf.size for leaf in jax.tree.leaves(abstract["model"]))
-    return lowered, shard_bytes(abstract["model"]), shard_bytes(abstract["optimizer"]), count
+    return lowered, jaxpr_matmul_flops(traced.jaxpr), shard_bytes(abstract["model"]), \
+        shard_bytes(abstract["optimizer"]), count
 
 
 def _devices(n_devices: int | None, target: Target | None, hosts: int | None) -> list:
@@ -210,7 +252,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     log = log or (lambda m: None)
     vocab = vocab_size or tokenizer_vocab(cfg, log=log)
     candidates, rejected = [], []
-    for s in strategies or all_strategies(n, wants_context_splits(cfg, n)):
+    for s in strategies or all_strategies(n, wants_context_splits(cfg, n), stage=wants_stage_splits(cfg, n, hosts),
+                                          expert=wants_expert_splits(cfg)):
         why = rejection(cfg, s, devices, vocab)
         (rejected.append((s, why)) if why else candidates.append(s))
     if not candidates:
@@ -219,33 +262,54 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
 
     results: list[StrategyPlan] = []
     workers = workers or max(1, min(4, os.cpu_count() or 1))
-    param_count = 0
     platform = target.platform if target else devices[0].platform
+    param_count = _param_count(cfg, vocab)
+    bounds = {s: lower_bound(cfg, s, hardware, model_flops_per_step(cfg, vocab, s.tensor), param_count)
+              for s in candidates}
+    if strategies is None:  # the likeliest winners first, so that the rest can be pruned against them
+        candidates.sort(key=lambda s: bounds[s].step_s)
+    pruned: list[tuple[Strategy, str]] = []
+    best: list = [None]  # (estimated step time, strategy) of the fastest fitting strategy compiled so far
 
-    def compile_one(lowered, devices_used):
-        return compile_step(lowered, devices_used, platform=platform, loop_trips=cfg.train.grad_accum)
+    def compile_one(lowered, matmul_flops, devices_used):
+        return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops)
 
-    # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering.
+    def read(s, p_bytes, o_bytes, future):
+        step: CompiledStep = future.result()
+        r = StrategyPlan(s, p_bytes, o_bytes, p_bytes, step.temp_bytes, step.peak, step.collectives,
+                         step.flops_per_device, model_flops_per_step(cfg, vocab, s.tensor), None, False,
+                         step.compile_s, compiler_s=step.compiler_s, refusal=step.refusal,
+                         hidden=step.schedule.hidden_by_kind() if step.schedule else None)
+        rank_strategies([r], hardware)
+        if r.fits and (best[0] is None or r.est.step_s < best[0][0]):
+            best[0] = (r.est.step_s, s)
+        results.append(r)
+        log(f"[{len(results)}/{len(candidates) - len(pruned)}] {s.name}: compiled in {step.compile_s:.1f} s"
+            + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
+
+    # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering. Results are
+    # read as they finish, so that the best estimate so far can prune what is left.
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending = []
         for s in candidates:
-            lowered, p_bytes, o_bytes, count = _lower(cfg, s, vocab, devices, target)
-            param_count = min(param_count or count, count)  # the vocabulary pads least without tensor parallelism
-            pending.append((s, p_bytes, o_bytes, pool.submit(compile_one, lowered, s.devices)))
-        for i in range(len(pending)):
-            s, p_bytes, o_bytes, future = pending[i]
-            pending[i] = None  # drop the executable once read: 64 devices' worth of programs add up
-            step: CompiledStep = future.result()
-            results.append(StrategyPlan(
-                s, p_bytes, o_bytes, p_bytes, step.temp_bytes, step.peak, step.collectives, step.flops_per_device,
-                model_flops_per_step(cfg, vocab, s.tensor), None, False, step.compile_s,
-                compiler_s=step.compiler_s, refusal=step.refusal,
-                hidden=step.schedule.hidden_by_kind() if step.schedule else None))
-            log(f"[{i + 1}/{len(candidates)}] {s.name}: compiled in {step.compile_s:.1f} s"
-                + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
-            del step, future
+            for item in [p for p in pending if p[3].done()]:
+                pending.remove(item)
+                read(*item)
+            if strategies is None and (why := _cannot_fit(cfg, s, vocab, devices, hardware)):
+                pruned.append((s, why))
+                continue
+            if strategies is None and best[0] is not None and not bounds[s].beats(best[0][0]):
+                pruned.append((s, f"cannot beat {best[0][1].name} ({_format_seconds(best[0][0])}): its lower bound "
+                                  f"is {_format_seconds(bounds[s].step_s)} ({_format_seconds(bounds[s].compute_s)} "
+                                  f"compute + {_format_seconds(bounds[s].comm_s)} of unavoidable traffic)"))
+                continue
+            lowered, matmul_flops, p_bytes, o_bytes, _ = _lower(cfg, s, vocab, devices, target)
+            pending.append((s, p_bytes, o_bytes, pool.submit(compile_one, lowered, matmul_flops, s.devices)))
+            del lowered
+        while pending:  # drop each executable once read: 64 devices' worth of programs add up
+            read(*pending.pop(0))
     return Plan(cfg, n, hardware, rank_strategies(results, hardware), rejected, param_count,
-                time.perf_counter() - t0, platform, target)
+                time.perf_counter() - t0, platform, target, pruned)
 
 
 def rank_strategies(results: list[StrategyPlan], hardware: Hardware) -> list[StrategyPlan]:
@@ -319,11 +383,39 @@ def format_plan(p: Plan) -> str:
         lines.append(f"note: XLA:CPU emulates {p.cfg.model.dtype} in float32, so temps and collectives above are "
                      "float32-sized (or more, with the conversions); a GPU or TPU computes it natively and needs "
                      "less: check there with `shardlm bench`")
+    lines += pipeline_lines(p)
+    for s, why in p.pruned:
+        lines.append(f"pruned (not compiled): {s.name}: {why}")
     for s, why in p.rejected:
         lines.append(f"not possible: {s.name}: {why}")
     lines.append("")
     lines.append(recommendation(p))
     return "\n".join(lines)
+
+
+def pipeline_lines(p: Plan) -> list[str]:
+    """For each strategy with pipeline stages: the schedule's bubble (which the compiled step's FLOPs, and so the
+    estimate, already include: idle stages compute on zeros) and what it hands between stages, in all and across
+    hosts."""
+    from shardlm.models.pipeline import bubble_fraction
+
+    m = p.cfg.model
+    lines = []
+    for r in p.strategies:
+        stages = r.strategy.stage
+        if stages == 1:
+            continue
+        micro = m.pipeline_microbatches or stages
+        hand_offs = [op for op in r.collectives if op.kind == "collective-permute"]
+        sent = sum(op.bytes * op.times for op in hand_offs)
+        across = sum(split_traffic(op, p.hardware.devices_per_node, r.strategy.devices)[1] * op.times
+                     for op in hand_offs)
+        lines.append(f"pipeline {r.strategy.name}: {micro} microbatches x {m.pipeline_repeats} repeat(s) over "
+                     f"{stages} stages, bubble {bubble_fraction(stages, micro, m.pipeline_repeats):.0%} of the "
+                     f"stage-iterations (charged: idle stages compute on zeros); hand-offs send "
+                     f"{fmt_bytes(sent)} per device per step" + (f", {fmt_bytes(across)} of it across hosts"
+                                                                 if p.hosts > 1 else ""))
+    return lines
 
 
 def _compiler_note(p: Plan) -> str:

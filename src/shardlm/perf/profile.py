@@ -1,6 +1,7 @@
 """`shardlm profile`: a `jax.profiler` trace of a few train steps after warm-up, and where their time went.
 
-The model names its parts with `jax.named_scope` (`embed`, `layer0` ... `layerN`, `head`) and the train step
+The model names its parts with `jax.named_scope` (`embed`, `layer0` ... `layerN` or, its blocks scanned, `layers`
+for all of them, `head`) and the train step
 names `loss` and `optimizer`; each step runs under a `StepTraceAnnotation`, so viewers split the timeline by step.
 The scopes live in the compiled program's op metadata (backward ops as `transpose(jvp(layer3))`), so the summary
 joins each device op of the trace to its scope through the compiled HLO. The trace itself is written for
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from shardlm.config import Config
 
-_SCOPE = re.compile(r"\b(embed|layer\d+|head|loss|optimizer)\b")
+_SCOPE = re.compile(r"\b(embed|layer\d+|layers|head|loss|optimizer)\b")
 
 
 @dataclasses.dataclass
@@ -45,7 +46,7 @@ class Profile:
 
 
 def _scope_order(name: str) -> tuple:
-    order = {"embed": 0, "head": 2, "loss": 3, "optimizer": 4}
+    order = {"embed": 0, "layers": 1, "head": 2, "loss": 3, "optimizer": 4}
     m = re.fullmatch(r"layer(\d+)", name)
     return (1, int(m.group(1))) if m else (order.get(name, 5), 0)
 

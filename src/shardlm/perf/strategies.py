@@ -1,15 +1,17 @@
-"""Strategies: assignments of N devices to the mesh axes (data, fsdp, context, tensor), their names, and which
-ones a config allows.
+"""Strategies: assignments of N devices to the mesh axes (stage, data, fsdp, expert, context, tensor), their
+names, and which ones a config allows.
 
-A strategy is four degrees whose product is the device count. Its name lists the axes used, with their degrees:
-`dp8`, `fsdp8`, `cp8`, `tp8`, `fsdp4+tp2`, `fsdp2+cp2+tp2`; one device is `single`. `parse_strategy` reads those
-names (a degree may be left out on one axis to mean "the rest": `fsdp+tp2`), long axis names (`data4+tensor2`,
-`context2`) and the `DxFxT` and `DxFxCxT` forms (`2x2x2`, `1x2x2x2`), so the names `shardlm plan` prints are what
-`shardlm bench --strategies` takes.
+A strategy is six degrees whose product is the device count. Its name lists the axes used, with their degrees:
+`dp8`, `fsdp8`, `cp8`, `tp8`, `pp4`, `ep8`, `fsdp4+tp2`, `pp2+fsdp2+tp2`; one device is `single`. `parse_strategy`
+reads those names (a degree may be left out on one axis to mean "the rest": `fsdp+tp2`), long axis names
+(`data4+tensor2`, `context2`, `stage2`, `expert2`) and the `DxFxT` and `DxFxCxT` forms (`2x2x2`, `1x2x2x2`), so
+the names `shardlm plan` prints are what `shardlm bench --strategies` takes.
 
-Context splits (cp) pay off only for long sequences, so `all_strategies` enumerates them when asked
-(`shardlm plan` asks for sequences of `LONG_SEQUENCE` tokens or more, or when the batch has fewer sequences than
-there are devices); otherwise they are left out, which keeps the plan of a short-sequence model as fast as before.
+Context splits (cp) pay off only for long sequences, pipeline stages (pp) across hosts, expert splits (ep) only
+for a mixture of experts: `all_strategies` enumerates each when asked (`shardlm plan` asks for context splits for
+sequences of `LONG_SEQUENCE` tokens or more or batches with fewer sequences than devices, for stage splits when
+the devices span several hosts, and for expert splits when the model has experts), which keeps the plan of a
+short-sequence dense model on one host as fast as before.
 """
 
 from __future__ import annotations
@@ -20,29 +22,32 @@ import re
 from shardlm.errors import ShardlmError
 from shardlm.mesh import MESH_AXES, resolve_degrees
 
-_SHORT = {"data": "dp", "fsdp": "fsdp", "context": "cp", "tensor": "tp"}
+_SHORT = {"stage": "pp", "data": "dp", "fsdp": "fsdp", "expert": "ep", "context": "cp", "tensor": "tp"}
 _ALIASES = {"dp": "data", "data": "data", "fsdp": "fsdp", "cp": "context", "context": "context", "tp": "tensor",
-            "tensor": "tensor"}
+            "tensor": "tensor", "pp": "stage", "stage": "stage", "ep": "expert", "expert": "expert"}
 LONG_SEQUENCE = 4096  # from here on, `shardlm plan` also enumerates context splits
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Strategy:
-    """Degrees per axis. `context` comes last (and defaults to 1) so that the three-axis `Strategy(d, f, t)` of
-    every strategy without a sequence split keeps its meaning; `mesh` lists the axes in mesh order."""
+    """Degrees per axis. The axes added after data, fsdp and tensor come last (and default to 1) so that the
+    three-axis `Strategy(d, f, t)` of every strategy without them keeps its meaning; `mesh` lists the axes in mesh
+    order."""
 
     data: int
     fsdp: int
     tensor: int
     context: int = 1
+    stage: int = 1
+    expert: int = 1
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.context * self.tensor
+        return self.stage * self.data * self.fsdp * self.expert * self.context * self.tensor
 
     @property
     def mesh(self) -> dict[str, int]:
-        return {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
 
     def make_mesh(self, devices):
         """The mesh of this strategy over the first `devices.size` of `devices`."""
@@ -63,16 +68,21 @@ class Strategy:
         return self.name
 
 
-def all_strategies(n_devices: int, context: bool = False) -> list[Strategy]:
-    """Every (data, fsdp, tensor) with data * fsdp * tensor = n_devices; with `context`, every split that also uses
-    the context axis (data * fsdp * context * tensor = n_devices)."""
+def all_strategies(n_devices: int, context: bool = False, stage: bool = False, expert: bool = False
+                   ) -> list[Strategy]:
+    """Every (data, fsdp, tensor) with data * fsdp * tensor = n_devices; with `context`, `stage` or `expert`, every
+    split that also uses those axes (the product of all the degrees is n_devices)."""
     divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
     out = []
-    for c in divisors if context else [1]:
-        rest = n_devices // c
-        for d in (d for d in divisors if rest % d == 0):
-            for f in (f for f in divisors if (rest // d) % f == 0):
-                out.append(Strategy(d, f, rest // d // f, c))
+    for p in divisors if stage else [1]:
+        for e in divisors if expert else [1]:
+            for c in divisors if context else [1]:
+                if n_devices % (p * e * c):
+                    continue
+                rest = n_devices // (p * e * c)
+                for d in (d for d in divisors if rest % d == 0):
+                    for f in (f for f in divisors if (rest // d) % f == 0):
+                        out.append(Strategy(d, f, rest // d // f, c, p, e))
     return out
 
 
@@ -80,6 +90,17 @@ def wants_context_splits(cfg, n_devices: int) -> bool:
     """Whether a plan should enumerate context splits for `cfg`: long sequences, or fewer sequences in a batch
     than devices to hold them."""
     return n_devices > 1 and (cfg.model.seq_len >= LONG_SEQUENCE or cfg.train.batch_size < n_devices)
+
+
+def wants_stage_splits(cfg, n_devices: int, hosts: int | None) -> bool:
+    """Whether a plan should enumerate pipeline stages: the devices span several hosts (`--hosts`), where stages
+    send only activations over the slow links between them."""
+    return n_devices > 1 and bool(hosts) and hosts > 1 and cfg.model.n_layers > 1
+
+
+def wants_expert_splits(cfg) -> bool:
+    """Whether a plan should enumerate expert splits: the model is a mixture of experts."""
+    return getattr(cfg.model, "num_experts", 0) > 1
 
 
 def parse_strategy(text: str, n_devices: int) -> Strategy:
@@ -95,11 +116,12 @@ def parse_strategy(text: str, n_devices: int) -> Strategy:
     else:
         degrees = {}
         for part in t.split("+"):
-            p = re.fullmatch(r"(dp|data|fsdp|cp|context|tp|tensor)(\d*)", part.strip())
+            p = re.fullmatch(r"(dp|data|fsdp|cp|context|tp|tensor|pp|stage|ep|expert)(\d*)", part.strip())
             if not p or _ALIASES[p.group(1)] in degrees:
                 raise ShardlmError(
                     f"strategy '{text}' is not understood; write axes with degrees joined by '+', e.g. dp8, fsdp8, "
-                    "fsdp4+tp2, fsdp2+cp2+tp2 (a missing degree means the rest), or DATAxFSDPxTENSOR such as 2x2x2 "
+                    "fsdp4+tp2, fsdp2+cp2+tp2, pp2+fsdp4, ep4+fsdp2 (a missing degree means the rest), or "
+                    "DATAxFSDPxTENSOR such as 2x2x2 "
                     "(DATAxFSDPxCONTEXTxTENSOR with a context axis)")
             degrees[_ALIASES[p.group(1)]] = int(p.group(2)) if p.group(2) else -1
     for axis in MESH_AXES:
@@ -107,10 +129,11 @@ def parse_strategy(text: str, n_devices: int) -> Strategy:
     if 0 in degrees.values():
         raise ShardlmError(f"strategy '{text}' has a degree of 0; degrees are positive")
     try:
-        r = resolve_degrees(degrees["data"], degrees["fsdp"], degrees["tensor"], n_devices, degrees["context"])
+        r = resolve_degrees(degrees["data"], degrees["fsdp"], degrees["tensor"], n_devices, degrees["context"],
+                            degrees["stage"], degrees["expert"])
     except ShardlmError as e:
         raise ShardlmError(f"strategy '{text}': {e}") from None
-    return Strategy(r["data"], r["fsdp"], r["tensor"], r["context"])
+    return Strategy(r["data"], r["fsdp"], r["tensor"], r["context"], r["stage"], r["expert"])
 
 
 def parse_strategies(text: str, n_devices: int) -> list[Strategy]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from shardlm.accelerator import Accelerator, native_stderr_silenced
 from shardlm.errors import ShardlmError
 from shardlm.perf.costmodel import Hardware, devices_per_host
+from shardlm.units import parse_rate
 
 SPECS = Path(__file__).with_name("gpu_specs")
 
@@ -58,14 +59,21 @@ class Target:
         return Accelerator(self.platform, self.device_kind, self.compute_capability)
 
     def hardware(self, dtype: str, n_devices: int, hosts: int | None = None,
-                 memory_bytes: float | None = None) -> Hardware:
-        """The cost model's view of `n_devices` of this target over `hosts` hosts (default: full hosts)."""
+                 memory_bytes: float | None = None, inter_host_bandwidth: str | None = None) -> Hardware:
+        """The cost model's view of `n_devices` of this target over `hosts` hosts (default: full hosts), their
+        network the target's NICs unless `inter_host_bandwidth` (a host's, e.g. '100Gb/s') says otherwise."""
         # A TPU slice is one ICI network across its hosts: unless told otherwise, cost it as one "host".
         default = n_devices if self.platform == "tpu" else self.devices_per_host
         per_host = devices_per_host(n_devices, hosts, None) if hosts else default
+        network = self.network_bw
+        if inter_host_bandwidth is not None:
+            try:
+                network = parse_rate(inter_host_bandwidth) / per_host
+            except ValueError as e:
+                raise ShardlmError(f"--inter-host-bandwidth {e}") from None
         return Hardware(name=self.label, peak_flops=self.peak_flops[dtype],
                         memory_bytes=memory_bytes or self.memory_bytes, intra_node_bw=self.link_bw,
-                        inter_node_bw=self.network_bw, devices_per_node=per_host, latency_s=10e-6)
+                        inter_node_bw=network, devices_per_node=per_host, latency_s=10e-6)
 
 
 GiB = 2**30

@@ -31,6 +31,7 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,7 +47,8 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 # claimed fsdp elsewhere, the later fallbacks give fsdp to `mlp` or `head_dim`, so ZeRO-3 shards *all* state.
 LOGICAL_AXIS_RULES: Rules = (
     # activations
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),  # expert devices are data-parallel for everything but the experts ...
+    ("batch", ("data", "fsdp")),  # ... (a rule that splits no more ways than the next gives way to it)
     ("seq", "context"),
     ("kv_seq", None),  # keys and values as attention reads them: every position, gathered over context
     ("act_embed", None),
@@ -54,9 +56,14 @@ LOGICAL_AXIS_RULES: Rules = (
     ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
+    ("act_experts", "expert"),  # a mixture of experts' tokens, grouped by the expert they are sent to
     # parameters
-    ("embed", ("fsdp", "context")),  # context devices are FSDP shards of the weights too (see above) ...
-    ("embed", "fsdp"),  # ... unless fsdp x context does not divide the dimension
+    ("layers", "stage"),  # the stacked blocks' leading axis (`model.scan_layers`): pipeline stages split it
+    ("layers", None),
+    ("experts", "expert"),  # a mixture of experts' expert dimension (claims `expert` before `embed` can)
+    ("embed", ("fsdp", "context", "expert")),  # context and expert devices are FSDP shards of the weights too ...
+    ("embed", ("fsdp", "context")),
+    ("embed", "fsdp"),  # ... unless the product does not divide the dimension
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),  # grouped-query attention's key/value heads: the tensor degree must divide them too
@@ -99,8 +106,9 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *
         for i, name in enumerate(names):
             if decided[i] or name != rule_name:
                 continue
-            fits = shape is None or r == last_rule[name] or (
-                shape[i] % axis_degree(mesh, axes) == 0 and not _no_more_than_next(rules, r, mesh))
+            fits = r == last_rule[name] or (
+                (shape is None or shape[i] % axis_degree(mesh, axes) == 0)
+                and (mesh is None or not _no_more_than_next(rules, r, mesh)))
             if fits and used.isdisjoint(as_axes(axes)):
                 out[i], decided[i] = axes, True
                 used.update(as_axes(axes))
@@ -116,10 +124,11 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules | None = None, *
 
 def _no_more_than_next(rules: Rules, r: int, mesh) -> bool:
     """Whether rule r splits its name no more ways on `mesh` than the name's next rule, whose axes are a subset of
-    its own: then the next, simpler rule is used (embed over (fsdp, context) with context 1 is embed over fsdp)."""
+    its own: then the next, simpler rule is used (embed over (fsdp, context) with context 1 is embed over fsdp;
+    layers over stage with one stage is layers whole)."""
     name, axes = rules[r]
     nxt = next(ax for n, ax in rules[r + 1:] if n == name)
-    fewer = bool(as_axes(nxt)) and set(as_axes(nxt)) < set(as_axes(axes))
+    fewer = set(as_axes(nxt)) < set(as_axes(axes))  # (no axes at all: an axis of degree 1 gives way to None)
     return fewer and axis_degree(mesh, nxt) == axis_degree(mesh, axes)
 
 
@@ -155,6 +164,22 @@ def use_mesh_rules(mesh, rules: Rules | None = None):
         _active.value = previous
 
 
+def active_mesh():
+    """The mesh of the active rules (None outside `use_mesh_rules`): model code that runs per device
+    (`jax.shard_map`, a mixture of experts' all-to-alls) asks for it."""
+    active = getattr(_active, "value", None)
+    return None if active is None else active[0]
+
+
+def active_spec(*names: str | None, shape=None) -> P:
+    """The PartitionSpec the active rules give logical `names` (P() outside `use_mesh_rules`)."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return P()
+    mesh, rules = active
+    return logical_to_spec(names, rules, shape=shape, mesh=mesh)
+
+
 def active_degree(name: str) -> int:
     """How many ways the active rules split logical axis `name` (1 outside `use_mesh_rules`): model code asks
     whether the sequence is split without naming a mesh axis."""
@@ -162,7 +187,14 @@ def active_degree(name: str) -> int:
     if active is None:
         return 1
     mesh, rules = active
-    return axis_degree(mesh, logical_to_spec((name,), rules)[0])
+    return axis_degree(mesh, logical_to_spec((name,), rules, mesh=mesh)[0])
+
+
+def active_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes the active rules split logical axis `name` over (() outside `use_mesh_rules`): a pipeline's
+    `vmap` over stages names them as its `spmd_axis_name`."""
+    active = getattr(_active, "value", None)
+    return () if active is None else as_axes(logical_to_spec((name,), active[1], mesh=active[0])[0])
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
@@ -195,6 +227,61 @@ def gathered(x: jax.Array, names: tuple, stored: tuple) -> jax.Array:
 
     gather.defvjp(forward, backward)
     return gather(x)
+
+
+# Mesh axes that split a weight only to store it (FSDP's, and the context devices acting as FSDP shards): a weight
+# is gathered over them for use. The others (stage, tensor) split the computation itself and stay split.
+STORAGE_AXES = ("data", "fsdp", "expert", "context")
+
+
+def gathered_for(x: jax.Array, names: tuple) -> jax.Array:
+    """A weight with logical `names` gathered over the `STORAGE_AXES` that shard it, its gradient reduce-scattered
+    back to its stored sharding (`gathered`): a pipeline gathers each stage's weights once per step with it. The
+    identity outside `use_mesh_rules`."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return x
+    mesh, rules = active
+    stored = logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
+    used = P(*(_keep(entry) for entry in stored))
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, used))
+
+    def forward(x):
+        return gather(x), None
+
+    def backward(_, g):
+        return (jax.lax.with_sharding_constraint(g, NamedSharding(mesh, stored)),)
+
+    gather.defvjp(forward, backward)
+    return gather(x)
+
+
+def replicas_of(x: jax.Array, names: tuple, replicas: int, axes: tuple[str, ...]) -> jax.Array:
+    """Weight `x` (logical `names`, its first axis the stage's) as `replicas` copies on a new second axis split over
+    mesh `axes` (the batch's): each device holds a whole copy of its stage's weight (gathered over the
+    `STORAGE_AXES`, once), and so accumulates its own partial gradient through loops that use it. The copies'
+    gradients are summed only where the broadcast is transposed, after those loops: one reduce-scatter back into
+    the stored shards, where a weight used whole would have its gradient reduced in every iteration."""
+    mesh, rules = _active.value
+    stored = logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, stored))
+    copies = jnp.broadcast_to(x[:, None], (x.shape[0], replicas, *x.shape[1:]))
+    used = P(stored[0], axes, *(_keep(entry) for entry in stored[1:]))
+    return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, used))
+
+
+def active_rules() -> Rules | None:
+    """The rules of the active `use_mesh_rules` (None outside it)."""
+    active = getattr(_active, "value", None)
+    return None if active is None else active[1]
+
+
+def _keep(entry: MeshAxes) -> MeshAxes:
+    kept = tuple(a for a in as_axes(entry) if a not in STORAGE_AXES)
+    return kept[0] if len(kept) == 1 else kept or None
 
 
 # --- parameter and state shardings ------------------------------------------------------------------------------
@@ -249,16 +336,17 @@ def check_divisible(abstract_state, specs, mesh) -> None:
 
 
 def batch_sharding(mesh, rules: Rules | None = None) -> NamedSharding:
-    """Sharding of a [batch, seq_len + 1] token array: batch split over (data, fsdp), each row whole (seq_len + 1
-    does not split evenly; the model splits the sequence over context as it embeds it)."""
-    return NamedSharding(mesh, logical_to_spec(("batch", None), rules))
+    """Sharding of a [batch, seq_len + 1] token array: batch split over (data, fsdp, expert), each row whole
+    (seq_len + 1 does not split evenly; the model splits the sequence over context as it embeds it)."""
+    return NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh=mesh))
 
 
-def without_sequence_split(rules: Rules | None = None) -> Rules:
-    """The table with `seq` left whole: generation's (a decode step has one token per row; the context devices
-    serve as replicas)."""
-    return tuple((name, None if name == "seq" else axes) for name, axes in (LOGICAL_AXIS_RULES if rules is None
-                                                                            else rules))
+def generation_rules(rules: Rules | None = None) -> Rules:
+    """The table with `seq` and `layers` left whole: generation's. A decode step has one token per row, so the
+    context devices serve as replicas; and it runs the layers one after another, not as a pipeline, so the stage
+    devices do too (each holds every layer)."""
+    return tuple((name, None if name in ("seq", "layers") else axes)
+                 for name, axes in (LOGICAL_AXIS_RULES if rules is None else rules))
 
 
 def replicated(mesh) -> NamedSharding:

@@ -1,6 +1,6 @@
 """`shardlm explain`: the training state built exactly as `shardlm train` would build it for a config, and where
 every parameter and optimizer-state leaf of it lives (`shardlm.explain`), with the notes a run header gives: the
-sequence split's traffic and which mesh axes cross hosts. Nothing is trained and nothing is written."""
+sequence split's traffic, the pipeline's stages and which mesh axes cross hosts. Nothing is trained and nothing is written."""
 
 from shardlm import distributed
 from shardlm.config import Config, agree_on_config
@@ -8,7 +8,7 @@ from shardlm.explanation import Explanation
 from shardlm.mesh import axes_across_hosts, check_tensor_inside_hosts, describe_hosts, mesh_from_config
 from shardlm.train.data import tokenizer_vocab
 from shardlm.train.source import model_source
-from shardlm.train.state import abstract_train_state, check_shardable, create_train_state, sequence_split_note
+from shardlm.train.state import abstract_train_state, check_shardable, create_train_state, split_notes
 
 
 def explain_run(cfg: Config, log, devices=None) -> Explanation:
@@ -23,8 +23,7 @@ def explain_run(cfg: Config, log, devices=None) -> Explanation:
     state = (abstract_train_state(cfg, mesh, vocab)[2] if devices is not None
              else create_train_state(cfg, mesh, vocab).state)
     ex = model_source(cfg).explain(state, mesh)
-    if split := sequence_split_note(cfg, mesh):
-        ex.notes.append(split)
+    ex.notes.extend(split_notes(cfg, mesh))
     if hosts := describe_hosts(mesh):
         ex.notes.append(f"{distributed.process_count()} processes on {hosts}")
         ex.axes_across_hosts = axes_across_hosts(mesh)

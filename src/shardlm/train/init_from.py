@@ -21,6 +21,7 @@ from shardlm.data.tokenizer import TOKENIZER_FILE
 from shardlm.errors import ShardlmError
 from shardlm.hf import importer
 from shardlm.hf.config import hf_dir, is_hf, read_hf_config
+from shardlm.train.source import model_source
 from shardlm.train.state import abstract_model, vocab_sizes
 
 GPT2_VOCAB = 50257  # a GPT-2 checkpoint of this vocabulary saved without tokenizer files is tiktoken's gpt2
@@ -70,4 +71,5 @@ def import_params(spec: str, cfg: Config, mesh, vocab_size: int, log=None):
     `vocab_size` is the real vocabulary (the model pads it for the tensor degree)."""
     real, padded = vocab_sizes(cfg, vocab_size, mesh.shape["tensor"])
     graphdef, abstract = abstract_model(cfg, mesh, real)
-    return graphdef, importer.read_params(hf_dir(spec), cfg.model, real, padded, abstract, log)
+    return graphdef, importer.read_params(hf_dir(spec), cfg.model, real, padded, abstract, log,
+                                          model_source(cfg).layer_order(mesh))

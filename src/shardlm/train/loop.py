@@ -68,10 +68,11 @@ from shardlm.train.state import (
     check_shardable,
     create_train_state,
     effective_warmup,
-    sequence_split_note,
+    split_notes,
     train_state_with,
     vocab_sizes,
 )
+from shardlm.train import stored
 from shardlm.train.source import model_source
 from shardlm.train.step import eval_step_for, train_step_for
 from shardlm.units import fmt_bytes
@@ -130,14 +131,18 @@ def restore_state(run_dir: Path, step: int, cfg: Config, mesh, vocab_size: int) 
     """The checkpoint at `step`, read straight into this mesh's shardings, and the data position saved with it.
     If it cannot be read, the error names the newest older checkpoint that can."""
     _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab_size)
+    source = model_source(cfg)
+    stacks, order = source.stacks_blocks, source.layer_order(mesh)
     reader = RunCheckpoints(run_dir, read_only=True)
     try:
-        state = reader.restore(step, abstract)
+        state = stored.restore_state(reader, step, abstract, stacks_blocks=stacks, order=order)
         position = reader.read_position(step)
     except CheckpointError as e:
         older = [s for s in local_steps(run_dir) if s < step]
         raise unreadable(run_dir, e, older, reader,
-                         check=lambda s: (reader.read_meta(s), reader.restore(s, abstract))) from None
+                         check=lambda s: (reader.read_meta(s),
+                                          stored.restore_state(reader, s, abstract, stacks_blocks=stacks,
+                                                               order=order))) from None
     finally:
         reader.close()
     return TrainState(graphdef, state, shardings), position
@@ -253,8 +258,8 @@ class Training:
             _log(format_explanation(ex))
         _log(f"model: {describe(cfg)} | {ex.param_count:,} parameters | per device: params "
              f"{fmt_bytes(ex.max_param_bytes)}, optimizer {fmt_bytes(ex.max_opt_bytes)}")
-        if split := sequence_split_note(cfg, self.mesh):
-            _log(split)
+        for note in split_notes(cfg, self.mesh):
+            _log(note)
         for note in ex.notes:  # a plan's (a model from a py: file)
             _log(f"note: {note}")
         warmup = effective_warmup(cfg)
@@ -296,8 +301,9 @@ class Training:
 
     def save(self, step: int, reason: str) -> None:
         t = time.perf_counter()
-        self.ckpts.save(step, self.state, self.batches.position,
-                        {**self.meta, "step": step, "reason": reason, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        meta = {**self.meta, "step": step, "reason": reason, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        stored.save_state(self.ckpts, step, self.state, self.batches.position, meta, self.source.stacks_blocks,
+                          self.source.layer_order(self.mesh))
         _log(f"checkpoint step {step}: writing in the background (training blocked {time.perf_counter() - t:.2f}s)")
 
     def open_metrics(self) -> None:
@@ -366,6 +372,9 @@ class Training:
         row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
                "tflops_per_device": flops_per_dev / 1e12, "mfu": flops_per_dev / self.peak}
+        for key in ("aux_loss", "expert_load_max", "expert_load_min"):  # a mixture of experts' (`step.model_metrics`)
+            if key in metrics:
+                row[key] = float(metrics[key])
         if not np.isfinite(row["loss"]):
             raise ShardlmError(f"loss became {row['loss']} at step {step}; lower train.lr or raise warmup_steps")
         if is_eval:  # after the step's time was read: eval time is not step time. Also when stopping on an eval
@@ -376,6 +385,8 @@ class Training:
         if not self.progress:
             _log(f"step {step} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm {row['grad_norm']:.3f} | "
                  f"{tokens_per_s:,.0f} tok/s | MFU {row['mfu']:.1%}"
+                 + (f" | aux {row['aux_loss']:.3f}, expert load {row['expert_load_min']:.2f}-"
+                    f"{row['expert_load_max']:.2f}x" if "aux_loss" in row else "")
                  + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb" if "eval_loss" in row else ""))
         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{row['mfu']:.1%}")
 

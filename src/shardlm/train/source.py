@@ -4,13 +4,14 @@ file (`PlannedModel`, `model=py:FILE:FUNCTION`, placed by a plan). `model_source
 Everything else in training (the state, the step, checkpoints, the loop, and `plan`, `bench`, `profile`, `explain`,
 `generate`) is the same for both and asks the source for the few things that differ:
 
-- `factory(vocab_size, tensor_degree)`: a zero-argument constructor of the NNX module (a Linen model comes
+- `factory(vocab_size, tensor_degree, stages)`: a zero-argument constructor of the NNX module (a Linen model comes
   wrapped, see `shardlm.foreign.linen`), traced abstractly for shapes and run inside `jit` for a sharded init;
 - `state_shardings(abstract_state, mesh)` and `model_shardings(...)`: a NamedSharding for every leaf of the
   {"model", "optimizer"} train state, or of the model alone (readers), raising on anything that does not place;
-- `logits(model, tokens, mesh, train=, key=)`: the forward pass as a step runs it, with its dropout key and its
-  activation constraints;
-- `vocab_sizes`, `batch_sharding`, `flops_per_token`, `check(mesh, vocab)`, `explain`, `split_note`, `generator`.
+- `forward(model, tokens, mesh, train=, key=)`: the forward pass as a step runs it, with its dropout key and its
+  activation constraints: (logits, statistics: a mixture of experts' load-balancing loss and expert loads), and
+  `logits(...)` the logits alone;
+- `vocab_sizes`, `batch_sharding`, `flops_per_token`, `check(mesh, vocab)`, `explain`, `split_notes`, `generator`.
 
 Design choices for a model from a file:
 - Dropout keys are a pure function of (seed, step) as for shardlm's models: before each training forward, every
@@ -53,6 +54,7 @@ from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
 from shardlm.models.layers import check_attention
+from shardlm.models.pipeline import bubble_fraction, check_pipeline, layer_ranges, row_order, stage_layers
 from shardlm.sharding import batch_sharding, state_shardings, use_mesh_rules
 from shardlm.trees import path_str
 from shardlm.units import fmt_bytes
@@ -96,34 +98,50 @@ class OwnModel:
     """GPT or Llama, from `cfg.model`: logical axis names placed by the rule table (`shardlm.sharding`)."""
 
     can_cache = True
+    stacks_blocks = True  # checkpoints store the blocks stacked, however they are held (`train.stored`)
     flops_convention = "6*N_matmul + 12*L*T*d FLOPs per token (attention not halved for causality)"
     placeholder_vocab = 257  # the vocabulary is padded for the tensor degree: any size gives the same verdict
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.stacked_axes = 1 if cfg.model.scan_layers else 0  # leading axes of the blocks' parameters
 
     def vocab_sizes(self, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
         """(real, padded): `model.vocab_size` if set, else the tokenizer's, padded for the tensor degree."""
         real = self.cfg.model.vocab_size or tokenizer_vocab
         return real, padded_vocab_size(real, tensor_degree)
 
-    def factory(self, vocab_size: int, tensor_degree: int):
+    def factory(self, vocab_size: int, tensor_degree: int, stages: int = 1):
         real, padded = self.vocab_sizes(vocab_size, tensor_degree)
         family, m, seed = FAMILIES[self.cfg.model.family], self.cfg.model, self.cfg.seed
-        return lambda: family(m, real, padded, nnx.Rngs(params=seed))
+        return lambda: family(m, real, padded, nnx.Rngs(params=seed), stages=stages)
 
     def state_shardings(self, abstract_state, mesh):
         return state_shardings(abstract_state, mesh)
+
+    def layer_order(self, mesh) -> tuple[int, ...] | None:
+        """The layer each row of the stacked blocks holds on `mesh` (a circular pipeline's order), or None when row
+        i is layer i: checkpoints store layer order (`train.stored`)."""
+        m = self.cfg.model
+        return row_order(m.n_layers, mesh.shape.get("stage", 1), m.pipeline_repeats)
 
     model_shardings = state_shardings
 
     def batch_sharding(self, mesh) -> NamedSharding:
         return batch_sharding(mesh)
 
-    def logits(self, model, tokens, mesh, *, train: bool, key=None):
+    @property
+    def aux_loss_weight(self) -> float:
+        return self.cfg.model.moe_aux_loss_weight if self.cfg.model.moe_experts else 0.0
+
+    def forward(self, model, tokens, mesh, *, train: bool, key=None):
+        """(logits, the blocks' statistics: `CausalLM.with_stats`)."""
         dropout = train and key is not None and self.cfg.model.dropout > 0
         with use_mesh_rules(mesh):
-            return model(tokens, rngs=nnx.Rngs(dropout=key) if dropout else None)
+            return model.with_stats(tokens, rngs=nnx.Rngs(dropout=key) if dropout else None)
+
+    def logits(self, model, tokens, mesh, *, train: bool, key=None):
+        return self.forward(model, tokens, mesh, train=train, key=key)[0]
 
     def flops_per_token(self, vocab_size: int, tensor_degree: int) -> int:
         return flops_per_token(self.cfg.model, self.vocab_sizes(vocab_size, tensor_degree)[1])
@@ -137,6 +155,14 @@ class OwnModel:
             raise ShardlmError(f"model.seq_len={m.seq_len} is split over mesh.context={cp}, which does not divide it;"
                                f" choose a mesh.context dividing {m.seq_len} or a seq_len that is a multiple of {cp}")
         check_attention(m.attention, cp)
+        stages = mesh.shape.get("stage", 1)
+        if stages > 1:
+            if not m.scan_layers:
+                raise ShardlmError(f"mesh.stage={stages} splits the stacked blocks over pipeline stages: set "
+                                   "model.scan_layers=true (the default)")
+            t = self.cfg.train
+            check_pipeline(m.n_layers, t.batch_size // t.grad_accum, stages, m.pipeline_microbatches or stages,
+                           m.pipeline_repeats)
         kv = m.n_kv_heads or m.n_heads
         if kv % tp and not m.n_heads % tp:  # said in the model's terms before the generic per-parameter message
             raise ShardlmError(f"mesh.tensor={tp} must divide the key/value heads (model.n_kv_heads={kv}) as well as "
@@ -146,19 +172,44 @@ class OwnModel:
         """Where every parameter and optimizer-state leaf of a train state lives (`shardlm.explain`)."""
         return explain_state(state, mesh)
 
-    def split_note(self, mesh) -> str | None:
-        """What context parallelism does on `mesh`, in a line (None without it): the tokens each device holds, and
-        the keys and values each layer all-gathers for attention."""
+    def split_notes(self, mesh) -> list[str]:
+        """What the sequence split and the pipeline do on `mesh`, a line each (none without them)."""
+        return [note for note in (self._context_note(mesh), self._pipeline_note(mesh)) if note]
+
+    def _rows_per_device(self, mesh) -> int:
+        """Sequences of one gradient-accumulation step on each device (the batch split over data x fsdp x
+        expert)."""
+        t = self.cfg.train
+        return t.batch_size // t.grad_accum // (mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"])
+
+    def _context_note(self, mesh) -> str | None:
+        """The tokens each device holds, and the keys and values each layer all-gathers for attention."""
         cp = mesh.shape.get("context", 1)
         if cp == 1:
             return None
-        m, t = self.cfg.model, self.cfg.train
-        rows = t.batch_size // t.grad_accum // (mesh.shape["data"] * mesh.shape["fsdp"])
+        m = self.cfg.model
         kv_heads = (m.n_kv_heads or m.n_heads) // mesh.shape["tensor"]
-        gathered = 2 * rows * m.seq_len * kv_heads * (m.d_model // m.n_heads) * (2 if m.dtype == "bfloat16" else 4)
+        gathered = 2 * self._rows_per_device(mesh) * m.seq_len * kv_heads * (m.d_model // m.n_heads) \
+            * (2 if m.dtype == "bfloat16" else 4)
         return (f"sequence split over context={cp}: each device holds {m.seq_len // cp} of every {m.seq_len} "
                 f"tokens; attention all-gathers keys and values over context, {fmt_bytes(gathered)} per layer per "
                 "device (reduce-scattered back as gradients)")
+
+    def _pipeline_note(self, mesh) -> str | None:
+        """Which layers each stage holds, the schedule's bubble, and what a stage hands the next."""
+        stages = mesh.shape.get("stage", 1)
+        if stages == 1:
+            return None
+        m = self.cfg.model
+        micro, repeats = m.pipeline_microbatches or stages, m.pipeline_repeats
+        held = "; ".join(f"stage {s}: layers {layer_ranges(layers)}"
+                         for s, layers in enumerate(stage_layers(m.n_layers, stages, repeats)))
+        activation = self._rows_per_device(mesh) // micro * m.seq_len // mesh.shape["context"] * m.d_model \
+            * (2 if m.dtype == "bfloat16" else 4)
+        return (f"pipeline over stage={stages} ({held}): {micro} microbatches x {repeats} repeat(s) per step, "
+                f"{micro * repeats + stages - 1} iterations, bubble (S-1)/(M R+S-1) = "
+                f"{bubble_fraction(stages, micro, repeats):.0%}; each hand-off to the next stage sends "
+                f"{fmt_bytes(activation)} per device (and as much back in the backward pass)")
 
     def generator(self, graphdef, state, mesh, *, eot_id: int, vocab_size: int, **options):
         return Generator(graphdef, state, mesh, eot_id=eot_id, **options)
@@ -168,6 +219,10 @@ class PlannedModel:
     """The module `build` in the user's file returns, placed by `cfg.plan` (`shardlm.foreign`)."""
 
     can_cache = False
+    stacks_blocks = False  # its structure is its own
+
+    def layer_order(self, mesh) -> None:
+        return None
     flops_convention = "3x the forward pass's matmul FLOPs per token, counted from its jaxpr"
 
     def __init__(self, cfg: Config):
@@ -179,13 +234,14 @@ class PlannedModel:
         self.placeholder_vocab = cfg.model.vocab_size or None  # the plan's splits must divide the real one
         self.built_vocab = None  # the vocabulary of the last model `factory` made (for error messages)
         self.forward_checked = False
+        self.stacked_axes = 0  # its structure is its own
 
     # --- building ----------------------------------------------------------------------------------------------
     def vocab_sizes(self, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
         real = self.model_cfg.vocab_size or tokenizer_vocab
         return real, real
 
-    def factory(self, vocab_size: int, tensor_degree: int = 1):
+    def factory(self, vocab_size: int, tensor_degree: int = 1, stages: int = 1):
         m, seed = self.model_cfg, self.seed
         vocab_size = self.built_vocab = self.vocab_sizes(vocab_size, tensor_degree)[0]
 
@@ -232,6 +288,12 @@ class PlannedModel:
         return NamedSharding(mesh, P(*rows, None))
 
     # --- running -----------------------------------------------------------------------------------------------
+    aux_loss_weight = 0.0
+
+    def forward(self, model, tokens, mesh, *, train: bool, key=None):
+        """(logits, {}): a model from a file reports no statistics."""
+        return self.logits(model, tokens, mesh, train=train, key=key), {}
+
     def logits(self, model, tokens, mesh, *, train: bool, key=None):
         with constrained(model, self.plan, mesh):
             return self._run(model, tokens, train, key)
@@ -268,6 +330,10 @@ class PlannedModel:
     def check(self, mesh, vocab_size: int | None = None) -> None:
         """The model runs on tokens and returns logits, and every activation rule of the plan matches a module (an
         NNX model's are known before it runs): shapes only, once per process."""
+        for axis in ("stage", "expert"):
+            if mesh.shape.get(axis, 1) > 1:
+                raise ShardlmError(f"mesh.{axis}={mesh.shape[axis]} applies to shardlm's own models (stacked blocks, "
+                                   f"experts); a model from a py: file is placed by its plan: drop mesh.{axis}")
         if self.forward_checked:
             return
         vocab, seq = vocab_size or self.placeholder_vocab or 256, self.model_cfg.seq_len
@@ -316,8 +382,8 @@ class PlannedModel:
                 f"runs with its default; give model.call=NAME, a function call(model, tokens, train) in the model's "
                 f"file, to pass it"]
 
-    def split_note(self, mesh) -> str | None:
-        return None  # its attention is its own: what a context split costs it is in the compiled step (`plan`)
+    def split_notes(self, mesh) -> list[str]:
+        return []  # its attention is its own: what a context split costs it is in the compiled step (`plan`)
 
     def generator(self, graphdef, state, mesh, *, eot_id: int, vocab_size: int, **options):
         options["use_cache"] = False

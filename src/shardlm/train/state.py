@@ -17,6 +17,7 @@ from flax import nnx
 
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
+from shardlm.models.stack import is_stacked_block
 from shardlm.sharding.rules import as_axes, axis_degree
 from shardlm.train.source import model_source
 from shardlm.trees import path_str
@@ -28,10 +29,13 @@ def effective_warmup(cfg: Config) -> int:
     return t.warmup_steps if t.warmup_steps < t.steps else t.steps // 10
 
 
-def decays(path, param) -> bool:
+def decays(path, param, stacked_axes: int = 0) -> bool:
     """nanoGPT's rule: weight decay on matrices and embeddings (ndim >= 2), never on biases or norm scales.
-    Attention biases are [heads, head_dim], so biases are recognised by name (every one ends in 'bias')."""
-    return param.ndim >= 2 and not path_str(path).endswith("bias")
+    Attention biases are [heads, head_dim], so biases are recognised by name (every one ends in 'bias'). A
+    scanned model's blocks carry `stacked_axes` leading axes over the layers, which are not the weight's own."""
+    name = path_str(path)
+    own = param.ndim - (stacked_axes if is_stacked_block(name) else 0)
+    return own >= 2 and not name.endswith("bias")
 
 
 def make_schedule(cfg: Config) -> optax.Schedule:
@@ -54,7 +58,9 @@ def make_schedule(cfg: Config) -> optax.Schedule:
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     t = cfg.train
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(decays, params)  # noqa: E731
+    stacked = model_source(cfg).stacked_axes
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, p: decays(path, p, stacked), params)
     return optax.chain(
         optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
         optax.adamw(make_schedule(cfg), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=decay_mask),
@@ -79,7 +85,7 @@ def vocab_sizes(cfg: Config, tokenizer_vocab: int, tensor_degree: int) -> tuple[
 def _builder(cfg: Config, mesh, vocab_size: int):
     """build(params=None): model + AdamW; with `params` (the model's nnx.State) the model holds those values (the
     random initialisation is traced, and dead code for XLA)."""
-    build_model = model_source(cfg).factory(vocab_size, mesh.shape["tensor"])
+    build_model = model_source(cfg).factory(vocab_size, mesh.shape["tensor"], mesh.shape["stage"])
     tx = make_optimizer(cfg)
 
     def build(params=None):
@@ -120,15 +126,22 @@ def check_batch(cfg: Config, mesh) -> None:
             f"train.grad_accum={k} microbatches of {cfg.train.batch_size // k} sequences do not split over {axes} "
             f"= {dp} devices; use a train.batch_size that is a multiple of {k * dp}, or a smaller grad_accum"
         )
+    stages = mesh.shape.get("stage", 1)
+    m = (cfg.model.pipeline_microbatches or stages) if stages > 1 else 1
+    if m > 1 and (cfg.train.batch_size // k) % (dp * m):
+        raise ShardlmError(
+            f"the pipeline cuts each batch of {cfg.train.batch_size // k} sequences into {m} microbatches "
+            f"(model.pipeline_microbatches) over {axes} = {dp} devices: use a train.batch_size that is a multiple of "
+            f"{k * dp * m}, or fewer microbatches")
     if cfg.train.batch_size % jax.process_count():
         raise ShardlmError(f"train.batch_size must be a multiple of the {jax.process_count()} processes")
 
 
-def sequence_split_note(cfg: Config, mesh) -> str | None:
-    """What context parallelism does to `cfg` on `mesh`, in a line (None without it): the tokens each device
-    holds, and the keys and values each layer all-gathers for attention (shardlm's models; a model from a py:
-    file's attention is its own)."""
-    return model_source(cfg).split_note(mesh)
+def split_notes(cfg: Config, mesh) -> list[str]:
+    """What context parallelism and pipeline stages do to `cfg` on `mesh`, a line each: the tokens each device
+    holds and the keys and values each layer all-gathers; which layers each stage holds, the bubble and the
+    hand-offs (shardlm's models; a model from a py: file's attention is its own and it has no stages)."""
+    return model_source(cfg).split_notes(mesh)
 
 
 def _placed(abstract_state, shardings):
@@ -151,7 +164,7 @@ def abstract_model(cfg: Config, mesh, vocab_size: int):
     """(graphdef, abstract state with shardings) of the model alone: what readers of a checkpoint restore."""
     source = model_source(cfg)
     with nnx.use_eager_sharding(False):
-        graphdef, abstract_state = nnx.split(nnx.eval_shape(source.factory(vocab_size, mesh.shape["tensor"])))
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(source.factory(vocab_size, mesh.shape["tensor"], mesh.shape["stage"])))
         shardings = source.model_shardings(abstract_state, mesh)
     return graphdef, _placed(abstract_state, shardings)
 
@@ -159,7 +172,7 @@ def abstract_model(cfg: Config, mesh, vocab_size: int):
 def init_model(cfg: Config, mesh, vocab_size: int):
     """(graphdef, state) of a freshly initialised model alone (no optimizer), each device computing its shards."""
     graphdef, abstract = abstract_model(cfg, mesh, vocab_size)
-    build = model_source(cfg).factory(vocab_size, mesh.shape["tensor"])
+    build = model_source(cfg).factory(vocab_size, mesh.shape["tensor"], mesh.shape["stage"])
     with nnx.use_eager_sharding(False):
         state = jax.jit(lambda: nnx.state(build()), out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
     return graphdef, state

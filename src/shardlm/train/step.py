@@ -5,7 +5,9 @@ mean next-token cross entropy in float32. With `train.grad_accum=K` the step run
 in a scan and averages their gradients (`accumulated_grads`); evaluation runs the whole batch at once. Dropout
 keys are derived from (seed, optimizer step), so a run is a pure function of its config and resumption needs no
 RNG state. The model's forward pass is its source's (`train.source`): shardlm's own model under the rule table, or
-a model from the user's file under its plan's constraints; the step around it is the same.
+a model from the user's file under its plan's constraints; the step around it is the same. A mixture of experts'
+load-balancing loss joins the objective (times `model.moe_aux_loss_weight`); the logged `loss` stays the cross
+entropy, and the step also logs `aux_loss` and the experts' loads.
 """
 
 import jax
@@ -20,9 +22,12 @@ from shardlm.sharding import replicated, use_mesh_rules
 from shardlm.train.source import model_source
 
 
-def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, logits, grad_accum: int = 1):
-    """The jitted train step. `logits(model, tokens, mesh, train=True, key=...)` is the model's forward pass as
-    its source runs it (`train.source`): dropout, activation constraints."""
+def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, forward, grad_accum: int = 1,
+                    aux_loss_weight: float = 0.0):
+    """The jitted train step. `forward(model, tokens, mesh, train=True, key=...) -> (logits, stats)` is the
+    model's forward pass as its source runs it (`train.source`): dropout, activation constraints, and a mixture of
+    experts' statistics (`model_metrics`), whose load-balancing loss joins the objective times
+    `aux_loss_weight`. The logged `loss` is the cross entropy alone."""
     graphdef = train_state.graphdef
     param_shardings = nnx.filter_state(train_state.shardings["model"], nnx.Param)  # what gradients are taken of
     base_key = jax.random.key(seed)
@@ -30,9 +35,11 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, logi
     def loss_fn(model, tokens, key):
         # Keys and RNG streams are made inside the differentiated function: NNX refuses RNG state created at
         # another trace level.
-        out = logits(model, tokens[:, :-1], mesh, train=True, key=key)
+        out, stats = forward(model, tokens[:, :-1], mesh, train=True, key=key)
         with jax.named_scope("loss"):
-            return cross_entropy(out, tokens[:, 1:])
+            loss = cross_entropy(out, tokens[:, 1:])
+            objective = loss + aux_loss_weight * stats["aux_loss"] if "aux_loss" in stats else loss
+        return objective, {"loss": loss, **model_metrics(stats)}
 
     def step(state, batch):
         objects = nnx.merge(graphdef, state)
@@ -42,16 +49,16 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, logi
 
         with use_mesh_rules(mesh):
             if grad_accum == 1:
-                loss, grads = nnx.value_and_grad(loss_fn)(model, batch, dropout_key)
+                (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, dropout_key)
             else:
-                loss, grads = accumulated_grads(loss_fn, model, batch, dropout_key, grad_accum, param_shardings,
-                                                batch_sharding)
+                metrics, grads = accumulated_grads(loss_fn, model, batch, dropout_key, grad_accum, param_shardings,
+                                                   batch_sharding)
         # Each gradient sharded like its parameter, before anything reads it: left to propagation, XLA all-reduced
         # FSDP's full gradients (to take the norm of the whole tensor on every device) and sliced them afterwards,
         # twice the traffic of the reduce-scatter this constraint allows (`shardlm plan` counts it from the HLO).
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         with jax.named_scope("optimizer"):
-            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(step_index)}
+            metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(step_index)}
             optimizer.update(model, grads)
         return nnx.state(objects), metrics
 
@@ -63,11 +70,25 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, logi
     )
 
 
+def model_metrics(stats: dict) -> dict:
+    """What a training step logs of the model's statistics: a mixture of experts' load-balancing loss (per sparse
+    layer, 1.0 when perfectly balanced) and its busiest and idlest expert's load over the mean load (1.0 each
+    when balanced; summed over the sparse layers); nothing for a dense model."""
+    if "expert_tokens" not in stats:
+        return {}
+    tokens = stats["expert_tokens"]
+    mean = jnp.maximum(tokens.mean(), 1.0)
+    return {"aux_loss": stats["aux_loss"], "expert_load_max": tokens.max() / mean,
+            "expert_load_min": tokens.min() / mean}
+
+
 def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch_sharding):
-    """(mean loss, mean gradient) over `k` equal microbatches of `batch`, run one after another in a `lax.scan`,
-    so only one microbatch's activations are alive at a time. Equal sizes make the mean of the microbatch means
-    the full batch's mean: without dropout, the same update as one pass over the whole batch, up to float
-    summation order (with dropout, each microbatch draws its own masks).
+    """(metrics, mean gradient) over `k` equal microbatches of `batch`, run one after another in a `lax.scan`,
+    so only one microbatch's activations are alive at a time. `loss_fn(model, tokens, key)` returns (objective,
+    metrics); the metrics returned are the microbatches' means. Equal sizes make the mean of the microbatch
+    means the full batch's mean: without dropout, the same update as one pass over the whole batch, up to float
+    summation order (with dropout, each microbatch draws its own masks; a mixture of experts' load-balancing loss
+    is each microbatch's own).
 
     Microbatch i is rows i, i + k, i + 2k, ...: each device's contiguous block of the batch (its data x fsdp
     shard) holds the same number of rows of every microbatch, so splitting needs no communication. Each
@@ -86,29 +107,33 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch
         # Fresh copies of the other variables in this trace: a model's RNG streams are reseeded and its statistics
         # updated inside it, and NNX refuses to write variables created at another trace level.
         model = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
-        return loss_fn(model, tokens, key), nnx.split(model, nnx.Param, ...)[2]
+        objective, metrics = loss_fn(model, tokens, key)
+        return objective, (nnx.split(model, nnx.Param, ...)[2], metrics)
 
     def micro_step(carry, xs):
-        grad_sum, loss_sum, rest = carry
+        grad_sum, metric_sum, rest = carry
         tokens, i = xs
-        (loss, rest), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, rest, tokens,
-                                                                          jax.random.fold_in(key, i))
+        (_, (rest, metrics)), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, rest, tokens,
+                                                                                  jax.random.fold_in(key, i))
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        return (jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads), loss_sum + loss, rest), None
+        return (jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads),
+                jax.tree.map(jnp.add, metric_sum, metrics), rest), None
 
     # The running sum is float32 even for bfloat16 parameters, and is cast back once at the end.
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
                                              param_shardings)
-    (grad_sum, loss_sum, rest), _ = jax.lax.scan(micro_step, (zeros, jnp.zeros((), jnp.float32), rest),
-                                                 (micro, jnp.arange(k)))
+    metric_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                jax.eval_shape(lambda: micro_loss(params, rest, micro[0], key)[1][1]))
+    (grad_sum, metric_sum, rest), _ = jax.lax.scan(micro_step, (zeros, metric_zeros, rest), (micro, jnp.arange(k)))
     nnx.update(model, rest)
-    return loss_sum / k, jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grad_sum, params)
+    return jax.tree.map(lambda m: m / k, metric_sum), jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grad_sum,
+                                                                  params)
 
 
-def make_eval_step(train_state, mesh, batch_sharding, token_bytes, logits):
+def make_eval_step(train_state, mesh, batch_sharding, token_bytes, forward):
     """Per batch: the mean loss, and for bits per byte the summed loss (nats) over tokens that spell text and the
     UTF-8 bytes they spell (`token_bytes[id]`, 0 for `<|endoftext|>`): bpb = sum(nats) / (ln 2 * sum(bytes)).
-    `logits` as for `make_train_step`, run in evaluation mode."""
+    `forward` as for `make_train_step`, run in evaluation mode."""
     graphdef = train_state.graphdef
     token_bytes = jnp.asarray(token_bytes, jnp.int32)
 
@@ -116,7 +141,7 @@ def make_eval_step(train_state, mesh, batch_sharding, token_bytes, logits):
         model = nnx.merge(graphdef, state)["model"]
         targets = batch[:, 1:]
         with use_mesh_rules(mesh):
-            out = logits(model, batch[:, :-1], mesh, train=False)
+            out = forward(model, batch[:, :-1], mesh, train=False)[0]
         losses = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), targets)
         nbytes = token_bytes[targets]
         return {"loss": losses.mean(), "nats": jnp.sum(jnp.where(nbytes > 0, losses, 0.0)),
@@ -131,13 +156,13 @@ def train_step_for(cfg, train_state, mesh):
 
     source = model_source(cfg)
     return make_train_step(train_state, mesh, source.batch_sharding(mesh), make_schedule(cfg), cfg.seed,
-                           source.logits, cfg.train.grad_accum)
+                           source.forward, cfg.train.grad_accum, source.aux_loss_weight)
 
 
 def eval_step_for(cfg, train_state, mesh, token_bytes):
     """The jitted evaluation step exactly as `shardlm train` builds it for `cfg`."""
     source = model_source(cfg)
-    return make_eval_step(train_state, mesh, source.batch_sharding(mesh), token_bytes, source.logits)
+    return make_eval_step(train_state, mesh, source.batch_sharding(mesh), token_bytes, source.forward)
 
 
 def batch_struct(cfg, mesh) -> jax.ShapeDtypeStruct:

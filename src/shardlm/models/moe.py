@@ -1,0 +1,304 @@
+"""A mixture-of-experts (MoE) sparse MLP for the Llama family: SwiGLU experts, top-k routing, dropless dispatch,
+expert parallelism over the `expert` mesh axis. Math only, with logical axis names.
+
+Design choices:
+- Routing is float32 whatever the compute dtype: logits = x @ router (the router is stored and used in float32),
+  softmax over the experts, top-k, and the k weights renormalised to sum to one (Mixtral's). The load-balancing
+  loss is Switch Transformer's, E * sum_e f_e * P_e, with f_e the share of the N * k assignments that went to
+  expert e and P_e the mean router probability of e: perfectly balanced routing gives exactly 1.0 for any k.
+  N is the global batch's token count: under a mesh, per-device counts and probability sums are `psum`med over
+  the mesh axes that split tokens before dividing, so the sharded layer reports the same number as one device.
+- Dropless: no capacity factor, no token is ever dropped. The N * k assignments are sorted by expert (stable
+  argsort), the token rows gathered in that order, and each SwiGLU matrix is one `jax.lax.ragged_dot` over the
+  sorted rows with group sizes = tokens per expert (an expert with no tokens is a group of size 0, which
+  contributes nothing and receives an exactly zero gradient). The results are un-sorted, weighted and summed
+  over k.
+- Without an active mesh, the layer is that local computation. With one (`shardlm.sharding.active_mesh()`),
+  routing and dispatch run per device inside `jax.shard_map` over the whole mesh: x enters split by the active
+  rules for ("batch", "seq", "act_embed"), the router replicated, the experts split P("expert", None, "tensor")
+  (down: P("expert", "tensor", None)). Entering the shard_map all-gathers the FSDP split of the expert weights
+  once per call, as FSDP gathers any weight for its use.
+- Expert parallelism (EP = mesh.shape["expert"] > 1): each expert device holds E / EP experts, expert e on
+  device e // (E / EP). Every device routes its own T tokens, then sends each assignment to the device holding
+  its expert with `jax.lax.all_to_all` over `expert`, and the results come back by the same exchange.
+  `ragged_all_to_all` would send exactly the rows needed, but it fails at run time on XLA:CPU, so the exchange
+  is a fixed-size buffer that is provably big enough: top-k picks k distinct experts per token, of which at most
+  min(k, E / EP) live on any one device, so one source sends at most C = T * min(k, E / EP) assignments to one
+  destination. The send buffer is [EP, C, D], sorted by destination then expert and zero-padded, and the
+  [EP, E / EP] per-(destination, local expert) counts travel alongside. A receiver gets EP * C =
+  T * min(EP * k, E) rows, min(EP, E / k) times the balanced share T * k: memory buys droplessness. It regroups
+  them by local expert (padding rows last, outside every group: zero rows that produce zero and receive no
+  weight gradient), runs the ragged matmuls with its local experts, and un-does each permutation on the way
+  back. The exchange [EP, C, ...] -> [EP, C, ...] (block i to device i, block j received from device j) is its
+  own inverse, so the same function sends and returns.
+- Expert devices are data-parallel for everything else: the rule table splits "batch" over (data, fsdp,
+  expert), so EP needs the batch split over `expert` too (said by name otherwise: replicated tokens would come
+  back from the exchange typed as differing per expert device).
+- Tensor parallelism inside experts: d_ff is split over `tensor` (column-parallel gate/up, row-parallel down).
+  Tokens are replicated over `tensor`, so every tensor device routes and dispatches identically and the down
+  projection's partial sums are `psum`med over `tensor`. The psum comes after the combine, on [T, D] rather
+  than on the [EP * C, D] expert outputs: every step between is linear (exchange, gather, weighted sum), so it
+  is the same sum over min(EP, E / k) * k times fewer rows.
+- The optional shared expert (DeepSeek's) is a dense SwiGLU applied to every token and added to the routed
+  output; it stays outside the shard_map, sharded by the ordinary rules like the dense Llama MLP.
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from shardlm.errors import ShardlmError
+from shardlm.models.layers import param, use
+from shardlm.sharding import active_mesh, active_spec, constrain
+from shardlm.sharding.rules import as_axes
+
+
+class MoeStats(NamedTuple):
+    """What a call reports besides its output, both for the global batch."""
+
+    aux_loss: jax.Array  # scalar float32, 1.0 when perfectly balanced
+    expert_tokens: jax.Array  # [num_experts] float32: token-assignments each expert received
+
+
+# --- routing and the load-balancing loss -------------------------------------------------------------------------
+
+
+def route(x_flat: jax.Array, router: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x_flat [N, D] -> (weights [N, k] float32 summing to 1 per token, experts [N, k] int32, probs [N, E])."""
+    logits = x_flat.astype(jnp.float32) @ router.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    return weights / weights.sum(-1, keepdims=True), experts.astype(jnp.int32), probs
+
+
+def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
+    """[num_experts] float32: how many of the assignments in `experts` (any shape) went to each expert."""
+    return jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.float32)
+
+
+def aux_from_sums(counts: jax.Array, prob_sums: jax.Array, n_tokens: int, top_k: int) -> jax.Array:
+    """E * sum_e f_e * P_e from the assignment counts and the probability sums over `n_tokens` tokens."""
+    f = counts / (n_tokens * top_k)
+    p = prob_sums / n_tokens
+    return counts.shape[0] * jnp.sum(f * p)
+
+
+def load_balancing_loss(probs: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
+    """Switch-style auxiliary loss of one (unsharded) batch: probs [N, E], experts [N, k]."""
+    n, k = experts.shape
+    return aux_from_sums(expert_counts(experts, num_experts), probs.sum(0), n, k)
+
+
+# --- the dropless expert computation -----------------------------------------------------------------------------
+
+
+def inverse_permutation(order: jax.Array) -> jax.Array:
+    """inv with inv[order[i]] = i: a gather by it undoes a gather by `order` (cheaper than a second argsort)."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """experts [N, k] -> (order [N * k]: flat assignment indices grouped by expert, group sizes [E] int32).
+    Stable, so each expert's tokens keep their order."""
+    flat = experts.reshape(-1)
+    return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def experts_ragged(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                   group_sizes: jax.Array) -> jax.Array:
+    """SwiGLU of rows [M, D] grouped by expert (group g: the next group_sizes[g] rows) with that expert's
+    weights [G, D, F], [G, D, F], [G, F, D] -> [M, D]. Rows past the groups come out zero."""
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes)) * jax.lax.ragged_dot(rows, w_up, group_sizes)
+    return jax.lax.ragged_dot(h, w_down, group_sizes)
+
+
+def combine(out_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+    """Expert outputs in sorted order [N * k, D] -> [N, D]: un-sorted, weighted (in float32) and summed over k."""
+    n, k = weights.shape
+    out = out_sorted[inverse_permutation(order)].reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(out_sorted.dtype)
+
+
+def dropless_local(x_flat, weights, experts, w_gate, w_up, w_down) -> jax.Array:
+    """Every expert on this device: x_flat [N, D] with its routing -> [N, D]."""
+    order, sizes = sort_by_expert(experts, w_gate.shape[0])
+    rows = x_flat[order // weights.shape[1]]  # assignment a is token a // k's
+    return combine(experts_ragged(rows, w_gate, w_up, w_down, sizes), order, weights)
+
+
+# --- expert parallelism: dispatch over the expert axis ----------------------------------------------------------
+
+
+class Dispatch(NamedTuple):
+    """Where this device's assignments go, in expert-sorted order."""
+
+    order: jax.Array  # [A] flat assignment indices sorted by expert (so by destination, then local expert)
+    dest: jax.Array  # [A] the expert device of each sorted assignment
+    slot: jax.Array  # [A] its row within the block sent to that device
+    counts: jax.Array  # [EP, E / EP] int32: assignments per (destination, local expert)
+
+
+def plan_dispatch(experts: jax.Array, num_experts: int, ep: int) -> Dispatch:
+    """Expert e lives on device e // (E / EP) as its local expert e % (E / EP)."""
+    local = num_experts // ep
+    order, sizes = sort_by_expert(experts, num_experts)
+    counts = sizes.reshape(ep, local)
+    dest_sizes = counts.sum(1)
+    dest_start = jnp.cumsum(dest_sizes) - dest_sizes
+    dest = experts.reshape(-1)[order] // local
+    slot = jnp.arange(order.shape[0], dtype=jnp.int32) - dest_start[dest]
+    return Dispatch(order, dest, slot, counts)
+
+
+def pack(rows_sorted: jax.Array, plan: Dispatch, capacity: int) -> jax.Array:
+    """[A, D] in sorted order -> the send buffer [EP, capacity, D], block d for device d, zero-padded."""
+    ep = plan.counts.shape[0]
+    buf = jnp.zeros((ep, capacity, rows_sorted.shape[-1]), rows_sorted.dtype)
+    return buf.at[plan.dest, plan.slot].set(rows_sorted, unique_indices=True)
+
+
+def exchange(blocks: jax.Array, axis: str) -> jax.Array:
+    """[EP, ...] -> [EP, ...]: block i goes to device i of `axis`; block j of the result came from device j.
+    Its own inverse: exchanging the received blocks returns each to where it came from."""
+    return jax.lax.all_to_all(blocks, axis, 0, 0, tiled=True)
+
+
+def regroup(recv_counts: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """The received rows [EP * capacity] (source s's block holds its rows for local expert 0, then 1, ..., then
+    padding) -> (order grouping them by local expert, padding last; group sizes [E / EP] int32)."""
+    ends = jnp.cumsum(recv_counts, axis=1)  # [EP, E / EP]: where each local expert's rows end in each block
+    row = jnp.arange(capacity)
+    local_expert = (row[None, :, None] >= ends[:, None, :]).sum(-1)  # [EP, capacity]; E / EP marks padding
+    return jnp.argsort(local_expert.reshape(-1), stable=True), recv_counts.sum(0).astype(jnp.int32)
+
+
+def experts_remote(sent: jax.Array, counts: jax.Array, w_gate, w_up, w_down, axis: str) -> jax.Array:
+    """The receiving side: send buffer [EP, C, D] and its counts -> the results in the same layout, back home."""
+    ep, capacity, d = sent.shape
+    received, recv_counts = exchange(sent, axis), exchange(counts, axis)
+    order, sizes = regroup(recv_counts, capacity)
+    out = experts_ragged(received.reshape(ep * capacity, d)[order], w_gate, w_up, w_down, sizes)
+    return exchange(out[inverse_permutation(order)].reshape(ep, capacity, d), axis)
+
+
+def dropless_expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_experts: int, ep: int,
+                             axis: str) -> jax.Array:
+    """This device's tokens x_flat [T, D], its local experts' weights [E / EP, ...] -> [T, D]."""
+    t, k = weights.shape
+    capacity = t * min(k, num_experts // ep)  # the most one device can send to one other: see the docstring
+    plan = plan_dispatch(experts, num_experts, ep)
+    sent = pack(x_flat[plan.order // k], plan, capacity)
+    back = experts_remote(sent, plan.counts, w_gate, w_up, w_down, axis)
+    return combine(back[plan.dest, plan.slot], plan.order, weights)
+
+
+# --- the layer, without and with a mesh --------------------------------------------------------------------------
+
+
+def global_stats(probs, experts, num_experts: int, n_tokens: int, token_axes: tuple[str, ...]) -> MoeStats:
+    """The stats of the global batch of `n_tokens` tokens, from this device's share split over `token_axes`."""
+    counts, prob_sums = expert_counts(experts, num_experts), probs.sum(0)
+    if token_axes:
+        counts, prob_sums = jax.lax.psum((counts, prob_sums), token_axes)
+    return MoeStats(aux_from_sums(counts, prob_sums, n_tokens, experts.shape[1]), counts)
+
+
+def moe_local(x, router, w_gate, w_up, w_down, top_k: int) -> tuple[jax.Array, MoeStats]:
+    """The routed experts on one device: x [B, S, D] -> ([B, S, D], stats)."""
+    b, s, d = x.shape
+    x_flat = x.reshape(b * s, d)
+    weights, experts, probs = route(x_flat, router, top_k)
+    y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down)
+    return y.reshape(b, s, d), global_stats(probs, experts, w_gate.shape[0], b * s, ())
+
+
+def split_axis(mesh, name: str) -> str | None:
+    """`name` if the mesh splits anything over it, else None (a size-1 axis in a spec would only make
+    shard_map type values as differing over it)."""
+    return name if mesh.shape.get(name, 1) > 1 else None
+
+
+def check_expert_parallel(mesh, num_experts: int, d_ff: int, token_axes: tuple[str, ...]) -> None:
+    ep, tp = mesh.shape.get("expert", 1), mesh.shape.get("tensor", 1)
+    if num_experts % ep:
+        raise ShardlmError(f"{num_experts} experts cannot be split over mesh.expert={ep}; choose an expert degree "
+                           "that divides the number of experts")
+    if d_ff % tp:
+        raise ShardlmError(f"the experts' hidden size {d_ff} cannot be split over mesh.tensor={tp}")
+    if ep > 1 and "expert" not in token_axes:
+        raise ShardlmError(f"expert parallelism (mesh.expert={ep}) needs the batch split over the expert devices "
+                           "too: make the batch rows divisible by mesh.data x mesh.fsdp x mesh.expert")
+
+
+def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int) -> tuple[jax.Array, MoeStats]:
+    """The routed experts per device inside `jax.shard_map` over the whole active mesh (see the docstring)."""
+    x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
+    token_axes = as_axes(x_spec[0]) + as_axes(x_spec[1])
+    num_experts, d_ff = w_gate.shape[0], w_gate.shape[2]
+    check_expert_parallel(mesh, num_experts, d_ff, token_axes)
+    ep_axis, tp_axis = split_axis(mesh, "expert"), split_axis(mesh, "tensor")
+    n_tokens = x.shape[0] * x.shape[1]  # global shape: the whole batch
+
+    def per_device(x, router, w_gate, w_up, w_down):
+        b, s, d = x.shape
+        x_flat = x.reshape(b * s, d)
+        weights, experts, probs = route(x_flat, router, top_k)
+        if ep_axis is None:
+            y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down)
+        else:
+            y = dropless_expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, num_experts=num_experts,
+                                         ep=mesh.shape[ep_axis], axis=ep_axis)
+        if tp_axis is not None:  # the down projection's partial sums over d_ff (after the linear combine)
+            y = jax.lax.psum(y, tp_axis)
+        return y.reshape(b, s, d), global_stats(probs, experts, num_experts, n_tokens, token_axes)
+
+    w_in, w_out = P(ep_axis, None, tp_axis), P(ep_axis, tp_axis, None)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec, P(), w_in, w_in, w_out),
+                         out_specs=(x_spec, MoeStats(P(), P())))(x, router, w_gate, w_up, w_down)
+
+
+class MoeMLP(nnx.Module):
+    """A sparse SwiGLU MLP: each token goes to `top_k` of `num_experts` experts, plus an optional dense shared
+    expert. Returns (y, MoeStats); the caller adds `aux_loss` (times its coefficient) to the training loss."""
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, shared_expert: bool,
+                 n_layers: int, dtype, param_dtype, rngs: nnx.Rngs):
+        if not 1 <= top_k <= num_experts:
+            raise ShardlmError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+        self.dtype, self.top_k = dtype, top_k
+        init = nnx.initializers.normal(0.02)
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual scaling, as SwiGLU
+        self.router = param(rngs, init, (d_model, num_experts), ("embed", None), jnp.float32)
+        e, d, f = num_experts, d_model, d_ff
+        self.w_gate = param(rngs, init, (e, d, f), ("experts", "embed", "mlp"), param_dtype)
+        self.w_up = param(rngs, init, (e, d, f), ("experts", "embed", "mlp"), param_dtype)
+        self.w_down = param(rngs, out_init, (e, f, d), ("experts", "mlp", "embed"), param_dtype)
+        if shared_expert:
+            self.shared_gate = param(rngs, init, (d, f), ("embed", "mlp"), param_dtype)
+            self.shared_up = param(rngs, init, (d, f), ("embed", "mlp"), param_dtype)
+            self.shared_down = param(rngs, out_init, (f, d), ("mlp", "embed"), param_dtype)
+        else:
+            self.shared_gate = self.shared_up = self.shared_down = None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoeStats]:
+        """x [batch, seq, d_model] -> (y [batch, seq, d_model] in x.dtype, stats of the global batch)."""
+        router = self.router[...].astype(jnp.float32)
+        experts = tuple(use(w, self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        xc = x.astype(self.dtype)
+        mesh = active_mesh()
+        if mesh is None:
+            y, stats = moe_local(xc, router, *experts, self.top_k)
+        else:
+            y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k)
+        if self.shared_gate is not None:
+            y = y + self._shared(xc)
+        return y.astype(x.dtype), stats
+
+    def _shared(self, x: jax.Array) -> jax.Array:
+        """The dense shared expert, sharded by the rules like the dense Llama MLP."""
+        h = jax.nn.silu(x @ use(self.shared_gate, self.dtype)) * (x @ use(self.shared_up, self.dtype))
+        return constrain(h, "batch", "seq", "act_mlp") @ use(self.shared_down, self.dtype)

@@ -1,0 +1,298 @@
+"""The stacked blocks split into pipeline stages: an SPMD circular GPipe schedule inside one jitted step. Math only.
+
+Layer l of the scanned stack (`shardlm.models.stack`) belongs to stage l // K (K = n_layers / stages layers each):
+the stack's leading `layers` axis is what the rule table splits over the `stage` mesh axis, so each stage's
+devices hold their K rows and no more. The batch is cut into M microbatches; at iteration t stage s runs its K
+layers on microbatch t - s, then every stage hands its output to the next (`jnp.roll` over the stage-sharded
+dimension, which XLA compiles to one collective-permute). After M + S - 1 iterations every microbatch has passed
+every stage; the (S - 1) / (M + S - 1) of stage-iterations with nothing to do are the bubble.
+
+Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShardablePipelined`:
+- One program, not S: the stages are a `vmap` over the stage dimension with `spmd_axis_name` set to the mesh axes
+  `layers` maps to, so every activation constraint inside a block keeps its stage split, and the tensor, context,
+  data and fsdp splits inside a stage are the blocks' own.
+- Circular repeats (R > 1): stage s runs its layers R times per microbatch, one group of K = n_layers / (S R)
+  per repeat, and the last stage's output wraps around to stage 0 (the same roll). Stage 0 keeps the microbatches
+  in a buffer (`io`, [S, M, ...] stage-sharded: only stage 0's slot is read) where the wrapped-around outputs wait
+  until their next repeat and the last repeat's become the result; M >= S keeps a slot from being overwritten
+  before it is read. The bubble shrinks to (S - 1) / (M R + S - 1). The per-stage weights are read as
+  [S, R, K, ...] from the stack's row order; `circular_order` says which layer each row holds.
+- Bubbles must not poison gradients: an idle stage computes on whatever its input holds (zeros, a stale
+  microbatch, or NaN), and although its output is never used, NaN times a zero cotangent is NaN in its weight
+  gradient. Its input is replaced by zeros (`jnp.where`, whose gradient to the discarded branch is exactly zero),
+  so an idle stage's weight gradients are exact zeros: praxis masks the weights with `stop_gradient` for the same
+  reason; masking the input costs an activation-sized select instead of a weight-sized one per iteration.
+- FSDP inside a pipeline gathers each stage's weights once per step, before the loop, in the compute dtype, and
+  reduce-scatters their gradient once after it: gathered inside the loop, they would be gathered again for every
+  microbatch. A weight used whole by every device of a batch split would still have its gradient reduced in every
+  iteration (XLA reduces the partial sums of a replicated value where they arise), so the stage's compute is also
+  a `vmap` over the F data-parallel replicas (the mesh axes that split the batch), each with its own copy of the
+  weights ([S, F, R, K, ...], split over the stages and the replicas: one whole copy per device), and each copy's
+  gradient is its device's own partial sum until the copies are summed after the loop.
+- Remat checkpoints the iteration's stage compute as a whole (the blocks inside are not also rematerialised):
+  the step keeps one input per stage and iteration, and the backward pass recomputes a stage's K layers at once,
+  holding their activations together. With many layers per stage and long sequences that is the step's peak
+  (compiled for 64 H100s, a 70B shape's pp8 x fsdp8 step peaks at 89.6 GiB, 10 layers a stage at 4096 tokens),
+  so `remat_unit="layer"` (`model.pipeline_remat=layer`) also checkpoints each layer inside the stage: one more
+  forward pass of recomputation (XLA:GPU's FLOPs +19%), one layer's activations at a time (the same step peaks
+  at 66.7 GiB). Checkpointing the layers alone, without the iteration, would keep every iteration's slice of the
+  stage's weights for the backward pass (hundreds of GiB): both or the iteration only. The microbatch
+  bookkeeping around it is linear and saves nothing.
+- Dropout: layer l of microbatch m draws from the step's key folded with l, then m.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlm.errors import ShardlmError
+from shardlm.models.stack import LAYERS, PER_BATCH, Step, add_stats, combine_parts
+from shardlm.sharding import (
+    active_axes,
+    active_mesh,
+    active_rules,
+    constrain,
+    gathered_for,
+    replicas_of,
+    use_mesh_rules,
+)
+
+ACTIVATION = ("batch", "seq", "act_embed")  # the residual stream's logical names
+
+
+def check_pipeline(n_layers: int, batch: int, stages: int, microbatches: int, repeats: int) -> None:
+    """One-line errors for a schedule that cannot run: layers not divisible by S R, M not a multiple of S, or a
+    batch that does not split into M microbatches."""
+    if n_layers % (stages * repeats):
+        raise ShardlmError(
+            f"model.n_layers={n_layers} does not split into mesh.stage={stages} stages x "
+            f"model.pipeline_repeats={repeats} repeats; choose degrees whose product divides {n_layers}")
+    if microbatches % stages:
+        raise ShardlmError(
+            f"model.pipeline_microbatches={microbatches} is not a multiple of mesh.stage={stages}; use "
+            f"{stages}, {2 * stages}, ... (0 = one per stage)")
+    if batch % microbatches:
+        raise ShardlmError(
+            f"a batch of {batch} sequences does not split into model.pipeline_microbatches={microbatches}; choose "
+            f"a microbatch count dividing the batch (per gradient-accumulation step)")
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The share of stage-iterations with nothing to do: (S - 1) / (M R + S - 1)."""
+    return (stages - 1) / (microbatches * repeats + stages - 1)
+
+
+def circular_order(stages: int, repeats: int, n_layers: int) -> list[int]:
+    """Row p of the stacked blocks holds layer circular_order(...)[p]: rows s K R .. (s + 1) K R - 1 sit on stage s,
+    repeat r's K of them at s K R + r K. The identity when repeats == 1."""
+    k = n_layers // (stages * repeats)
+    return [r * stages * k + s * k + i for s in range(stages) for r in range(repeats) for i in range(k)]
+
+
+def row_order(n_layers: int, stages: int, repeats: int) -> tuple[int, ...] | None:
+    """The layer each row of the stacked blocks holds on a mesh of `stages` pipeline stages (`circular_order`), or
+    None when that is row i = layer i (no circular repeats)."""
+    if stages <= 1 or repeats <= 1 or n_layers % (stages * repeats):
+        return None  # (an indivisible split is refused by `check_pipeline`, in the caller's terms)
+    return tuple(circular_order(stages, repeats, n_layers))
+
+
+def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int, microbatches: int = 0,
+                 repeats: int = 1, dropout_key=None, policy=None, remat_unit: str = "iteration",
+                 compute_dtype=None, idle_input: float = 0.0, stats: dict | None = None) -> tuple[jax.Array, dict]:
+    """x [batch, T, D] through the stacked `blocks` split over `stages` (the stack's rows in `circular_order`),
+    `microbatches` at a time (0 = one per stage). `idle_input` fills the stages' inputs before the first
+    microbatch reaches them (a test sets NaN: the gradients must not see it). `policy` rematerialises each
+    iteration's stage compute, and with `remat_unit="layer"` each layer inside it too. Returns the output and
+    the blocks' statistics (`stats`: their zeros) summed over the layers and over the microbatches, except `aux_loss`, a
+    per-batch quantity, which is their mean."""
+    m_count = microbatches or stages
+    check_pipeline(n_layers, x.shape[0], stages, m_count, repeats)
+    replicas, replica_axes = _replicas()
+    weights = _stage_weights(blocks, stages, repeats, compute_dtype, replicas, replica_axes)
+    schedule = _Schedule(stages, m_count, repeats, n_layers // (stages * repeats))
+    per_stage = _per_stage(nnx.graphdef(blocks), step, schedule, policy, remat_unit, replicas, replica_axes,
+                           {} if stats is None else stats)
+
+    x_mb = _microbatches(x, m_count)  # [M, b, T, D]
+    io = _on_stages(jnp.broadcast_to(x_mb, (stages, *x_mb.shape)), 2)
+    state = _on_stages(jnp.full((stages, *x_mb.shape[1:]), idle_input, x.dtype), 1)
+    first_stage = (jnp.arange(stages) == 0)[:, None, None, None]
+    stage_ids = jnp.arange(stages)
+
+    def iteration(carry, t):
+        out, io, total = carry
+        arrived = _on_stages(jnp.roll(out, 1, axis=0), 1)  # stage s gets stage s - 1's output; stage 0 the last's
+        io = _store_returned(io, arrived, t, schedule, first_stage)
+        x_in = jnp.where(first_stage, io[:, t % schedule.m], arrived)  # stage 0 reads its next microbatch
+        out, more = per_stage(weights, _on_stages(x_in, 1), stage_ids, t - stage_ids, dropout_key)
+        more = jax.tree.map(lambda a: a.sum(0), more)  # over the stages
+        return (_on_stages(out, 1), io, add_stats(total, more)), None
+
+    with jax.named_scope("pipeline"):
+        (out, io, total), _ = jax.lax.scan(iteration, (state, io, {} if stats is None else stats),
+                                           jnp.arange(schedule.iterations))
+        io = _store_returned(io, _on_stages(jnp.roll(out, 1, axis=0), 1), schedule.iterations, schedule,
+                             first_stage)
+    # summed over the microbatches, parts of the batch: a per-batch loss is their mean
+    total = {k: a / schedule.m if k in PER_BATCH else a for k, a in total.items()}
+    return _batch(io[0]), total  # stage 0's slots hold the results: sent to every stage once, for the head
+
+
+def _replicas() -> tuple[int, tuple[str, ...]]:
+    """(how many data-parallel replicas the batch is split into, the mesh axes that split it): 1 and () outside a
+    mesh or without a batch split."""
+    mesh = active_mesh()
+    if mesh is None:
+        return 1, ()
+    axes = tuple(a for a in active_axes("batch") if mesh.shape[a] > 1)
+    return math.prod(mesh.shape[a] for a in axes), axes
+
+
+def _per_stage(graphdef, step: Step, schedule: "_Schedule", policy, remat_unit: str, replicas: int, replica_axes,
+               stats_zeros):
+    """The function of (weights [S, F, R, K, ...], inputs [S, b, T, D], stage ids, microbatch ids, key) that runs
+    every stage's K layers on its microbatch: a `vmap` over the stages, and inside it one over the F data-parallel
+    replicas (each its rows of the microbatch, with its own copy of the weights: see `_stage_weights`)."""
+    mesh, inner_rules = active_mesh(), _rules_within_replicas(replica_axes)
+
+    def compute(w, x_in, s, mb, key, f):
+        """One stage's K layers of repeat mb // M on microbatch mb % M (replica f's rows), or zeros in when idle."""
+        active = (mb >= 0) & (mb < schedule.m * schedule.r)
+        x_in = jnp.where(active, x_in, jnp.zeros_like(x_in))
+        r = jnp.clip(mb // schedule.m, 0, schedule.r - 1)
+        layer_key = None if key is None else jax.random.fold_in(key, jnp.clip(mb, 0) % schedule.m)
+        if layer_key is not None and replicas > 1:
+            layer_key = jax.random.fold_in(layer_key, f)
+        rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), w)
+
+        def layer(carry, xs):
+            x, total = carry
+            params, k = xs
+            index = schedule.layer(s, r, k)
+            rngs = None if layer_key is None else nnx.Rngs(dropout=jax.random.fold_in(layer_key, index))
+            x, _, more = step(nnx.merge(graphdef, params), x, rngs, None, index)
+            return (x, add_stats(total, more)), None
+
+        if policy is not None and remat_unit == "layer":
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        with use_mesh_rules(mesh, inner_rules) if mesh is not None else contextlib.nullcontext():
+            (out, total), _ = jax.lax.scan(layer, (x_in, stats_zeros), (rows, jnp.arange(schedule.k)))
+        return out, jax.tree.map(lambda a: jnp.where(active, a, jnp.zeros_like(a)), total)  # idle: not counted
+
+    if policy is not None:  # with remat_unit "layer", the layers inside are rematerialised too
+        compute = jax.checkpoint(compute, policy=policy, prevent_cse=False)
+    if replicas == 1:
+        one = lambda w, x, s, mb, key: compute(w, x, s, mb, key, 0)  # noqa: E731
+        return jax.vmap(one, in_axes=(0, 0, 0, 0, None), spmd_axis_name=active_axes(LAYERS))
+    per_replica = jax.vmap(compute, in_axes=(0, 0, None, None, None, 0), spmd_axis_name=replica_axes)
+
+    def per_stage_replica(w, x_in, s, mb, key):
+        b = x_in.shape[0]
+        x_f = x_in.reshape(replicas, b // replicas, *x_in.shape[1:])  # each device's rows: no data moves
+        out, more = per_replica(w, x_f, s, mb, key, jnp.arange(replicas))
+        return out.reshape(x_in.shape), combine_parts(more)  # the replicas' rows are parts of the batch
+
+    return jax.vmap(per_stage_replica, in_axes=(0, 0, 0, 0, None), spmd_axis_name=active_axes(LAYERS))
+
+
+def _rules_within_replicas(replica_axes: tuple[str, ...]):
+    """The active rules without the mesh axes that split the batch: inside the vmap over replicas those axes split
+    the vmapped dimension (each replica's rows are its own), and no other dimension may take them."""
+    rules = active_rules()
+    if rules is None:
+        return None
+    out = []
+    for name, axes in rules:
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in replica_axes)
+        out.append((name, kept[0] if len(kept) == 1 else kept or None))
+    return tuple(out)
+
+
+class _Schedule:
+    """S stages, M microbatches, R repeats, K layers per stage and repeat."""
+
+    def __init__(self, s: int, m: int, r: int, k: int):
+        self.s, self.m, self.r, self.k = s, m, r, k
+        self.iterations = m * r + s - 1
+
+    def layer(self, stage, repeat, k):
+        """The model's layer index run by stage `stage` in repeat `repeat`, its k-th."""
+        return repeat * self.s * self.k + stage * self.k + k
+
+
+def _store_returned(io, arrived, t, schedule: _Schedule, first_stage):
+    """Stage 0's slots of `io` take what the last stage finished at iteration t - 1 (microbatch (t - S) mod M,
+    when t >= S): the input of its next repeat, or after the last one the result. Every stage writes the same slot
+    of its own part of `io` (a select keeps the others' as they were), so nothing is indexed along the stage
+    dimension: XLA partitions that by gathering the whole buffer over the stages, every iteration."""
+    m = (t - schedule.s) % schedule.m
+    keep = io[:, m]
+    returned = jnp.where(first_stage & (t >= schedule.s), arrived, keep)
+    return _on_stages(io.at[:, m].set(returned), 2)
+
+
+def _stage_weights(blocks, stages: int, repeats: int, compute_dtype, replicas: int, replica_axes):
+    """The stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already holds) in the compute
+    dtype, gathered over FSDP once for the whole step, not once per microbatch. With F > 1 data-parallel replicas,
+    as [S, F, R, K, ...]: each device's own copy (`sharding.replicas_of`), whose gradient it accumulates over
+    every microbatch before the copies' gradients are reduce-scattered, once, after the loop."""
+    params = nnx.state(blocks)
+
+    def per_stage(var):
+        a = var[...]
+        if compute_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
+            a = a.astype(compute_dtype)
+        names = tuple(var.get_metadata().get("out_sharding") or (LAYERS,) + (None,) * (a.ndim - 1))
+        a = a.reshape(stages, repeats, a.shape[0] // (stages * repeats), *a.shape[1:])
+        names = (LAYERS, None, None, *names[1:])
+        return gathered_for(a, names) if replicas == 1 else replicas_of(a, names, replicas, replica_axes)
+
+    return jax.tree.map(per_stage, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _on_stages(a, lead: int):
+    """Pin an array whose first axis is the stage's (then `lead` - 1 unsplit axes) and whose rest is a residual
+    stream."""
+    return constrain(a, LAYERS, *(None,) * (lead - 1), *ACTIVATION)
+
+
+def _microbatches(x, m: int):
+    """[B, T, D] -> [M, B / M, T, D], microbatch i holding rows i, M + i, 2M + i, ...: each microbatch spans every
+    batch shard (a row-major split would put a microbatch on a few devices)."""
+    b = x.shape[0] // m
+    return constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1), None, *ACTIVATION)
+
+
+def _batch(x_mb):
+    """The inverse of `_microbatches`."""
+    m, b = x_mb.shape[:2]
+    return constrain(x_mb.swapaxes(0, 1).reshape(m * b, *x_mb.shape[2:]), *ACTIVATION)
+
+
+def stage_layers(n_layers: int, stages: int, repeats: int = 1) -> list[list[int]]:
+    """Which layers each stage holds: [[0, 1], [2, 3]] for 4 layers on 2 stages."""
+    order = circular_order(stages, repeats, n_layers)
+    per = n_layers // stages
+    return [sorted(order[s * per:(s + 1) * per]) for s in range(stages)]
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 6] -> '0-2, 5-6'."""
+    out, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            out.append(str(start) if start == layer else f"{start}-{layer}")
+            start = None
+    return ", ".join(out)
+
+
+__all__ = ["bubble_fraction", "check_pipeline", "circular_order", "layer_ranges", "row_order", "run_pipeline",
+           "stage_layers"]

@@ -1,0 +1,254 @@
+"""A model's blocks, in one of two layouts: one module per layer (`nnx.List`, run by a Python loop), or one module
+whose parameters are stacked on a leading `layers` axis (run by `jax.lax.scan`, `model.scan_layers`). Math only.
+
+Design choices:
+- Scanning traces and compiles one block instead of n_layers of them, so compile time and program size stay flat
+  as a model deepens (`benchmarks/compile_depth.py` measures it), and the stacked parameters are what a pipeline
+  splits over its stages.
+- Both layouts are built from the same per-layer keys (`jax.random.split` of one key; the stack is an `nnx.vmap`
+  over them), so layer i starts with the same parameters either way; and both draw dropout masks from the same
+  per-layer keys (`layer_rngs`), so a run computes the same thing scanned or not, up to float rounding.
+- The stacked axis carries the logical name `layers` (the rule table decides whether a mesh axis splits it).
+- The KV cache is always stacked, [n_layers, batch, kv_heads, seq_len, head_dim], and goes through the blocks
+  whole with each block's index: a block writes its new keys and values in place into its slice (a scatter
+  into the donated buffer, in the loop as in the scan's carry), so a decode step copies no layer's cache.
+- `per_layer_tree` / `stacked_tree` turn pure-dict trees (parameters, and optimizer states that mirror them)
+  from one layout into the other, for checkpoints (which store the stacked one) and Hugging Face files (named
+  per layer); `permuted_blocks` reorders a stack's rows (a circular pipeline holds them in its own order,
+  checkpoints store them in layer order).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LAYERS = "layers"  # the logical name of the stacked axis
+BLOCKS = "blocks"  # the attribute (and tree key) holding the blocks
+
+
+class LayerCache(NamedTuple):
+    """Keys and values, [batch, kv_heads, seq_len, head_dim] each for one layer (`CACHE_AXES`), or stacked
+    [n_layers, ...] for the model."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def build_blocks(make_block: Callable[..., nnx.Module], n_layers: int, key: jax.Array, scan: bool,
+                 order: tuple[int, ...] | None = None):
+    """`n_layers` blocks from `make_block(rngs)`, layer i from `nnx.Rngs(params=split(key)[i])`: an `nnx.List`, or
+    (`scan`) one block whose parameters are stacked on a leading `layers` axis, row p holding layer `order[p]`
+    (default: layer p)."""
+    keys = jax.random.split(key, n_layers)
+    if order is not None:
+        keys = keys[jnp.array(order)]
+    if not scan:  # make_block may take the layer's index too (a model whose layers differ)
+        return nnx.List([make_block(nnx.Rngs(params=keys[i]), i) for i in range(n_layers)])
+    stack = nnx.vmap(lambda k: make_block(nnx.Rngs(params=k)), in_axes=0, out_axes=0,
+                     transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    return stack(keys)
+
+
+def layer_rngs(key: jax.Array | None, i) -> nnx.Rngs | None:
+    """Layer i's dropout stream: the forward pass's key folded with i (None: no dropout)."""
+    return None if key is None else nnx.Rngs(dropout=jax.random.fold_in(key, i))
+
+
+# step(block, x, rngs, cache, i) -> (x, cache, stats): block i on x, with the whole stacked cache (or None); `stats`
+# is a dict of arrays the forward pass sums over the layers (a mixture of experts' load-balancing loss and expert
+# loads; {} for a dense block)
+Step = Callable[[nnx.Module, jax.Array, nnx.Rngs | None, LayerCache | None, jax.Array | int],
+                tuple[jax.Array, LayerCache | None, dict]]
+
+
+def add_stats(total: dict, more: dict) -> dict:
+    """Per-layer statistics summed key by key (a key either lacks counts as zero)."""
+    return {k: total[k] + more[k] if k in total and k in more else total.get(k, more.get(k)) for k in {*total, *more}}
+
+
+PER_BATCH = ("aux_loss",)  # statistics of a batch as a whole (a loss): over parts of a batch, their mean
+
+
+def combine_parts(stats: dict, axis: int = 0) -> dict:
+    """Statistics computed on parts of a batch (stacked on `axis`) as the batch's: counts summed, `PER_BATCH`
+    losses averaged."""
+    return {k: a.mean(axis) if k in PER_BATCH else a.sum(axis) for k, a in stats.items()}
+
+
+def run_blocks(blocks, n_layers: int, scan: bool, step: Step, x: jax.Array, *, dropout_key=None,
+               cache: LayerCache | None = None, policy=None, order: tuple[int, ...] | None = None,
+               stats: dict | None = None) -> tuple[jax.Array, LayerCache | None, dict]:
+    """x through every block in order (`step` for each, given the block's index), the stacked `cache` passed from
+    block to block; returns the output, the cache and the blocks' statistics summed (`stats`: their zeros, the
+    structure a block returns). `policy` (training only) rematerialises each block. `order`: the layer each row of
+    stacked blocks holds (a circular pipeline's layout; default row i is layer i)."""
+    stats = {} if stats is None else stats
+    if scan:
+        return _scanned(blocks, n_layers, step, x, dropout_key, cache, policy, order, stats)
+    for i in range(n_layers):
+        with jax.named_scope(f"layer{i}"):  # names the layer's ops in profiles and HLO (`shardlm profile`)
+            if policy is not None:
+                x, more = _remat_block(blocks[i], x, layer_rngs(dropout_key, i), step, i, policy)
+            else:
+                x, cache, more = step(blocks[i], x, layer_rngs(dropout_key, i), cache, i)
+            stats = add_stats(stats, more)
+    return x, cache, stats
+
+
+def _scanned(blocks, n_layers, step, x, dropout_key, cache, policy, order, stats):
+    graphdef, stacked = nnx.split(blocks)
+    if order is not None:  # the rows in layer order (a copy: only a circular pipeline's model run unpipelined)
+        stacked = jax.tree.map(lambda a: a[jnp.array(rows_of_layers(order))], stacked)
+
+    def body(carry, xs):
+        x, cache, total = carry
+        params, i = xs
+        x, cache, more = step(nnx.merge(graphdef, params), x, layer_rngs(dropout_key, i), cache, i)
+        return (x, cache, add_stats(total, more)), None
+
+    if policy is not None:  # what the policy does not save is recomputed per layer in the backward pass
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    with jax.named_scope(LAYERS):
+        (x, cache, stats), _ = jax.lax.scan(body, (x, cache, stats), (stacked, jnp.arange(n_layers)))
+    return x, cache, stats
+
+
+def _remat_block(block, x, rngs, step: Step, i: int, policy):
+    """One block's training forward under `nnx.remat`: what `policy` does not save is recomputed in the backward
+    pass. Returns (x, stats)."""
+    def run(blk, x, rngs):
+        x, _, more = step(blk, x, rngs, None, i)
+        return x, more
+
+    return nnx.remat(run, policy=policy)(block, x, rngs)
+
+
+def rows_of_layers(order: tuple[int, ...] | None, n_layers: int | None = None) -> list[int]:
+    """The row holding each layer, for stacked blocks whose row p holds layer order[p] (None: row i is layer i, of
+    `n_layers`)."""
+    if order is None:
+        return list(range(n_layers))
+    rows = [0] * len(order)
+    for p, layer in enumerate(order):
+        rows[layer] = p
+    return rows
+
+
+def unstacked(model):
+    """`model` (a `CausalLM` whose blocks are scanned) with its blocks as one module per layer, each parameter
+    row i of the stacked one (a slice on each device: no gather), for decoding: a decode step is bound by reading
+    the weights, and a scan's per-layer slicing of them made XLA:CPU's decoding 1.6x slower than a loop's."""
+    if not model.scan_layers:
+        return model
+    graphdef, stacked = nnx.split(model.blocks)
+    rows = rows_of_layers(model.layer_order, model.n_layers)
+
+    def layer(i):
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: _row(a, rows[i]), stacked))
+        for _, var in nnx.iter_graph(block):  # the stacked axis's name goes with it
+            if isinstance(var, nnx.Variable) and (names := var.get_metadata().get("out_sharding")):
+                var.set_metadata(out_sharding=tuple(names[1:]) if names[0] == LAYERS else names)
+        return block
+
+    model.blocks = nnx.List([layer(i) for i in range(model.n_layers)])
+    model.scan_layers = False
+    return model
+
+
+def _row(a, i):
+    """Row i of a stacked array, or of an abstract one (shape and sharding only: a compile for a target)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        sharding = a.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
+    return a[i]
+
+
+# --- the two layouts of a parameter tree ------------------------------------------------------------------------
+
+_LAYER_PATH = re.compile(rf"{BLOCKS}/(\d+)/(.+)")
+
+
+def is_stacked_block(path: str) -> bool:
+    """Whether a parameter path ('blocks/attn/wq', not 'blocks/0/attn/wq') is one of stacked blocks."""
+    parts = path.split("/")
+    return len(parts) > 1 and parts[0] == BLOCKS and not parts[1].isdigit()
+
+
+def split_layer_path(path: str) -> tuple[int, str] | None:
+    """'blocks/3/attn/wq' -> (3, 'blocks/attn/wq'): a per-layer parameter path's layer and its stacked path."""
+    m = _LAYER_PATH.fullmatch(path)
+    return (int(m.group(1)), f"{BLOCKS}/{m.group(2)}") if m else None
+
+
+
+def is_per_layer(tree) -> bool:
+    """Whether a pure-dict tree holds its blocks one per layer ({"blocks": {0: ..., 1: ...}})."""
+    found = _find_blocks(tree)
+    return bool(found) and all(isinstance(k, int) for k in found[0])
+
+
+def _find_blocks(tree) -> list[dict]:
+    """Every `blocks` subtree of a pure-dict tree (a model's, and each optimizer-state copy of it)."""
+    if not isinstance(tree, dict):
+        return []
+    out = []
+    for key, value in tree.items():
+        if key == BLOCKS and isinstance(value, dict):
+            out.append(value)
+        else:
+            out += _find_blocks(value)
+    return out
+
+
+def stacked_tree(tree, stack=jnp.stack):
+    """A pure-dict tree with each per-layer `blocks` subtree ({0: t0, 1: t1, ...}) stacked into one ([n, ...]
+    leaves). `stack(list_of_leaves)` does the stacking (default jnp.stack; an abstract version for shapes)."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for key, value in tree.items():
+        if key == BLOCKS and isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
+            layers = [value[i] for i in range(len(value))]
+            out[key] = jax.tree.map(lambda *leaves: stack(list(leaves)), *layers)
+        else:
+            out[key] = stacked_tree(value, stack)
+    return out
+
+
+def per_layer_tree(tree, n_layers: int, take=lambda leaf, i: leaf[i]):
+    """The inverse of `stacked_tree`: each stacked `blocks` subtree split into {0: ..., n_layers - 1: ...}.
+    `take(leaf, i)` takes layer i of a stacked leaf."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for key, value in tree.items():
+        if key == BLOCKS and isinstance(value, dict) and not all(isinstance(k, int) for k in value):
+            out[key] = {i: jax.tree.map(lambda leaf, i=i: take(leaf, i), value) for i in range(n_layers)}
+        else:
+            out[key] = per_layer_tree(value, n_layers, take)
+    return out
+
+
+def permuted_blocks(tree, rows):
+    """A pure-dict tree whose stacked `blocks` leaves are reordered: row p of the result is row rows[p] of the
+    input. With `rows_of_layers(order)`, a circular pipeline's stack in layer order (as checkpoints store it); with
+    `order`, the other way."""
+    if not isinstance(tree, dict):
+        return tree
+    index = jnp.array(rows)
+    out = {}
+    for key, value in tree.items():
+        if key == BLOCKS and isinstance(value, dict) and not all(isinstance(k, int) for k in value):
+            out[key] = jax.tree.map(lambda leaf: leaf[index], value)
+        else:
+            out[key] = permuted_blocks(value, rows)
+    return out

@@ -1,0 +1,268 @@
+"""The mixture-of-experts layer (`shardlm.models.moe`): its dropless ragged path against a plain per-expert loop
+(outputs and every gradient), an expert no token picks, the load-balancing loss on hand-made routings, and
+expert parallelism on 8 simulated devices against the one-device result (with the all-to-alls in the compiled
+program and the experts' bytes split over the expert devices), including the routing that fills the
+exchange's fixed-size buffer exactly (every token to the experts of one device: nothing may be dropped).
+
+Design choices:
+- Everything is float32 and compared at 1e-5 relative to the compared quantity's own scale (the largest
+  magnitude of the reference array): the paths differ only in summation order.
+- The one-device layer, its loss and gradients are module-scoped fixtures shared by the parity tests, and each
+  mesh compiles one loss-and-gradients program and one forward program; a fresh `jax.jit` per mesh, because the
+  active rules are read while tracing and are not part of jit's cache key.
+- The loss for the mesh comparison includes the auxiliary loss, so its psum'd statistics are differentiated
+  through the shard_map too.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from shardlm.mesh import make_mesh
+from shardlm.models.moe import MoeMLP, load_balancing_loss
+from shardlm.sharding import logical_to_spec, state_shardings, use_mesh_rules
+
+D_MODEL, D_FF, TOP_K = 32, 64, 2
+BATCH, SEQ = 16, 8
+PARAMS = ("router", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
+
+
+def make_layer(num_experts: int, shared: bool, seed: int = 0) -> MoeMLP:
+    with nnx.use_eager_sharding(False):  # placed by the rule table (`state_shardings`), as the trainer does
+        return MoeMLP(D_MODEL, D_FF, num_experts, TOP_K, shared_expert=shared, n_layers=2, dtype=jnp.float32,
+                      param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+
+
+def make_x(seed: int = 1) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (BATCH, SEQ, D_MODEL), jnp.float32)
+
+
+def weights_of(module) -> dict[str, jax.Array]:
+    """The layer's parameters (or their gradients, merged into a layer) by name; absent ones left out."""
+    return {name: getattr(module, name)[...] for name in PARAMS if getattr(module, name) is not None}
+
+
+def reference_moe(x, router, w_gate, w_up, w_down, top_k, shared=None):
+    """Plain top-k routing and a loop over the experts: each takes the tokens routed to it, applies its SwiGLU
+    and scatter-adds the weighted result. `shared`: (gate, up, down) of a dense expert every token gets."""
+    b, s, d = x.shape
+    xf = x.reshape(b * s, d)
+    n = xf.shape[0]
+    probs = jax.nn.softmax(xf @ router, axis=-1)
+    top_w, top_e = jax.lax.top_k(probs, top_k)
+    top_w = top_w / top_w.sum(-1, keepdims=True)
+    out = jnp.zeros_like(xf)
+    for e in range(w_gate.shape[0]):
+        hit = top_e == e
+        routed = hit.any(-1)
+        idx = jnp.nonzero(routed, size=n, fill_value=0)[0]  # its tokens first, then padding (masked below)
+        gate = jnp.where(jnp.arange(n) < routed.sum(), (top_w * hit).sum(-1)[idx], 0.0)
+        xe = xf[idx]
+        ye = (jax.nn.silu(xe @ w_gate[e]) * (xe @ w_up[e])) @ w_down[e]
+        out = out.at[idx].add(ye * gate[:, None])
+    if shared is not None:
+        g, u, dn = shared
+        out = out + (jax.nn.silu(xf @ g) * (xf @ u)) @ dn
+    return out.reshape(b, s, d)
+
+
+def reference_loss_and_grads(weights: dict, x):
+    """sum(y^2) of the reference and its gradients with respect to every weight and x."""
+
+    def loss(weights, x):
+        shared = tuple(weights[n] for n in PARAMS[4:]) if "shared_gate" in weights else None
+        y = reference_moe(x, weights["router"], weights["w_gate"], weights["w_up"], weights["w_down"], TOP_K,
+                          shared)
+        return jnp.sum(y**2), y
+
+    (value, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(weights, x)
+    return value, y, grads[0], grads[1]
+
+
+def layer_loss_fn(graphdef, aux_weight: float):
+    """A fresh jitted (state, x) -> (loss, y, stats, grads of state, grad of x), loss = sum(y^2) + aux_weight *
+    aux_loss. Fresh per call, since the active mesh rules are read while tracing."""
+
+    def loss(state, x):
+        y, stats = nnx.merge(graphdef, state)(x)
+        return jnp.sum(y**2) + aux_weight * stats.aux_loss, (y, stats)
+
+    def run(state, x):
+        (value, (y, stats)), (g_state, g_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
+        return value, y, stats, g_state, g_x
+
+    return jax.jit(run)
+
+
+def layer_forward_fn(graphdef):
+    return jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+
+
+def assert_close(actual, expected, rel=1e-5, what=""):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    err = float(np.abs(actual - expected).max())
+    assert err <= rel * scale, f"{what}: max error {err:.3g} at scale {scale:.3g}"
+
+
+def assert_grads_close(layer_grads: dict, ref_grads: dict, rel=1e-5):
+    assert set(layer_grads) == set(ref_grads)
+    for name in ref_grads:
+        assert_close(layer_grads[name], ref_grads[name], rel, f"d loss / d {name}")
+
+
+# --- one device against the per-expert loop ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_experts", [4, 8])
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
+def test_layer_matches_reference(num_experts, shared):
+    layer, x = make_layer(num_experts, shared), make_x()
+    graphdef, state = nnx.split(layer)
+    value, y, stats, g_state, g_x = layer_loss_fn(graphdef, 0.0)(state, x)
+    ref_value, ref_y, ref_g, ref_gx = reference_loss_and_grads(weights_of(layer), x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, ref_y, what="y")
+    assert_close(value, ref_value, what="loss")
+    assert_close(g_x, ref_gx, what="d loss / d x")
+    assert_grads_close(weights_of(nnx.merge(graphdef, g_state)), ref_g)
+    assert float(stats.expert_tokens.sum()) == BATCH * SEQ * TOP_K
+
+
+def test_expert_without_tokens():
+    """Expert 3's router column is -10 on a feature that is always 1 and 0 elsewhere: it is never in the top 2."""
+    layer, unused = make_layer(4, shared=False), 3
+    x = make_x().at[..., 0].set(1.0)
+    layer.router[...] = layer.router[...].at[:, unused].set(0.0).at[0, unused].set(-10.0)
+    graphdef, state = nnx.split(layer)
+    _, y, stats, g_state, g_x = layer_loss_fn(graphdef, 0.0)(state, x)
+    _, ref_y, ref_g, ref_gx = reference_loss_and_grads(weights_of(layer), x)
+    assert float(stats.expert_tokens[unused]) == 0.0
+    assert float(stats.expert_tokens.min(initial=1.0, where=np.arange(4) != unused)) > 0  # the others do get some
+    assert_close(y, ref_y, what="y")
+    assert_close(g_x, ref_gx, what="d loss / d x")
+    grads = weights_of(nnx.merge(graphdef, g_state))
+    assert_grads_close(grads, ref_g)
+    for name in ("w_gate", "w_up", "w_down"):
+        assert np.all(np.asarray(grads[name][unused]) == 0.0), name
+
+
+# --- the load-balancing loss ------------------------------------------------------------------------------------
+
+
+def test_aux_loss_by_hand():
+    # Two tokens, two experts, k=1, both sent to expert 0: f = (1, 0), P = ((0.75 + 0.5) / 2, (0.25 + 0.5) / 2)
+    # = (0.625, 0.375), aux = 2 * (1 * 0.625 + 0 * 0.375) = 1.25.
+    probs = jnp.array([[0.75, 0.25], [0.5, 0.5]])
+    assert float(load_balancing_loss(probs, jnp.array([[0], [0]]), 2)) == pytest.approx(1.25, abs=1e-7)
+    # Three tokens, four experts, k=2: assignments 0,1 | 0,2 | 0,1 -> counts (3, 2, 1, 0), f = counts / 6;
+    # P = column means of probs = (0.4, 0.3, 0.2, 0.1); aux = 4 * (3*0.4 + 2*0.3 + 1*0.2 + 0*0.1) / 6 = 4 * 2 / 6.
+    probs = jnp.array([[0.5, 0.3, 0.1, 0.1], [0.4, 0.2, 0.3, 0.1], [0.3, 0.4, 0.2, 0.1]])
+    experts = jnp.array([[0, 1], [0, 2], [1, 0]])
+    assert float(load_balancing_loss(probs, experts, 4)) == pytest.approx(4 * 2 / 6, abs=1e-6)
+
+
+def test_aux_loss_balanced_is_one():
+    """Equal counts give sum_e P_e = 1 whatever the probabilities, for k = 1 and k = 2."""
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 4)), axis=-1)
+    assert float(load_balancing_loss(probs, jnp.array([[0], [1], [2], [3]]), 4)) == pytest.approx(1.0, abs=1e-6)
+    assert float(load_balancing_loss(probs, jnp.array([[0, 1], [2, 3], [1, 0], [3, 2]]), 4)) == pytest.approx(
+        1.0, abs=1e-6)
+    uniform = jnp.full((8, 4), 0.25)
+    assert float(load_balancing_loss(uniform, jnp.arange(16).reshape(8, 2) % 4, 4)) == pytest.approx(1.0, abs=1e-7)
+
+
+# --- expert parallelism on 8 devices ----------------------------------------------------------------------------
+
+MESHES = {  # name: make_mesh degrees
+    "EP 2 x DP 4": dict(data=4, expert=2),
+    "EP 4 x DP 2": dict(data=2, expert=4),
+    "EP 8": dict(data=1, expert=8),
+    "EP 2 x FSDP 2 x TP 2": dict(data=1, fsdp=2, expert=2, tensor=2),
+    "DP 4 x TP 2 (no EP)": dict(data=4, tensor=2),
+}
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """The E=8 layer with a shared expert, its input, and its loss (sum(y^2) + aux) and gradients on one device."""
+    layer, x = make_layer(8, shared=True), make_x()
+    graphdef, state = nnx.split(layer)
+    value, y, stats, g_state, g_x = layer_loss_fn(graphdef, 1.0)(state, x)
+    return dict(graphdef=graphdef, state=state, x=x, value=value, y=y, stats=stats,
+                grads=weights_of(nnx.merge(graphdef, g_state)), g_x=g_x)
+
+
+@pytest.fixture(scope="module", params=list(MESHES))
+def on_mesh(request, one_device):
+    """The same layer placed on a mesh: its loss, gradients, stats and the compiled forward program's text."""
+    degrees = MESHES[request.param]
+    mesh = make_mesh(**degrees, devices=jax.devices()[:8])
+    graphdef, state, x = one_device["graphdef"], one_device["state"], one_device["x"]
+    state = jax.device_put(state, state_shardings(state, mesh))
+    x_spec = logical_to_spec(("batch", "seq", "act_embed"), shape=x.shape, mesh=mesh)
+    x = jax.device_put(x, NamedSharding(mesh, x_spec))
+    with use_mesh_rules(mesh):
+        value, y, stats, g_state, g_x = layer_loss_fn(graphdef, 1.0)(state, x)
+        forward_hlo = layer_forward_fn(graphdef).lower(state, x).compile().as_text()
+    return dict(degrees=degrees, mesh=mesh, state=state, value=value, y=y, stats=stats,
+                grads=weights_of(nnx.merge(graphdef, g_state)), g_x=g_x, forward_hlo=forward_hlo)
+
+
+def test_expert_parallel_matches_one_device(on_mesh, one_device):
+    assert_close(on_mesh["y"], one_device["y"], what="y")
+    assert_close(on_mesh["value"], one_device["value"], what="loss")
+    assert_close(on_mesh["g_x"], one_device["g_x"], what="d loss / d x")
+    assert_grads_close(on_mesh["grads"], one_device["grads"])
+
+
+def test_stats_are_global(on_mesh, one_device):
+    np.testing.assert_array_equal(np.asarray(on_mesh["stats"].expert_tokens),
+                                  np.asarray(one_device["stats"].expert_tokens))
+    assert float(on_mesh["stats"].aux_loss) == pytest.approx(float(one_device["stats"].aux_loss), rel=1e-6)
+    assert float(one_device["stats"].expert_tokens.sum()) == BATCH * SEQ * TOP_K
+
+
+def test_tokens_travel_by_all_to_all(on_mesh):
+    count = on_mesh["forward_hlo"].count("all-to-all(")
+    if on_mesh["degrees"].get("expert", 1) > 1:
+        assert count >= 2, "the forward pass sends assignments to their experts and the results back"
+    else:
+        assert count == 0
+
+
+def test_expert_weights_split_over_expert_devices(on_mesh):
+    degrees, state = on_mesh["degrees"], on_mesh["state"]
+    ep = degrees.get("expert", 1)
+    split = ep * degrees.get("fsdp", 1) * degrees.get("tensor", 1)  # experts, embed and mlp dimensions
+    for name in ("w_gate", "w_up", "w_down"):
+        arr = state[name][...]
+        shard = arr.addressable_shards[0].data
+        assert shard.shape[0] == 8 // ep, name
+        assert shard.nbytes * split == arr.nbytes, name
+        if split == ep:
+            assert shard.nbytes * ep == arr.nbytes  # pure EP: each device holds 1/EP of the experts' bytes
+
+
+def test_expert_parallel_is_dropless_under_skew(one_device):
+    """The worst case for the fixed-size exchange: every token picks experts 0 and 1, both held by expert device
+    0 of 4, so every device sends it the full buffer (T_local * min(k, E / EP) rows) and the others nothing."""
+    layer = make_layer(8, shared=False)
+    x = one_device["x"].at[..., 0].set(1.0)
+    layer.router[...] = layer.router[...].at[0, :2].set(10.0)
+    graphdef, state = nnx.split(layer)
+    _, y, stats, g_state, g_x = layer_loss_fn(graphdef, 1.0)(state, x)
+    _, ref_y, _, _ = reference_loss_and_grads(weights_of(layer), x)
+    assert_close(y, ref_y, what="y (one device)")
+    np.testing.assert_array_equal(np.asarray(stats.expert_tokens), [BATCH * SEQ] * 2 + [0] * 6)
+    mesh = make_mesh(data=2, expert=4, devices=jax.devices()[:8])
+    placed = jax.device_put(state, state_shardings(state, mesh))
+    with use_mesh_rules(mesh):
+        _, y_ep, stats_ep, g_state_ep, g_x_ep = layer_loss_fn(graphdef, 1.0)(placed, x)
+    assert_close(y_ep, y, what="y")
+    assert_close(g_x_ep, g_x, what="d loss / d x")
+    assert_grads_close(weights_of(nnx.merge(graphdef, g_state_ep)), weights_of(nnx.merge(graphdef, g_state)))
+    np.testing.assert_array_equal(np.asarray(stats_ep.expert_tokens), np.asarray(stats.expert_tokens))

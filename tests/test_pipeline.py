@@ -1,0 +1,285 @@
+"""Pipeline parallelism (`mesh.stage`, `shardlm.models.pipeline`): parity with the unpipelined model, bubbles that
+cannot poison gradients, and the compiled program's stage traffic."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import MICRO, structured_tokens
+from flax import nnx
+
+VOCAB = 500
+BASE = [o for o in MICRO if not o.startswith("model.n_layers")] + ["model.n_layers=4"]
+_reference: dict = {}
+
+
+def _train(overrides, degrees, steps):
+    """(losses, gradient norms) of `steps` training steps with the real train step on a synthetic stream."""
+    from shardlm.config import load_config
+    from shardlm.data.loader import BatchLoader
+    from shardlm.mesh import make_mesh
+    from shardlm.sharding import batch_sharding
+    from shardlm.train.state import create_train_state
+    from shardlm.train.step import train_step_for
+
+    cfg = load_config(None, overrides)
+    n = int(np.prod(list(degrees.values())))
+    mesh = make_mesh(**degrees, devices=jax.devices()[:n])
+    ts = create_train_state(cfg, mesh, VOCAB)
+    loader = BatchLoader(structured_tokens(40_000, VOCAB), cfg.model.seq_len, cfg.train.batch_size,
+                         batch_sharding(mesh), seed=cfg.seed, shuffle=True)
+    step = train_step_for(cfg, ts, mesh)
+    losses, norms = [], []
+    for i in range(steps):
+        ts.state, metrics = step(ts.state, loader.get(i))
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    return losses, norms
+
+
+def _reference_run(family_overrides, steps):
+    key = (tuple(family_overrides), steps)
+    if key not in _reference:
+        _reference[key] = _train(BASE + family_overrides, {"data": 1}, steps)
+    return _reference[key]
+
+
+# (name, mesh degrees, overrides of the pipelined run only, overrides of both runs)
+CASES = [
+    ("pp2, two layers per stage", {"stage": 2, "data": 1}, [], []),
+    ("pp4, M = 2S", {"stage": 4, "data": 1}, ["model.pipeline_microbatches=8"], []),
+    ("pp2, circular R = 2", {"stage": 2, "data": 1}, ["model.pipeline_repeats=2"], []),
+    ("pp8, one layer per stage", {"stage": 8}, [], ["model.n_layers=8"]),
+    ("pp2 x data 2", {"stage": 2, "data": 2}, [], []),
+    ("pp2 x fsdp 2", {"stage": 2, "data": 1, "fsdp": 2}, [], []),
+    ("pp2 x tensor 2", {"stage": 2, "data": 1, "tensor": 2}, [], []),
+    ("pp2 x context 2", {"stage": 2, "data": 1, "context": 2}, [], []),
+    ("pp2, grad_accum 2", {"stage": 2, "data": 2}, ["train.grad_accum=2"], []),
+    ("pp2, remat full", {"stage": 2, "data": 2}, ["model.remat=full"], []),
+    ("pp2, remat full per layer too", {"stage": 2, "data": 2}, ["model.remat=full", "model.pipeline_remat=layer"],
+     []),
+    ("llama, pp2 x fsdp 2 x tensor 2", {"stage": 2, "data": 1, "fsdp": 2, "tensor": 2}, [],
+     ["model.family=llama", "model.use_bias=false", "model.n_kv_heads=2"]),
+]
+
+
+@pytest.mark.parametrize("name,degrees,pipelined,both", CASES, ids=[c[0] for c in CASES])
+def test_pipelined_training_matches_the_unpipelined_model(name, degrees, pipelined, both):
+    steps = 20
+    ref_losses, ref_norms = _reference_run(both, steps)
+    losses, norms = _train(BASE + both + pipelined, degrees, steps)
+    assert losses[0] == pytest.approx(ref_losses[0], rel=1e-5)
+    assert norms[0] == pytest.approx(ref_norms[0], rel=1e-5)  # the whole gradient, not only the loss
+    assert losses[-1] == pytest.approx(ref_losses[-1], rel=1e-3)
+    assert losses[-1] < losses[0] - 0.25  # it trains
+
+
+# --- the schedule on its own: circular repeats, and bubbles full of NaN --------------------------------------------
+
+
+def _stage_mesh(stages):
+    from shardlm.mesh import make_mesh
+
+    return make_mesh(stage=stages, data=8 // stages)
+
+
+def _blocks_and_input(n_layers=4, seed=0):
+    from shardlm.config import load_config
+    from shardlm.models.gpt import GPT, padded_vocab_size
+
+    cfg = load_config(None, BASE + [f"model.n_layers={n_layers}"])
+    with nnx.use_eager_sharding(False):
+        model = GPT(cfg.model, VOCAB, padded_vocab_size(VOCAB, 1), nnx.Rngs(params=seed))
+    x = jax.random.normal(jax.random.key(1), (8, cfg.model.seq_len, cfg.model.d_model))
+    return model, x
+
+
+def _step(model):
+    from shardlm.models.layers import Context, causal_mask
+
+    ctx = Context("xla", causal_mask(model.context), None, None)
+    return lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))
+
+
+def _loss_and_grads(run, blocks, x):
+    """Sum of squares of run(blocks, x) and its gradient with respect to the blocks' parameters and x."""
+    graphdef, params = nnx.split(blocks)
+
+    def loss(params, x):
+        return jnp.sum(run(nnx.merge(graphdef, params), x) ** 2)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+
+
+def _permuted(blocks, order):
+    """A copy of the stacked blocks whose row p holds layer order[p]."""
+    graphdef, params = nnx.split(blocks)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[jnp.array(order)], params))
+
+
+@pytest.mark.parametrize("stages,repeats,microbatches,idle", [(2, 2, 2, 0.0), (4, 1, 4, float("nan"))],
+                         ids=["circular S=2 R=2", "bubbles full of NaN"])
+def test_the_schedule_equals_the_layers_in_order(stages, repeats, microbatches, idle):
+    from shardlm.models.pipeline import circular_order, run_pipeline
+    from shardlm.models.stack import run_blocks
+    from shardlm.sharding import use_mesh_rules
+
+    model, x = _blocks_and_input()
+    step = _step(model)
+    order = circular_order(stages, repeats, model.n_layers)
+    assert order == ([0, 2, 1, 3] if repeats == 2 else [0, 1, 2, 3])  # stage 0 holds layers 0 and 2 when circular
+    reference = _loss_and_grads(lambda b, x: run_blocks(b, model.n_layers, True, step, x)[0], model.blocks, x)
+    mesh = _stage_mesh(stages)
+
+    def pipelined(b, x):
+        with use_mesh_rules(mesh):
+            return run_pipeline(b, model.n_layers, step, x, stages=stages, microbatches=microbatches,
+                                repeats=repeats, idle_input=idle)[0]
+
+    loss, (grads, dx) = _loss_and_grads(pipelined, _permuted(model.blocks, order), x)
+    ref_loss, (ref_grads, ref_dx) = reference
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    back = np.argsort(order)  # the pipelined gradients' rows in layer order
+    # The key bias's gradient is zero in exact arithmetic (softmax ignores a constant added to every score), so
+    # entries are compared at the scale of the whole gradient.
+    scale = max(np.abs(np.asarray(r)).max() for r in jax.tree.leaves(ref_grads))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        g = np.asarray(g)[back]
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, np.asarray(r), rtol=1e-4, atol=1e-6 * scale)
+    # float32 rounding of sums of terms up to ~10 in magnitude: near-zero entries are compared at that scale
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(ref_dx), rtol=1e-4, atol=1e-6 * np.abs(ref_dx).max())
+
+
+def test_pipeline_errors_are_one_line():
+    from shardlm.errors import ShardlmError
+    from shardlm.models.pipeline import check_pipeline
+
+    with pytest.raises(ShardlmError, match="n_layers=6 does not split into mesh.stage=4"):
+        check_pipeline(6, 16, 4, 4, 1)
+    with pytest.raises(ShardlmError, match="pipeline_microbatches=6 is not a multiple of mesh.stage=4"):
+        check_pipeline(8, 16, 4, 6, 1)
+    with pytest.raises(ShardlmError, match="batch of 12 sequences does not split"):
+        check_pipeline(8, 12, 4, 8, 1)
+
+
+# --- the compiled program -----------------------------------------------------------------------------------------
+
+
+def test_stages_hand_on_activations_and_hold_their_own_layers():
+    """pp2 x fsdp4 on 8 devices, a model whose weights dwarf its activations: the step's only traffic between
+    stages is activations (the hand-offs are collective-permutes, once per pipeline iteration, forward and
+    backward), FSDP gathers each stage's weights within the stage once per step and reduce-scatters their
+    gradients once per step, and each device holds 1/(2 x 4) of the blocks' parameters."""
+    from shardlm.config import load_config
+    from shardlm.mesh import make_mesh
+    from shardlm.perf import hlo
+    from shardlm.train.state import TrainState, abstract_train_state
+    from shardlm.train.step import batch_struct, train_step_for
+
+    cfg = load_config(None, BASE + ["model.d_mlp=1024", "model.seq_len=8"])
+    mesh = make_mesh(1, 4, 1, stage=2)
+    _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, VOCAB)
+    compiled = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).lower(
+        abstract, batch_struct(cfg, mesh)).compile()
+    ops = hlo.collectives(compiled.as_text(), 8)
+    stage_of = lambda p: np.unravel_index(p, mesh.devices.shape)[0]  # noqa: E731
+    spans_stages = lambda op: any(len({stage_of(p) for p in g}) > 1 for g in op.groups)  # noqa: E731
+    iterations = 2 + 2 - 1  # M + S - 1 with M = S = 2
+    hand_offs = [o for o in ops if o.kind == "collective-permute" and spans_stages(o) and o.times == iterations]
+    assert len(hand_offs) >= 2  # forward and backward
+    layer_bytes = 2 * cfg.model.d_model * cfg.model.d_mlp * 4  # one layer's MLP weights, float32
+    across = [o for o in ops if spans_stages(o)]
+    assert max(o.bytes for o in across) < layer_bytes / 10, [(o.kind, o.bytes, o.op_name) for o in across]
+    gathers = [o for o in ops if o.kind == "all-gather" and o.bytes >= layer_bytes / 4]  # the weights' own
+    assert gathers and all(o.times == 1 and not spans_stages(o) for o in gathers)
+    # Gradients are reduced once, after the loop: inside it the only collectives are the hand-offs.
+    assert {o.kind for o in ops if o.times > 1} == {"collective-permute"}
+    scatters = [o for o in ops if o.kind == "reduce-scatter" and o.bytes >= layer_bytes / 4]
+    assert scatters and all(o.times == 1 and not spans_stages(o) for o in scatters)
+    w_in = abstract["model"]["blocks"]["mlp"]["w_in"]
+    assert w_in.sharding.spec[0] == "stage"
+    assert w_in.sharding.shard_shape(w_in.shape) == (2, 64 // 4, 1024)  # 2 of the 4 layers, an FSDP quarter each
+
+
+# --- checkpoints across stage counts -------------------------------------------------------------------------------
+
+RUN = BASE + ["model.dropout=0", "train.steps=6", "train.warmup_steps=2", "train.log_interval=1",
+              "train.eval_interval=100", "train.sample_tokens=0", "data.tokenizer=bytes", "checkpoint.every=3"]
+
+
+@pytest.fixture(scope="module")
+def pp4_run(tmp_path_factory):
+    """Six steps on pp4 x data 2, a checkpoint at step 3 (stored in layer order, as every checkpoint is)."""
+    from shardlm.config import load_config
+    from shardlm.train.loop import train
+
+    run_dir = tmp_path_factory.mktemp("pp4") / "run"
+    train(load_config(None, RUN + ["mesh.stage=4", "mesh.data=2"]), run_dir, progress=False)
+    return run_dir
+
+
+@pytest.mark.parametrize("mesh", [["mesh.data=8"], ["mesh.stage=2", "mesh.fsdp=2", "mesh.data=2",
+                                                     "model.pipeline_repeats=2"],
+                                  ["mesh.data=8", "model.scan_layers=false"]],
+                         ids=["pp1", "pp2 x fsdp2, circular", "pp1 block by block"])
+def test_a_pp4_checkpoint_resumes_on_other_stage_counts(pp4_run, tmp_path, mesh):
+    import json
+    import shutil
+
+    from shardlm.checkpoint import RunCheckpoints
+    from shardlm.config import load_config
+    from shardlm.train.loop import train
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(pp4_run, run_dir)
+    ck = RunCheckpoints(run_dir)
+    for step in ck.steps():
+        if step != 3:
+            shutil.rmtree(run_dir / "checkpoints" / str(step))
+    ck.close()
+    summary = train(load_config(None, RUN + mesh), run_dir, progress=False)
+    assert summary["resumed_from"] == 3
+
+    def losses(d):
+        return {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").open()) if "loss" in r}
+
+    want, got = losses(pp4_run), losses(run_dir)
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_explain_says_which_layers_each_stage_holds():
+    from shardlm.config import load_config
+    from shardlm.train.explain import explain_run
+
+    cfg = load_config(None, BASE + ["data.tokenizer=bytes", "mesh.stage=2", "mesh.data=4",
+                                    "model.pipeline_repeats=2", "model.pipeline_microbatches=4"])
+    ex = explain_run(cfg, log=lambda m: None)
+    (note,) = [n for n in ex.notes if n.startswith("pipeline")]
+    # circular: stage 0 runs layer 0, then (second repeat) layer 2
+    assert "pipeline over stage=2 (stage 0: layers 0, 2; stage 1: layers 1, 3)" in note
+    assert "4 microbatches x 2 repeat(s)" in note and "9 iterations" in note and "bubble (S-1)/(M R+S-1) = 11%" in note
+    row = next(r for r in ex.params if r.path == "blocks/mlp/w_in")
+    assert row.spec.startswith("P('stage'")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.stage=4", "model.n_layers=6"], "model.n_layers=6 does not split into mesh.stage=4 stages"),
+    (["mesh.stage=2", "model.pipeline_microbatches=3"], "pipeline_microbatches=3 is not a multiple of mesh.stage=2"),
+    (["mesh.stage=2", "model.pipeline_repeats=4"], "does not split into mesh.stage=2 stages x model.pipeline_repeats=4"),
+    (["mesh.stage=2", "model.scan_layers=false"], "set model.scan_layers=true"),
+    (["mesh.stage=2", "mesh.data=4", "model.pipeline_microbatches=8"], "use a train.batch_size that is a multiple of 32"),
+])
+def test_configs_a_pipeline_cannot_run_are_one_line_errors(overrides, message):
+    from shardlm.config import load_config
+    from shardlm.errors import ShardlmError
+    from shardlm.mesh import mesh_from_config
+    from shardlm.train.state import check_batch, check_shardable
+
+    cfg = load_config(None, BASE + overrides)
+    mesh = mesh_from_config(cfg.mesh)
+    with pytest.raises(ShardlmError, match=message) as e:
+        check_shardable(cfg, mesh)
+        check_batch(cfg, mesh)
+    assert "\n" not in str(e.value)
