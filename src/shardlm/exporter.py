@@ -1,7 +1,8 @@
 """`shardlm export RUN_DIR --out DIR`: a trained run as a Hugging Face model directory that transformers, vLLM and
 llama.cpp's converters read.
 
-DIR gets `config.json` (GPT2LMHeadModel or LlamaForCausalLM), `generation_config.json`, the weights as
+DIR gets `config.json` (GPT2LMHeadModel, LlamaForCausalLM, or MixtralForCausalLM for a mixture of experts in
+every layer), `generation_config.json`, the weights as
 `model.safetensors` (or `model-0000i-of-0000n.safetensors` shards and `model.safetensors.index.json` above
 `--max-shard-size`, as `save_pretrained` writes them), and the tokenizer (`tokenizer.json` and
 `tokenizer_config.json`) so that `AutoTokenizer.from_pretrained(DIR)` and `AutoModelForCausalLM.from_pretrained(DIR)`
@@ -22,6 +23,7 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -31,12 +33,12 @@ import numpy as np
 from shardlm import distributed
 from shardlm.config import read_config_file
 from shardlm.errors import ShardlmError
-from shardlm.hf.config import hf_config
+from shardlm.hf.config import check_exportable, hf_config
 from shardlm.hf.tokenizer import tokenizer_files
 from shardlm.hf.weights import hf_tensors
 from shardlm.hf.writer import DEFAULT_MAX_SHARD_BYTES, ModelDirWriter
 from shardlm.load import LoadedModel, load_model, run_tokenizer
-from shardlm.models.config import FAMILY_NAMES
+from shardlm.models.config import FAMILY_NAMES, ModelConfig
 from shardlm.models.stack import rows_of_layers, split_layer_path
 from shardlm.checkpoint import RunCheckpoints, complete_steps
 from shardlm.train.rundir import CONFIG_FILE
@@ -98,6 +100,8 @@ def _checkpoint_meta(run_dir: Path, step: int | None) -> dict:
     if model.get("family", "gpt") == "gpt" and model.get("use_bias") is False:
         raise ShardlmError(f"{run_dir} trained a GPT without biases (model.use_bias=false), which transformers' "
                            "GPT2LMHeadModel cannot hold; only GPT runs with biases export")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    check_exportable(ModelConfig(**{k: v for k, v in model.items() if k in fields}), str(run_dir))
     steps = complete_steps(run_dir)
     if not steps:
         raise ShardlmError(f"{run_dir} has no complete checkpoint yet; train it first")
@@ -130,13 +134,14 @@ def _add_tensors(writer: ModelDirWriter, m: LoadedModel, vocab: int, dtype: str)
     cast = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
 
     # A per-layer path; a scanned model holds layer i in a row of the stacked parameter (row i, but for a circular
-    # pipeline's order).
+    # pipeline's order). `index`: a part of the parameter (one expert's matrix), sliced on the devices before the
+    # gather, so that the host receives that part only.
     rows = rows_of_layers(model_source(m.cfg).layer_order(m.mesh), m.cfg.model.n_layers)
 
-    def get(path):
+    def get(path, *index):
         if path not in leaves and (hit := split_layer_path(path)):
-            return _gather(leaves[hit[1]][rows[hit[0]]])
-        return _gather(leaves[path])
+            return _gather(leaves[hit[1]][(rows[hit[0]], *index)])
+        return _gather(leaves[path][index] if index else leaves[path])
 
     for name, array in hf_tensors(m.cfg.model, vocab, get):
         writer.add(name, np.ascontiguousarray(array.astype(cast)))

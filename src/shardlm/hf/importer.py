@@ -21,13 +21,16 @@ import numpy as np
 from flax import nnx
 
 from shardlm.errors import ShardlmError
+from shardlm.hf.config import check_context
 from shardlm.hf.weights import Checkpoint, View, parameter_views, stacked_views
 from shardlm.models.config import ModelConfig
 from shardlm.trees import path_str
 
 
 def check_checkpoint(directory: Path, model: ModelConfig, vocab: int, padded: int) -> None:
-    """Raise if the checkpoint in `directory` does not fit `model` (keys, shapes). Reads the files' headers only."""
+    """Raise if the checkpoint in `directory` does not fit `model` (keys, shapes, a context beyond Mixtral's
+    sliding window). Reads config.json and the files' headers only."""
+    check_context(directory, model)
     parameter_views(model, vocab, padded, Checkpoint(directory))
 
 
@@ -37,6 +40,7 @@ def read_params(directory: Path, model: ModelConfig, vocab: int, padded: int, ab
     checkpoint in `directory`, each device reading its own shards. `vocab` is the real vocabulary, `padded` the
     model's padded one; `order` the layer each row of stacked blocks holds (None: row i is layer i)."""
     t0 = time.perf_counter()
+    check_context(directory, model)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))
     views = stacked_views(parameter_views(model, vocab, padded, Checkpoint(directory)),  # a scanned model's too
                           [path_str(path) for path, _ in leaves], order)

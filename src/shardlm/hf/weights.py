@@ -1,9 +1,10 @@
 """Hugging Face safetensors <-> shardlm parameters: which tensor is which, in which layout, read slice by slice.
 
-Import: each shardlm parameter is a *view* of one Hugging Face tensor (`Tensor`), composed of a few index maps: a
+Import: each shardlm parameter is a *view* of a Hugging Face tensor (`Tensor`), composed of a few index maps: a
 transpose (torch's Linear stores [out, in], shardlm [in, out]), a split of one dimension into (heads, head_dim),
 a window (GPT-2's fused q/k/v `c_attn` holds three parameters side by side; a context shorter than `n_positions`
-keeps the first rows of `wpe`), and zero padding (the vocabulary is padded for sharding). A view answers
+keeps the first rows of `wpe`), zero padding (the vocabulary is padded for sharding), and a stack of per-layer or
+per-expert tensors on a new leading axis (Mixtral's experts, one tensor each in its checkpoints). A view answers
 `view[index]` for the index of one device's shard by reading just the block of the file that shard needs
 (safetensors slices are memory-mapped reads), so `jax.make_array_from_callback` assembles every parameter
 straight into its sharding: each process reads only what its devices hold, and the whole model never sits in one
@@ -76,16 +77,25 @@ class Tensor(View):
 
 @dataclasses.dataclass
 class Transposed(View):
-    """A 2-D tensor's transpose."""
+    """A 2-D tensor's transpose; with `axes`, its dimensions permuted as `np.transpose` would (the last two of
+    fused experts [E, out, in] swapped: (0, 2, 1))."""
 
     inner: View
+    axes: tuple[int, ...] | None = None
+
+    def _axes(self):
+        return self.axes or tuple(range(len(self.inner.shape)))[::-1]
 
     @property
     def shape(self):
-        return self.inner.shape[::-1]
+        return tuple(self.inner.shape[a] for a in self._axes())
 
     def block(self, bounds):
-        return self.inner.block(bounds[::-1]).T
+        axes = self._axes()
+        inner = [None] * len(axes)
+        for out, a in enumerate(axes):
+            inner[a] = bounds[out]
+        return self.inner.block(inner).transpose(axes)
 
 
 @dataclasses.dataclass
@@ -129,7 +139,8 @@ class Window(View):
 
 @dataclasses.dataclass
 class Stacked(View):
-    """Per-layer views of one parameter, stacked on a new leading axis: a scanned model's [n_layers, ...]."""
+    """Per-layer views of one parameter, stacked on a new leading axis: a scanned model's [n_layers, ...] (or a
+    layer's experts, [E, ...], from per-expert tensors). A block reads only the rows it spans."""
 
     layers: tuple[View, ...]
 
@@ -208,7 +219,7 @@ def _gpt2_views(m, vocab: int, padded: int, prefix: str, T) -> dict[str, View]:
     return views
 
 
-def _llama_views(m, vocab: int, padded: int, prefix: str, T) -> dict[str, View]:
+def _llama_views(m, vocab: int, padded: int, prefix: str, T, names: set[str] = frozenset()) -> dict[str, View]:
     d, h, f = m.d_model, m.n_heads, m.d_mlp
     hd, kv = d // h, m.n_kv_heads or h
     views = {"wte": Padded(T(f"{prefix}embed_tokens.weight", (vocab, d)), 0, padded),
@@ -221,11 +232,39 @@ def _llama_views(m, vocab: int, padded: int, prefix: str, T) -> dict[str, View]:
         views[f"{o}attn/wo"] = Split(Transposed(T(f"{p}self_attn.o_proj.weight", (d, h * hd))), 0, (h, hd))
         views[f"{o}ln1/scale"] = T(f"{p}input_layernorm.weight", (d,))
         views[f"{o}ln2/scale"] = T(f"{p}post_attention_layernorm.weight", (d,))
+        if m.moe_experts and (i + 1) % m.moe_every == 0:
+            views.update(_mixtral_views(m, p, f"{o}mlp/", T, names))
+            continue
         views[f"{o}mlp/w_gate"] = Transposed(T(f"{p}mlp.gate_proj.weight", (f, d)))
         views[f"{o}mlp/w_up"] = Transposed(T(f"{p}mlp.up_proj.weight", (f, d)))
         views[f"{o}mlp/w_down"] = Transposed(T(f"{p}mlp.down_proj.weight", (d, f)))
     if not m.tie_embeddings:
         views["lm_head"] = Padded(Transposed(T("lm_head.weight", (vocab, d))), 1, padded)
+    return views
+
+
+def _mixtral_views(m, p: str, o: str, T, names: set[str]) -> dict[str, View]:
+    """One sparse layer's MLP (`shardlm.models.moe.MoeMLP`) from Mixtral's tensors (prefix `p`, 'model.layers.3.'),
+    in either layout transformers reads:
+    - per expert, as the published checkpoints and transformers' `save_pretrained` write them:
+      `block_sparse_moe.gate.weight` [E, d] and `block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate and up
+      [f, d], down [d, f]), each expert's tensor its own file entry; stacked by a view on the experts axis, so a
+      device holding experts 2-3 reads experts 2 and 3 only;
+    - fused, as transformers 5 holds them in memory: `mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2f, d]
+      (gate rows first, then up) and `mlp.experts.down_proj` [E, d, f].
+    (`mlp.` also stands for `block_sparse_moe.` in the first, as transformers renames one to the other.)"""
+    d, e, f = m.d_model, m.moe_experts, m.moe_d_ff or m.d_mlp
+    moe = f"{p}block_sparse_moe." if f"{p}block_sparse_moe.gate.weight" in names else f"{p}mlp."
+    views = {f"{o}router": Transposed(T(f"{moe}gate.weight", (e, d)))}
+    if f"{p}mlp.experts.gate_up_proj" in names:
+        gate_up = T(f"{p}mlp.experts.gate_up_proj", (e, 2 * f, d))
+        views[f"{o}w_gate"] = Transposed(Window(gate_up, 1, 0, f), (0, 2, 1))
+        views[f"{o}w_up"] = Transposed(Window(gate_up, 1, f, f), (0, 2, 1))
+        views[f"{o}w_down"] = Transposed(T(f"{p}mlp.experts.down_proj", (e, d, f)), (0, 2, 1))
+        return views
+    for ours, theirs, shape in (("w_gate", "w1", (f, d)), ("w_up", "w3", (f, d)), ("w_down", "w2", (d, f))):
+        views[f"{o}{ours}"] = Stacked(tuple(Transposed(T(f"{moe}experts.{x}.{theirs}.weight", shape))
+                                            for x in range(e)))
     return views
 
 
@@ -285,8 +324,13 @@ def parameter_views(m, vocab: int, padded: int, ckpt: Checkpoint) -> dict[str, V
         prefix = "transformer." if "transformer.wte.weight" in names else ""
         build = _gpt2_views
     else:
+        if m.moe_experts and m.moe_shared_expert:
+            raise ShardlmError(f"hf:{ckpt.directory}: Mixtral checkpoints have no shared expert; drop "
+                               "model.moe_shared_expert=true")
         prefix = "model."
-        build = _llama_views
+
+        def build(*args):
+            return _llama_views(*args, names)
     tensors: dict[str, Tensor] = {}
 
     def T(name, shape):
@@ -319,9 +363,11 @@ def parameter_views(m, vocab: int, padded: int, ckpt: Checkpoint) -> dict[str, V
 
 # --- export: shardlm parameters as Hugging Face tensors ----------------------------------------------------------
 
-def hf_tensors(m, vocab: int, get: Callable[[str], np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+def hf_tensors(m, vocab: int, get: Callable[..., np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every tensor of the Hugging Face model, in order, made one at a time from whole shardlm
-    parameters `get(path)`: the pad rows dropped, a tied head written once (as the embedding)."""
+    parameters `get(path)` (`get(path, e)`: expert e's slice of an experts parameter, so that one expert's
+    tensor is gathered at a time): the pad rows dropped, a tied head written once (as the embedding). A mixture
+    of experts is written as Mixtral's per-expert tensors (`hf_config` refuses what Mixtral cannot hold)."""
     d = m.d_model
     if m.family == "gpt":
         yield "transformer.wte.weight", get("wte")[:vocab]
@@ -351,6 +397,14 @@ def hf_tensors(m, vocab: int, get: Callable[[str], np.ndarray]) -> Iterator[tupl
                 w = get(f"{o}attn/w{x}")  # [d, heads, head_dim]
                 yield f"{p}self_attn.{x}_proj.weight", w.reshape(d, -1).T
             yield f"{p}self_attn.o_proj.weight", get(f"{o}attn/wo").reshape(d, d).T
+            if m.moe_experts:  # Mixtral (every layer sparse), per expert as save_pretrained writes it
+                moe = f"{p}block_sparse_moe."
+                yield f"{moe}gate.weight", get(f"{o}mlp/router").T
+                for e in range(m.moe_experts):  # one expert at a time
+                    yield f"{moe}experts.{e}.w1.weight", get(f"{o}mlp/w_gate", e).T
+                    yield f"{moe}experts.{e}.w2.weight", get(f"{o}mlp/w_down", e).T
+                    yield f"{moe}experts.{e}.w3.weight", get(f"{o}mlp/w_up", e).T
+                continue
             yield f"{p}mlp.gate_proj.weight", get(f"{o}mlp/w_gate").T
             yield f"{p}mlp.up_proj.weight", get(f"{o}mlp/w_up").T
             yield f"{p}mlp.down_proj.weight", get(f"{o}mlp/w_down").T
