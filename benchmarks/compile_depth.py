@@ -6,9 +6,11 @@
 For each depth, device count (FSDP over all of them) and layout, the real train step (`shardlm train`'s: model,
 AdamW, loss, clipping) is lowered and compiled ahead of time on the CPU host, nothing run, and timed: lowering
 (tracing, Python) and compiling (XLA) separately, with the size of the compiled program. The model is narrow
-(d_model 64) so that the time is what depth costs, not width. Each measurement runs in a process of its own with
+(d_model 64) so that the time is what depth costs, not width. The fastest of three measurements counts (only one
+for a step that takes 20 s or more). Each measurement runs in a process of its own with
 a time limit (`--limit`, default 300 s): looped, XLA:CPU's compile grows faster than the depth (and its memory with
-it), so a deep looped step can take many minutes; one that does not finish in time is reported as over the limit.
+it), so a deep looped step can take many minutes or exhaust the host's memory; one that does not finish in time
+is reported as over the limit, one the system kills (out of memory) as killed.
 Printed: a table, and the ratios the issue asks for (80 layers over 4, scanned and looped).
 """
 
@@ -24,6 +26,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32, 80])
     p.add_argument("--devices", type=int, nargs="+", default=[1, 8])
     p.add_argument("--limit", type=float, default=300.0, help="seconds one measurement may take")
+    p.add_argument("--repeats", type=int, default=3, help="measurements of each case under 20 s; the fastest counts")
     p.add_argument("--json", action="store_true")
     p.add_argument("--one", nargs=3, type=int, metavar=("LAYERS", "DEVICES", "SCAN"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -60,13 +63,30 @@ def measure_apart(n_layers: int, n_devices: int, scan: bool, limit: float) -> di
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
         return {"layers": n_layers, "devices": n_devices, "scan": scan, "total_s": None, "over_limit_s": limit}
+    if proc.returncode < 0:  # killed: the host ran out of memory (XLA:CPU compiling a deep looped step)
+        return {"layers": n_layers, "devices": n_devices, "scan": scan, "total_s": None,
+                "killed_by_signal": -proc.returncode}
     if proc.returncode != 0:
         raise RuntimeError(f"measuring {n_layers} layers on {n_devices} devices failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def fastest(n_layers: int, n_devices: int, scan: bool, limit: float, repeats: int) -> dict:
+    """The fastest of `repeats` measurements (a process's start-up varies by tenths of a second on a shared host,
+    as much as a scanned step's whole compile), or of one when it takes 20 s or more."""
+    best = measure_apart(n_layers, n_devices, scan, limit)
+    for _ in range(repeats - 1):
+        if best["total_s"] is None or best["total_s"] >= 20:
+            break
+        again = measure_apart(n_layers, n_devices, scan, limit)
+        best = min(best, again, key=lambda r: r["total_s"])
+    return best
+
+
 def _seconds(r: dict) -> str:
-    return f"{r['total_s']:.2f}" if r["total_s"] is not None else f"> {r['over_limit_s']:.0f}"
+    if r["total_s"] is not None:
+        return f"{r['total_s']:.2f}"
+    return f"> {r['over_limit_s']:.0f}" if "over_limit_s" in r else f"killed ({r['killed_by_signal']})"
 
 
 def main(argv=None) -> int:
@@ -84,7 +104,7 @@ def main(argv=None) -> int:
     for devices in args.devices:
         for layers in args.layers:
             for scan in (True, False):
-                rows.append(measure_apart(layers, devices, scan, args.limit))
+                rows.append(fastest(layers, devices, scan, args.limit, args.repeats))
                 r = rows[-1]
                 detail = (f"lower {r['lower_s']:6.2f} s, compile {r['compile_s']:6.2f} s, program {r['hlo_kb']:8.0f} KB"
                           if r["total_s"] is not None else "did not finish")
@@ -101,8 +121,10 @@ def main(argv=None) -> int:
                        for x in (True, False))
             if loop["total_s"]:
                 ratio = f"{loop['total_s'] / s['total_s']:.1f}x"
-            else:
+            elif "over_limit_s" in loop:
                 ratio = f"> {loop['over_limit_s'] / s['total_s']:.0f}x"
+            else:
+                ratio = "-"
             ratio = f"{ratio:>11}"
             loop_kb = f"{loop['hlo_kb']:>8.0f}" if loop["total_s"] else f"{'-':>8}"
             print(f"{devices:>7} {layers:>6} {_seconds(s):>12} {_seconds(loop):>12} {ratio} {s['hlo_kb']:>8.0f} {loop_kb}")
@@ -115,8 +137,8 @@ def main(argv=None) -> int:
                 print(f"{devices} device(s), {'scanned' if scan else 'looped'}: {hi} layers compile in "
                       f"{b['total_s'] / a['total_s']:.2f}x the time of {lo}")
             else:
-                print(f"{devices} device(s), {'scanned' if scan else 'looped'}: {hi} layers did not compile within "
-                      f"{b.get('over_limit_s', a.get('over_limit_s'))} s ({lo} layers: {_seconds(a)} s)")
+                print(f"{devices} device(s), {'scanned' if scan else 'looped'}: {hi} layers did not compile: "
+                      f"{_seconds(b)} ({lo} layers: {_seconds(a)} s)")
     return 0
 
 

@@ -409,3 +409,21 @@ def test_profile_attributes_merged_ops_to_the_model_scope():
     assert _scope("jit(step)/(optimizer/reduce_sum:transpose(jvp(layer2))/reduce_sum)") == ("layer2", True)
     assert _scope("jit(step)/optimizer/mul") == ("optimizer", False)
     assert _scope("jit(step)/copy") is None
+
+
+@pytest.mark.parametrize("per_host", [8, 4, 2], ids=["one host", "2 hosts of 4", "4 hosts of 2"])
+def test_the_pruning_bound_never_exceeds_a_compiled_estimate(plan8, per_host):
+    """`shardlm plan` skips a strategy whose analytic lower bound (scaled by the margin) exceeds the best estimate
+    so far: safe only if the bound stays below every compiled strategy's own estimate, on one host and across
+    hosts (where the slow links dominate)."""
+    from shardlm.perf.bounds import MARGIN, lower_bound
+    from shardlm.perf.planner import _param_count
+    from shardlm.train.source import model_flops_per_step
+
+    p = plan8.rerank(Hardware(devices_per_node=per_host, inter_node_bw=6.25e9))
+    count = _param_count(p.cfg, VOCAB)
+    for r in p.strategies:
+        bound = lower_bound(p.cfg, r.strategy, p.hardware, model_flops_per_step(p.cfg, VOCAB, r.strategy.tensor),
+                            count)
+        assert MARGIN * bound.step_s <= r.est.step_s, (r.strategy.name, bound, r.est.step_s)
+        assert bound.comm_s > 0  # every split of 8 devices sends something it cannot avoid

@@ -27,7 +27,9 @@ from shardlm.models.config import ModelConfig
 
 
 def jaxpr_matmul_flops(jaxpr) -> float:
-    """The FLOPs of every matrix multiply in a jaxpr (2 per multiply-add of each `dot_general`), a scan's body
+    """The FLOPs of every matrix multiply in a jaxpr (2 per multiply-add of each `dot_general`, and of each
+    `ragged_dot_general` row by its group's matrix: the rows of an expert-parallel exchange buffer, padding
+    included, count, so a mixture's count can exceed its active FLOPs), a scan's body
     counted once per iteration, a conditional's costliest branch, a while loop's body once (its trip count is not
     known), nested calls (jit, remat, custom derivatives' primal) followed. For a forward pass this is what the
     6N + 12LTd convention counts for shardlm's models, 3 x (2N + 4LTd): the weights' matmuls and attention's."""
@@ -39,6 +41,8 @@ def jaxpr_matmul_flops(jaxpr) -> float:
             (contract, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+        elif name == "ragged_dot_general":  # a mixture's experts: each row by its group's matrix, [M, K] -> [M, N]
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * eqn.invars[0].aval.shape[-1]
         elif name == "scan":
             total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"])
         elif name == "cond":

@@ -17,7 +17,9 @@ collective the compiler emitted:
   - data parallelism: the gradient all-reduce of what a device holds, 2(d-1)/d of it;
   - tensor parallelism: Megatron's four activation all-reduces per layer (two forward, two backward);
   - the context split: attention's key/value all-gather per layer (forward);
-  - pipeline stages: a microbatch's activations handed on per iteration, forward and backward.
+  - pipeline stages: a microbatch's activations handed on per iteration, forward and backward;
+  - experts: each sparse layer's top-k copies of every token sent to their experts and back, forward and backward
+    (the balanced share; the dropless buffer sends more).
 A margin (`MARGIN`) absorbs what the formula rounds away (the vocabulary's padding, a bias left out).
 """
 
@@ -59,7 +61,10 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
     if m.preset.startswith("py:"):
         return Bound(compute, 0.0)
     dtype = 2 if m.dtype == "bfloat16" else 4
-    weights = param_count * dtype / (s.tensor * s.stage)  # one device's share of the weights, gathered
+    experts = (m.n_layers // m.moe_every) * m.moe_experts * 3 * m.d_model * (m.moe_d_ff or m.d_mlp) \
+        if m.moe_experts else 0  # split over `expert`, gathered over fsdp alone
+    weights = (param_count - experts) * dtype / (s.tensor * s.stage)  # one device's share, gathered
+    expert_weights = experts * dtype / (s.tensor * s.stage * s.expert)
     storage = s.fsdp * s.context * s.expert
     rows = t.batch_size // t.grad_accum // (s.data * s.fsdp * s.expert)  # sequences per device and microstep
     activation = rows * m.seq_len // s.context * m.d_model * dtype
@@ -67,12 +72,16 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
     kv = 2 * rows * m.seq_len * (m.n_kv_heads or m.n_heads) // s.tensor * (m.d_model // m.n_heads) * dtype
     seconds = (
         _send(s, hw, ("fsdp", "expert", "context"), 2 * weights)  # gathered once, reduce-scattered once
-        + _send(s, hw, ("data",), 2 * weights / storage)  # an all-reduce: twice a gather's share
+        + _send(s, hw, ("fsdp",), 2 * expert_weights)
+        + _send(s, hw, ("data",), 2 * (weights / storage + expert_weights / s.fsdp))  # twice a gather's share
         + _send(s, hw, ("tensor",), 4 * layers * 2 * activation * t.grad_accum)
         + _send(s, hw, ("context",), layers * kv * t.grad_accum)
     )
     if s.stage > 1:
         seconds += _hand_offs(s, hw, 2 * iterations * activation / micro * t.grad_accum)
+    if m.moe_experts and s.expert > 1:  # each sparse layer's tokens to their experts and back, forward and backward
+        sparse = m.n_layers // m.moe_every // s.stage
+        seconds += _send(s, hw, ("expert",), 4 * sparse * activation * m.moe_top_k * t.grad_accum)
     return Bound(compute, seconds)
 
 

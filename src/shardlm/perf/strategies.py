@@ -100,7 +100,7 @@ def wants_stage_splits(cfg, n_devices: int, hosts: int | None) -> bool:
 
 def wants_expert_splits(cfg) -> bool:
     """Whether a plan should enumerate expert splits: the model is a mixture of experts."""
-    return getattr(cfg.model, "num_experts", 0) > 1
+    return cfg.model.moe_experts > 1
 
 
 def parse_strategy(text: str, n_devices: int) -> Strategy:

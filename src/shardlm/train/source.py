@@ -157,6 +157,10 @@ class OwnModel:
         check_attention(m.attention, cp)
         stages = mesh.shape.get("stage", 1)
         if stages > 1:
+            if m.moe_experts:  # the experts' shard_map inside the pipeline's vmap over stages: JAX 0.10 refuses it
+                raise ShardlmError(f"mesh.stage={stages} with a mixture of experts (model.moe_experts="
+                                   f"{m.moe_experts}) is not supported yet: use data, fsdp, expert, context and "
+                                   "tensor for it")
             if not m.scan_layers:
                 raise ShardlmError(f"mesh.stage={stages} splits the stacked blocks over pipeline stages: set "
                                    "model.scan_layers=true (the default)")
@@ -174,7 +178,8 @@ class OwnModel:
 
     def split_notes(self, mesh) -> list[str]:
         """What the sequence split and the pipeline do on `mesh`, a line each (none without them)."""
-        return [note for note in (self._context_note(mesh), self._pipeline_note(mesh)) if note]
+        return [note for note in (self._context_note(mesh), self._pipeline_note(mesh), self._expert_note(mesh))
+                if note]
 
     def _rows_per_device(self, mesh) -> int:
         """Sequences of one gradient-accumulation step on each device (the batch split over data x fsdp x
@@ -194,6 +199,24 @@ class OwnModel:
         return (f"sequence split over context={cp}: each device holds {m.seq_len // cp} of every {m.seq_len} "
                 f"tokens; attention all-gathers keys and values over context, {fmt_bytes(gathered)} per layer per "
                 "device (reduce-scattered back as gradients)")
+
+    def _expert_note(self, mesh) -> str | None:
+        """Which experts each device holds, and what a sparse layer's dispatch sends (`shardlm.models.moe`)."""
+        m = self.cfg.model
+        ep = mesh.shape.get("expert", 1)
+        if not m.moe_experts:
+            return None
+        sparse = m.n_layers // m.moe_every
+        what = (f"mixture of experts: {m.moe_experts} experts, top {m.moe_top_k}, in {sparse} of {m.n_layers} layers"
+                f" (the load-balancing loss weighs {m.moe_aux_loss_weight:g} in the objective)")
+        if ep == 1:
+            return what + "; every device holds every expert (mesh.expert=1)"
+        tokens = self._rows_per_device(mesh) * m.seq_len // mesh.shape["context"]
+        buffer = tokens * min(ep * m.moe_top_k, m.moe_experts) * m.d_model * (2 if m.dtype == "bfloat16" else 4)
+        return (what + f"; experts split over expert={ep}: each device holds {m.moe_experts // ep} of them per "
+                f"layer; each sparse layer sends tokens to their experts and back by all-to-all, a dropless buffer "
+                f"of {fmt_bytes(buffer)} per device each way (min(EP, E/k) x the balanced share), forward and "
+                f"backward")
 
     def _pipeline_note(self, mesh) -> str | None:
         """Which layers each stage holds, the schedule's bubble, and what a stage hands the next."""
