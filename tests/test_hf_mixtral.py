@@ -24,31 +24,13 @@ from shardlm.exporter import export
 from shardlm.hf.weights import Checkpoint
 from shardlm.load import load_model
 from shardlm.sampling import Sampling
-from shardlm.sharding import use_mesh_rules
 from shardlm.train.loop import train
+from test_hf import our_logits, torch_greedy, torch_logits
 
 VOCAB, LAYERS, EXPERTS, D, FF = 300, 2, 4, 64, 96
 RTOL = 1e-4  # float32, two implementations: summation orders differ
 EP_MESH = ["mesh.expert=4", "mesh.fsdp=2"]
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (8, 24)).astype(np.int32)  # 8 rows: data x fsdp x expert
-
-
-def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
-def torch_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def our_logits(m, tokens: np.ndarray, vocab: int) -> np.ndarray:
-    model = nnx.merge(m.graphdef, m.state)
-    with use_mesh_rules(m.mesh):
-        return np.asarray(jax.jit(lambda t: model(t))(tokens))[..., :vocab]
 
 
 def rel_err(ours, ref) -> float:
