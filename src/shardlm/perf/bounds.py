@@ -12,8 +12,8 @@ collective the compiler emitted:
   peak; with pipeline stages, times the iterations over the useful ones (idle stages compute on zeros);
 - per device, in the compute dtype, each sent once over the links the cost model charges it to (within a host,
   or a device's share of its host's network between hosts, for a ring laid out as the mesh is), no latency:
-  - the weights' storage split (fsdp x context x expert): each device's weights gathered once and their
-    gradients reduce-scattered once, (g-1)/g of them each way;
+  - the weights' storage split (fsdp x context x expert; the experts' own, split over `expert`, over fsdp x
+    context): each device's weights gathered once and their gradients reduce-scattered once, (g-1)/g each way;
   - data parallelism: the gradient all-reduce of what a device holds, 2(d-1)/d of it;
   - tensor parallelism: Megatron's four activation all-reduces per layer (two forward, two backward);
   - the context split: attention's key/value all-gather per layer (forward);
@@ -26,6 +26,7 @@ A margin (`MARGIN`) absorbs what the formula rounds away (the vocabulary's paddi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -62,18 +63,21 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
         return Bound(compute, 0.0)
     dtype = 2 if m.dtype == "bfloat16" else 4
     experts = (m.n_layers // m.moe_every) * m.moe_experts * 3 * m.d_model * (m.moe_d_ff or m.d_mlp) \
-        if m.moe_experts else 0  # split over `expert`, gathered over fsdp alone
+        if m.moe_experts else 0  # split over `expert`, stored over fsdp (x context)
     weights = (param_count - experts) * dtype / (s.tensor * s.stage)  # one device's share, gathered
     expert_weights = experts * dtype / (s.tensor * s.stage * s.expert)
     storage = s.fsdp * s.context * s.expert
+    # the experts' `embed` dimension takes fsdp x context when that divides it, else fsdp alone (the rule table)
+    expert_storage = ("fsdp", "context") if m.d_model % (s.fsdp * s.context) == 0 else ("fsdp",)
+    expert_shards = math.prod(getattr(s, a) for a in expert_storage)
     rows = t.batch_size // t.grad_accum // (s.data * s.fsdp * s.expert)  # sequences per device and microstep
     activation = rows * m.seq_len // s.context * m.d_model * dtype
     layers = m.n_layers // s.stage
     kv = 2 * rows * m.seq_len * (m.n_kv_heads or m.n_heads) // s.tensor * (m.d_model // m.n_heads) * dtype
     seconds = (
         _send(s, hw, ("fsdp", "expert", "context"), 2 * weights)  # gathered once, reduce-scattered once
-        + _send(s, hw, ("fsdp",), 2 * expert_weights)
-        + _send(s, hw, ("data",), 2 * (weights / storage + expert_weights / s.fsdp))  # twice a gather's share
+        + _send(s, hw, expert_storage, 2 * expert_weights)
+        + _send(s, hw, ("data",), 2 * (weights / storage + expert_weights / expert_shards))  # twice a gather's share
         + _send(s, hw, ("tensor",), 4 * layers * 2 * activation * t.grad_accum)
         + _send(s, hw, ("context",), layers * kv * t.grad_accum)
     )
