@@ -77,10 +77,10 @@ def test_pipelined_training_matches_the_unpipelined_model(name, degrees, pipelin
 # --- the schedule on its own: circular repeats, and bubbles full of NaN --------------------------------------------
 
 
-def _stage_mesh(stages):
+def _stage_mesh(stages, data):
     from shardlm.mesh import make_mesh
 
-    return make_mesh(stage=stages, data=8 // stages)
+    return make_mesh(stage=stages, data=data, devices=jax.devices()[:stages * data])
 
 
 def _blocks_and_input(n_layers=4, seed=0):
@@ -117,9 +117,10 @@ def _permuted(blocks, order):
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[jnp.array(order)], params))
 
 
-@pytest.mark.parametrize("stages,repeats,microbatches,idle", [(2, 2, 2, 0.0), (4, 1, 4, float("nan"))],
-                         ids=["circular S=2 R=2", "bubbles full of NaN"])
-def test_the_schedule_equals_the_layers_in_order(stages, repeats, microbatches, idle):
+@pytest.mark.parametrize("stages,repeats,microbatches,data,idle",
+                         [(2, 2, 2, 4, 0.0), (4, 1, 4, 2, float("nan")), (2, 2, 4, 2, float("nan"))],
+                         ids=["circular S=2 R=2", "bubbles full of NaN", "circular M=2S, NaN bubbles"])
+def test_the_schedule_equals_the_layers_in_order(stages, repeats, microbatches, data, idle):
     from shardlm.models.pipeline import circular_order, run_pipeline
     from shardlm.models.stack import run_blocks
     from shardlm.sharding import use_mesh_rules
@@ -129,7 +130,7 @@ def test_the_schedule_equals_the_layers_in_order(stages, repeats, microbatches, 
     order = circular_order(stages, repeats, model.n_layers)
     assert order == ([0, 2, 1, 3] if repeats == 2 else [0, 1, 2, 3])  # stage 0 holds layers 0 and 2 when circular
     reference = _loss_and_grads(lambda b, x: run_blocks(b, model.n_layers, True, step, x)[0], model.blocks, x)
-    mesh = _stage_mesh(stages)
+    mesh = _stage_mesh(stages, data)
 
     def pipelined(b, x):
         with use_mesh_rules(mesh):
@@ -151,6 +152,21 @@ def test_the_schedule_equals_the_layers_in_order(stages, repeats, microbatches, 
     np.testing.assert_allclose(np.asarray(dx), np.asarray(ref_dx), rtol=1e-4, atol=1e-6 * np.abs(ref_dx).max())
 
 
+def test_the_stage_weights_are_cast_as_the_blocks_read_them():
+    """Cast ahead of the loop to the compute dtype, all but what the blocks read in float32 (the norms): those the
+    unpipelined blocks never round, and their gradients sum over the iterations in float32."""
+    from flax.traverse_util import flatten_dict
+
+    from shardlm.models.pipeline import _stage_weights
+
+    model, _ = _blocks_and_input()
+    weights = nnx.to_pure_dict(_stage_weights(model.blocks, 2, 1, jnp.bfloat16, 1, ()))
+    dtypes = {k: a.dtype for k, a in flatten_dict(weights, sep="/").items()}
+    norms = {k for k in dtypes if k.split("/")[0].startswith("ln")}
+    assert norms and {dtypes[k] for k in norms} == {jnp.dtype("float32")}
+    assert {dtypes[k] for k in dtypes.keys() - norms} == {jnp.dtype("bfloat16")}  # the attention's and the MLP's
+
+
 def test_pipeline_errors_are_one_line():
     from shardlm.errors import ShardlmError
     from shardlm.models.pipeline import check_pipeline
@@ -159,7 +175,8 @@ def test_pipeline_errors_are_one_line():
         check_pipeline(6, 16, 4, 4, 1)
     with pytest.raises(ShardlmError, match="pipeline_microbatches=6 is not a multiple of mesh.stage=4"):
         check_pipeline(8, 16, 4, 6, 1)
-    with pytest.raises(ShardlmError, match="batch of 12 sequences does not split"):
+    with pytest.raises(ShardlmError, match=r"batch of 12 sequences \(train.batch_size / train.grad_accum\) does "
+                                           "not split"):
         check_pipeline(8, 12, 4, 8, 1)
 
 
@@ -269,6 +286,9 @@ def test_explain_says_which_layers_each_stage_holds():
     (["mesh.stage=2", "model.pipeline_microbatches=3"], "pipeline_microbatches=3 is not a multiple of mesh.stage=2"),
     (["mesh.stage=2", "model.pipeline_repeats=4"], "does not split into mesh.stage=2 stages x model.pipeline_repeats=4"),
     (["mesh.stage=2", "model.scan_layers=false"], "set model.scan_layers=true"),
+    (["mesh.stage=2", "mesh.data=1", "mesh.tensor=4", "train.batch_size=6", "train.grad_accum=2"],
+     r"a batch of 3 sequences \(train.batch_size / train.grad_accum\) does not split into 2 microbatches "
+     r"\(model.pipeline_microbatches=0, one per stage: 2\)"),
     (["mesh.stage=2", "mesh.data=4", "model.pipeline_microbatches=8"], "use a train.batch_size that is a multiple of 32"),
 ])
 def test_configs_a_pipeline_cannot_run_are_one_line_errors(overrides, message):
@@ -283,3 +303,11 @@ def test_configs_a_pipeline_cannot_run_are_one_line_errors(overrides, message):
         check_shardable(cfg, mesh)
         check_batch(cfg, mesh)
     assert "\n" not in str(e.value)
+
+
+def test_remat_per_layer_without_remat_is_a_one_line_error():
+    from shardlm.config import load_config
+    from shardlm.errors import ShardlmError
+
+    with pytest.raises(ShardlmError, match="model.remat=none rematerialises nothing: set model.remat"):
+        load_config(None, BASE + ["mesh.stage=2", "model.pipeline_remat=layer"])

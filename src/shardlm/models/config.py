@@ -86,6 +86,10 @@ def check_model(m: ModelConfig) -> None:
     check_positive("model.layer_norm_eps", m.layer_norm_eps)
     check_positive("model.pipeline_repeats", m.pipeline_repeats)
     check_one_of("model.pipeline_remat", m.pipeline_remat, ("iteration", "layer"))
+    if m.pipeline_remat == "layer" and m.remat == "none":
+        raise ShardlmError("model.pipeline_remat=layer rematerialises each layer inside the rematerialised pipeline "
+                           "iteration, and model.remat=none rematerialises nothing: set model.remat (full, or "
+                           "another policy) too")
     _check_moe(m)
     if m.pipeline_microbatches < 0:
         raise ShardlmError(f"model.pipeline_microbatches must be >= 0 (0 = one per stage), got "

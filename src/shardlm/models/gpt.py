@@ -41,8 +41,9 @@ __all__ = ["GPT", "CACHE_AXES", "LayerCache", "padded_vocab_size"]
 class LayerNorm(nnx.Module):
     def __init__(self, d: int, eps: float, use_bias: bool, param_dtype, rngs: nnx.Rngs):
         self.eps = eps
-        self.scale = param(rngs, nnx.initializers.ones_init(), (d,), ("embed",), param_dtype)
-        self.bias = param(rngs, nnx.initializers.zeros_init(), (d,), ("embed",), param_dtype) if use_bias else None
+        self.scale = param(rngs, nnx.initializers.ones_init(), (d,), ("embed",), param_dtype, read_in_float32=True)
+        self.bias = param(rngs, nnx.initializers.zeros_init(), (d,), ("embed",), param_dtype,
+                          read_in_float32=True) if use_bias else None
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)

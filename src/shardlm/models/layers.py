@@ -40,7 +40,7 @@ from flax import nnx
 from shardlm.accelerator import current, resolve_dtype
 from shardlm.errors import ShardlmError
 from shardlm.models.pipeline import row_order, run_pipeline
-from shardlm.models.stack import LAYERS, LayerCache, build_blocks, layer_rngs, run_blocks
+from shardlm.models.stack import LAYERS, READ_IN_FLOAT32, LayerCache, build_blocks, layer_rngs, run_blocks
 from shardlm.sharding import active_degree, constrain, gathered
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
@@ -67,8 +67,12 @@ def padded_vocab_size(vocab_size: int, tensor_degree: int = 1) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str | None, ...], dtype) -> nnx.Param:
-    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str | None, ...], dtype, *,
+          read_in_float32: bool = False) -> nnx.Param:
+    """A parameter with logical axis `names`. `read_in_float32`: the module reads it in float32, not through
+    `use` (norms, routers), which a pipeline's cast ahead of the blocks must respect (`stack.read_dtype`)."""
+    value = nnx.with_partitioning(init, names)(rngs.params(), shape, dtype)
+    return nnx.Param(value, **{READ_IN_FLOAT32: True}) if read_in_float32 else nnx.Param(value)
 
 
 def use(p: nnx.Param, dtype) -> jax.Array:

@@ -33,7 +33,7 @@ from shardlm.sharding import constrain
 class RMSNorm(nnx.Module):
     def __init__(self, d: int, eps: float, param_dtype, rngs: nnx.Rngs):
         self.eps = eps
-        self.scale = param(rngs, nnx.initializers.ones_init(), (d,), ("embed",), param_dtype)
+        self.scale = param(rngs, nnx.initializers.ones_init(), (d,), ("embed",), param_dtype, read_in_float32=True)
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)

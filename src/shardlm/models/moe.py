@@ -225,10 +225,11 @@ def split_axis(mesh, name: str) -> str | None:
 def check_expert_parallel(mesh, num_experts: int, d_ff: int, token_axes: tuple[str, ...]) -> None:
     ep, tp = mesh.shape.get("expert", 1), mesh.shape.get("tensor", 1)
     if num_experts % ep:
-        raise ShardlmError(f"{num_experts} experts cannot be split over mesh.expert={ep}; choose an expert degree "
-                           "that divides the number of experts")
+        raise ShardlmError(f"{num_experts} experts (model.moe_experts) cannot be split over mesh.expert={ep}; "
+                           "choose an expert degree that divides the number of experts")
     if d_ff % tp:
-        raise ShardlmError(f"the experts' hidden size {d_ff} cannot be split over mesh.tensor={tp}")
+        raise ShardlmError(f"the experts' hidden size {d_ff} (model.moe_d_ff, or model.d_mlp when 0) cannot be "
+                           f"split over mesh.tensor={tp}; choose a tensor degree that divides it")
     if ep > 1 and "expert" not in token_axes:
         raise ShardlmError(f"expert parallelism (mesh.expert={ep}) needs the batch split over the expert devices "
                            "too: make the batch rows divisible by mesh.data x mesh.fsdp x mesh.expert")
@@ -272,7 +273,7 @@ class MoeMLP(nnx.Module):
         self.dtype, self.top_k = dtype, top_k
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual scaling, as SwiGLU
-        self.router = param(rngs, init, (d_model, num_experts), ("embed", None), jnp.float32)
+        self.router = param(rngs, init, (d_model, num_experts), ("embed", None), jnp.float32, read_in_float32=True)
         e, d, f = num_experts, d_model, d_ff
         self.w_gate = param(rngs, init, (e, d, f), ("experts", "embed", "mlp"), param_dtype)
         self.w_up = param(rngs, init, (e, d, f), ("experts", "embed", "mlp"), param_dtype)

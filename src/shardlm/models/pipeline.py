@@ -38,7 +38,13 @@ Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShar
   at 66.7 GiB). Checkpointing the layers alone, without the iteration, would keep every iteration's slice of the
   stage's weights for the backward pass (hundreds of GiB): both or the iteration only. The microbatch
   bookkeeping around it is linear and saves nothing.
-- Dropout: layer l of microbatch m draws from the step's key folded with l, then m.
+- Dropout: layer l of microbatch m draws from the step's key folded with m, then (with F > 1) the replica f, then l.
+- Mixed precision: the stage weights are cast to the compute dtype once, before the loop (halving the gathered
+  copy), except the parameters the blocks read in float32 (`stack.READ_IN_FLOAT32`: norms, routers). The
+  weights are a constant of the loop, so their gradient is summed over the M R + S - 1 iterations in that dtype:
+  in bfloat16 that is M R + S - 1 more bfloat16 additions per weight than the unpipelined step makes, rounding
+  of the kind FSDP's bfloat16 reduce-scatter already adds over its shards. A float32 copy would sum in float32
+  at twice the bytes (in the 70B plan, pp8 x fsdp4 x tp2 gathers 8.0 GiB of bfloat16 weights per device).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlm.errors import ShardlmError
-from shardlm.models.stack import LAYERS, PER_BATCH, Step, add_stats, combine_parts
+from shardlm.models.stack import LAYERS, PER_BATCH, Step, add_stats, combine_parts, read_dtype
 from shardlm.sharding import (
     active_axes,
     active_mesh,
@@ -67,19 +73,22 @@ ACTIVATION = ("batch", "seq", "act_embed")  # the residual stream's logical name
 
 def check_pipeline(n_layers: int, batch: int, stages: int, microbatches: int, repeats: int) -> None:
     """One-line errors for a schedule that cannot run: layers not divisible by S R, M not a multiple of S, or a
-    batch that does not split into M microbatches."""
+    batch (per gradient-accumulation step) that does not split into M microbatches. `microbatches` is the
+    setting: 0 means one per stage."""
+    m = microbatches or stages
+    setting = f"model.pipeline_microbatches={microbatches}" + ("" if microbatches else f", one per stage: {m}")
     if n_layers % (stages * repeats):
         raise ShardlmError(
             f"model.n_layers={n_layers} does not split into mesh.stage={stages} stages x "
             f"model.pipeline_repeats={repeats} repeats; choose degrees whose product divides {n_layers}")
-    if microbatches % stages:
+    if m % stages:
         raise ShardlmError(
-            f"model.pipeline_microbatches={microbatches} is not a multiple of mesh.stage={stages}; use "
+            f"{setting} is not a multiple of mesh.stage={stages}; use "
             f"{stages}, {2 * stages}, ... (0 = one per stage)")
-    if batch % microbatches:
+    if batch % m:
         raise ShardlmError(
-            f"a batch of {batch} sequences does not split into model.pipeline_microbatches={microbatches}; choose "
-            f"a microbatch count dividing the batch (per gradient-accumulation step)")
+            f"a batch of {batch} sequences (train.batch_size / train.grad_accum) does not split into {m} "
+            f"microbatches ({setting}); choose a batch size, accumulation or microbatch count that divides it")
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -112,7 +121,7 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     the blocks' statistics (`stats`: their zeros) summed over the layers and over the microbatches, except `aux_loss`, a
     per-batch quantity, which is their mean."""
     m_count = microbatches or stages
-    check_pipeline(n_layers, x.shape[0], stages, m_count, repeats)
+    check_pipeline(n_layers, x.shape[0], stages, microbatches, repeats)
     replicas, replica_axes = _replicas()
     weights = _stage_weights(blocks, stages, repeats, compute_dtype, replicas, replica_axes)
     schedule = _Schedule(stages, m_count, repeats, n_layers // (stages * repeats))
@@ -156,7 +165,7 @@ def _replicas() -> tuple[int, tuple[str, ...]]:
 
 def _per_stage(graphdef, step: Step, schedule: "_Schedule", policy, remat_unit: str, replicas: int, replica_axes,
                stats_zeros):
-    """The function of (weights [S, F, R, K, ...], inputs [S, b, T, D], stage ids, microbatch ids, key) that runs
+    """The function of (weights [S, R, K, ...], or [S, F, R, K, ...] with F > 1 replicas, inputs [S, b, T, D], stage ids, microbatch ids, key) that runs
     every stage's K layers on its microbatch: a `vmap` over the stages, and inside it one over the F data-parallel
     replicas (each its rows of the microbatch, with its own copy of the weights: see `_stage_weights`)."""
     mesh, inner_rules = active_mesh(), _rules_within_replicas(replica_axes)
@@ -238,16 +247,17 @@ def _store_returned(io, arrived, t, schedule: _Schedule, first_stage):
 
 
 def _stage_weights(blocks, stages: int, repeats: int, compute_dtype, replicas: int, replica_axes):
-    """The stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already holds) in the compute
-    dtype, gathered over FSDP once for the whole step, not once per microbatch. With F > 1 data-parallel replicas,
-    as [S, F, R, K, ...]: each device's own copy (`sharding.replicas_of`), whose gradient it accumulates over
-    every microbatch before the copies' gradients are reduce-scattered, once, after the loop."""
+    """The stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already holds) in the dtype the
+    blocks read each in (`stack.read_dtype`), gathered over FSDP once for the whole step, not once per
+    microbatch. With F > 1 data-parallel replicas, as [S, F, R, K, ...]: each device's own copy
+    (`sharding.replicas_of`), whose gradient it accumulates over every microbatch before the copies' gradients
+    are reduce-scattered, once, after the loop."""
     params = nnx.state(blocks)
 
     def per_stage(var):
         a = var[...]
         if compute_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
-            a = a.astype(compute_dtype)
+            a = a.astype(read_dtype(var, compute_dtype))  # norms and routers stay float32, as the blocks read them
         names = tuple(var.get_metadata().get("out_sharding") or (LAYERS,) + (None,) * (a.ndim - 1))
         a = a.reshape(stages, repeats, a.shape[0] // (stages * repeats), *a.shape[1:])
         names = (LAYERS, None, None, *names[1:])

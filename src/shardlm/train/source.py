@@ -165,7 +165,7 @@ class OwnModel:
                 raise ShardlmError(f"mesh.stage={stages} splits the stacked blocks over pipeline stages: set "
                                    "model.scan_layers=true (the default)")
             t = self.cfg.train
-            check_pipeline(m.n_layers, t.batch_size // t.grad_accum, stages, m.pipeline_microbatches or stages,
+            check_pipeline(m.n_layers, t.batch_size // t.grad_accum, stages, m.pipeline_microbatches,
                            m.pipeline_repeats)
         kv = m.n_kv_heads or m.n_heads
         if kv % tp and not m.n_heads % tp:  # said in the model's terms before the generic per-parameter message
