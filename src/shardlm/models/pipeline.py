@@ -65,6 +65,7 @@ from shardlm.sharding import (
     constrain,
     gathered_for,
     replicas_of,
+    rules_without,
     use_mesh_rules,
 )
 
@@ -168,7 +169,9 @@ def _per_stage(graphdef, step: Step, schedule: "_Schedule", policy, remat_unit: 
     """The function of (weights [S, R, K, ...], or [S, F, R, K, ...] with F > 1 replicas, inputs [S, b, T, D], stage ids, microbatch ids, key) that runs
     every stage's K layers on its microbatch: a `vmap` over the stages, and inside it one over the F data-parallel
     replicas (each its rows of the microbatch, with its own copy of the weights: see `_stage_weights`)."""
-    mesh, inner_rules = active_mesh(), _rules_within_replicas(replica_axes)
+    mesh, rules = active_mesh(), active_rules()
+    # inside the vmap over replicas the batch's mesh axes split the vmapped dimension: no other may take them
+    inner_rules = None if rules is None else rules_without(replica_axes, rules)
 
     def compute(w, x_in, s, mb, key, f):
         """One stage's K layers of repeat mb // M on microbatch mb % M (replica f's rows), or zeros in when idle."""
@@ -208,19 +211,6 @@ def _per_stage(graphdef, step: Step, schedule: "_Schedule", policy, remat_unit: 
         return out.reshape(x_in.shape), combine_parts(more)  # the replicas' rows are parts of the batch
 
     return jax.vmap(per_stage_replica, in_axes=(0, 0, 0, 0, None), spmd_axis_name=active_axes(LAYERS))
-
-
-def _rules_within_replicas(replica_axes: tuple[str, ...]):
-    """The active rules without the mesh axes that split the batch: inside the vmap over replicas those axes split
-    the vmapped dimension (each replica's rows are its own), and no other dimension may take them."""
-    rules = active_rules()
-    if rules is None:
-        return None
-    out = []
-    for name, axes in rules:
-        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in replica_axes)
-        out.append((name, kept[0] if len(kept) == 1 else kept or None))
-    return tuple(out)
 
 
 class _Schedule:

@@ -197,7 +197,6 @@ def split_layer_path(path: str) -> tuple[int, str] | None:
     return (int(m.group(1)), f"{BLOCKS}/{m.group(2)}") if m else None
 
 
-
 def is_per_layer(tree) -> bool:
     """Whether a pure-dict tree holds its blocks one per layer ({"blocks": {0: ..., 1: ...}})."""
     found = _find_blocks(tree)
@@ -217,46 +216,39 @@ def _find_blocks(tree) -> list[dict]:
     return out
 
 
+def _map_blocks(tree, per_layer: bool, fn):
+    """A pure-dict tree with `fn` applied to each `blocks` subtree in one layout (`per_layer`: {0: ..., 1: ...};
+    else stacked), everything else as it was."""
+    if not isinstance(tree, dict):
+        return tree
+
+    def in_layout(value) -> bool:
+        return isinstance(value, dict) and bool(value) and all(isinstance(k, int) for k in value) == per_layer
+
+    return {key: fn(value) if key == BLOCKS and in_layout(value) else _map_blocks(value, per_layer, fn)
+            for key, value in tree.items()}
+
+
 def stacked_tree(tree, stack=jnp.stack):
     """A pure-dict tree with each per-layer `blocks` subtree ({0: t0, 1: t1, ...}) stacked into one ([n, ...]
     leaves). `stack(list_of_leaves)` does the stacking (default jnp.stack; an abstract version for shapes)."""
-    if not isinstance(tree, dict):
-        return tree
-    out = {}
-    for key, value in tree.items():
-        if key == BLOCKS and isinstance(value, dict) and value and all(isinstance(k, int) for k in value):
-            layers = [value[i] for i in range(len(value))]
-            out[key] = jax.tree.map(lambda *leaves: stack(list(leaves)), *layers)
-        else:
-            out[key] = stacked_tree(value, stack)
-    return out
+    def stacked(blocks):
+        layers = [blocks[i] for i in range(len(blocks))]
+        return jax.tree.map(lambda *leaves: stack(list(leaves)), *layers)
+
+    return _map_blocks(tree, True, stacked)
 
 
 def per_layer_tree(tree, n_layers: int, take=lambda leaf, i: leaf[i]):
     """The inverse of `stacked_tree`: each stacked `blocks` subtree split into {0: ..., n_layers - 1: ...}.
     `take(leaf, i)` takes layer i of a stacked leaf."""
-    if not isinstance(tree, dict):
-        return tree
-    out = {}
-    for key, value in tree.items():
-        if key == BLOCKS and isinstance(value, dict) and not all(isinstance(k, int) for k in value):
-            out[key] = {i: jax.tree.map(lambda leaf, i=i: take(leaf, i), value) for i in range(n_layers)}
-        else:
-            out[key] = per_layer_tree(value, n_layers, take)
-    return out
+    return _map_blocks(tree, False, lambda blocks: {i: jax.tree.map(lambda leaf, i=i: take(leaf, i), blocks)
+                                                    for i in range(n_layers)})
 
 
 def permuted_blocks(tree, rows):
     """A pure-dict tree whose stacked `blocks` leaves are reordered: row p of the result is row rows[p] of the
     input. With `rows_of_layers(order)`, a circular pipeline's stack in layer order (as checkpoints store it); with
     `order`, the other way."""
-    if not isinstance(tree, dict):
-        return tree
     index = jnp.array(rows)
-    out = {}
-    for key, value in tree.items():
-        if key == BLOCKS and isinstance(value, dict) and not all(isinstance(k, int) for k in value):
-            out[key] = jax.tree.map(lambda leaf: leaf[index], value)
-        else:
-            out[key] = permuted_blocks(value, rows)
-    return out
+    return _map_blocks(tree, False, lambda blocks: jax.tree.map(lambda leaf: leaf[index], blocks))

@@ -171,6 +171,12 @@ def active_mesh():
     return None if active is None else active[0]
 
 
+def active_rules() -> Rules | None:
+    """The rules of the active `use_mesh_rules` (None outside it)."""
+    active = getattr(_active, "value", None)
+    return None if active is None else active[1]
+
+
 def active_spec(*names: str | None, shape=None) -> P:
     """The PartitionSpec the active rules give logical `names` (P() outside `use_mesh_rules`)."""
     active = getattr(_active, "value", None)
@@ -214,19 +220,24 @@ def gathered(x: jax.Array, names: tuple, stored: tuple) -> jax.Array:
     cotangent like the gathered value, whole on every device, which XLA can only make with an all-reduce of the
     whole gradient before slicing it; pinned to the stored sharding, it is the reduce-scatter FSDP needs (half the
     bytes on the wire)."""
+    return _pinned_with_gradient(x, lambda a: constrain(a, *names), lambda g: constrain(g, *stored))
+
+
+def _pinned_with_gradient(x: jax.Array, pin, pin_gradient) -> jax.Array:
+    """`pin(x)`, whose gradient is `pin_gradient(g)` rather than autodiff's own transpose of `pin`."""
 
     @jax.custom_vjp
-    def gather(x):
-        return constrain(x, *names)
+    def pinned(x):
+        return pin(x)
 
     def forward(x):
-        return gather(x), None
+        return pinned(x), None
 
     def backward(_, g):
-        return (constrain(g, *stored),)
+        return (pin_gradient(g),)
 
-    gather.defvjp(forward, backward)
-    return gather(x)
+    pinned.defvjp(forward, backward)
+    return pinned(x)
 
 
 # Mesh axes that split a weight only to store it (FSDP's, and the context devices acting as FSDP shards): a weight
@@ -242,21 +253,10 @@ def gathered_for(x: jax.Array, names: tuple) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    stored = logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
-    used = P(*(_keep(entry) for entry in stored))
-
-    @jax.custom_vjp
-    def gather(x):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, used))
-
-    def forward(x):
-        return gather(x), None
-
-    def backward(_, g):
-        return (jax.lax.with_sharding_constraint(g, NamedSharding(mesh, stored)),)
-
-    gather.defvjp(forward, backward)
-    return gather(x)
+    stored = NamedSharding(mesh, logical_to_spec(names, rules, shape=x.shape, mesh=mesh))
+    used = NamedSharding(mesh, P(*(_keep(entry) for entry in stored.spec)))
+    return _pinned_with_gradient(x, lambda a: jax.lax.with_sharding_constraint(a, used),
+                                 lambda g: jax.lax.with_sharding_constraint(g, stored))
 
 
 def replicas_of(x: jax.Array, names: tuple, replicas: int, axes: tuple[str, ...]) -> jax.Array:
@@ -271,12 +271,6 @@ def replicas_of(x: jax.Array, names: tuple, replicas: int, axes: tuple[str, ...]
     copies = jnp.broadcast_to(x[:, None], (x.shape[0], replicas, *x.shape[1:]))
     used = P(stored[0], axes, *(_keep(entry) for entry in stored[1:]))
     return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, used))
-
-
-def active_rules() -> Rules | None:
-    """The rules of the active `use_mesh_rules` (None outside it)."""
-    active = getattr(_active, "value", None)
-    return None if active is None else active[1]
 
 
 def _keep(entry: MeshAxes) -> MeshAxes:
@@ -339,6 +333,16 @@ def batch_sharding(mesh, rules: Rules | None = None) -> NamedSharding:
     """Sharding of a [batch, seq_len + 1] token array: batch split over (data, fsdp, expert), each row whole
     (seq_len + 1 does not split evenly; the model splits the sequence over context as it embeds it)."""
     return NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh=mesh))
+
+
+def rules_without(axes: tuple[str, ...], rules: Rules) -> Rules:
+    """The table with mesh `axes` taken out of every rule: inside a `vmap` whose vmapped dimension those axes split
+    (a pipeline's data-parallel replicas), no other dimension may take them."""
+    out = []
+    for name, entry in rules:
+        kept = tuple(a for a in as_axes(entry) if a not in axes)
+        out.append((name, kept[0] if len(kept) == 1 else kept or None))
+    return tuple(out)
 
 
 def generation_rules(rules: Rules | None = None) -> Rules:
