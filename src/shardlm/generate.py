@@ -23,7 +23,6 @@ stages every stage's devices are given every layer and serve as replicas too.
 """
 
 import dataclasses
-import math
 import time
 from typing import Callable
 
@@ -45,6 +44,7 @@ from shardlm.sharding import (
     state_shardings,
     use_mesh_rules,
 )
+from shardlm.sharding.rules import axis_degree
 
 MIN_BUCKET = 16  # prompt lengths are padded to 16, 32, 64, ... (capped at the context): one prefill compile each
 
@@ -99,7 +99,7 @@ class Generator:
             self.context, self.n_layers = context, 0
         self.row_sharding = NamedSharding(mesh, logical_to_spec(("batch",), mesh=mesh))
         # the batch's split (data x fsdp x expert): a batch is padded to a multiple of it
-        self.rows_multiple = math.prod(mesh.shape[a] for a in _axes(self.row_sharding.spec[0]))
+        self.rows_multiple = axis_degree(mesh, self.row_sharding.spec[0])
         self.max_batch = max(self.rows_multiple, max_batch // self.rows_multiple * self.rows_multiple)
         self.compile_s = 0.0  # total time spent compiling, for reports
         self._compiled: dict = {}
@@ -243,10 +243,6 @@ class Generator:
                                                  ).lower(self.params, new_arg, row_arg, row_arg, seed_arg,
                                                          carry_arg).compile()
         return prefill_c, self._compiled[decode_key]
-
-
-def _axes(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _placed(state, shardings):

@@ -82,7 +82,7 @@ def hardware_for(n_devices: int, dtype: str, *, memory_bytes: float = 80e9, peak
     if latency_us < 0:
         raise ShardlmError(f"--latency-us must be >= 0, got {latency_us}")
     per_host = devices_per_host(n_devices, hosts, devices_per_node)
-    per_device_bw = _inter_host_bw_per_device(per_host, inter_host_bandwidth, inter_node_gbs)
+    per_device_bw = inter_host_bw_per_device(per_host, inter_host_bandwidth, inter_node_gbs)
     h100 = h100_peak(dtype) / 1e12
     peak = h100 if peak_tflops is None else peak_tflops
     default = (peak, intra_node_gbs, per_device_bw, latency_us) == (h100, 450, 50e9, 10)
@@ -103,7 +103,7 @@ def devices_per_host(n: int, hosts: int | None, devices_per_node: int | None) ->
     return n // hosts
 
 
-def _inter_host_bw_per_device(per_host: int, inter_host_bandwidth: str | None, inter_node_gbs: float | None) -> float:
+def inter_host_bw_per_device(per_host: int, inter_host_bandwidth: str | None, inter_node_gbs: float | None) -> float:
     """Bytes/s one device gets between hosts: its share of the host's network."""
     if inter_host_bandwidth is not None and inter_node_gbs is not None:
         raise ShardlmError("--inter-host-bandwidth and --inter-node-gbs both give the bandwidth between hosts; "

@@ -168,12 +168,22 @@ def shard_bytes(tree) -> int:
     return total
 
 
-def _cannot_fit(cfg: Config, s: Strategy, vocab: int, devices, hardware: Hardware) -> str | None:
-    """Why strategy `s` cannot fit the hardware's memory before anything compiles (its parameters and optimizer
-    state alone exceed it), or None."""
+def _abstract_state(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target | None = None):
+    """(mesh, `abstract_train_state`'s (build, graphdef, abstract state, shardings)) of one strategy: built once,
+    read by the fit check and the lowering."""
+    import contextlib
+
+    from shardlm.perf.targets import tracing_for
     from shardlm.train.state import abstract_train_state
 
-    abstract = abstract_train_state(cfg, s.make_mesh(devices), vocab)[2]
+    mesh = strategy.make_mesh(devices)
+    with tracing_for(target) if target else contextlib.nullcontext():
+        return mesh, abstract_train_state(cfg, mesh, vocab)
+
+
+def _cannot_fit(abstract, hardware: Hardware) -> str | None:
+    """Why a strategy whose abstract train state is `abstract` cannot fit the hardware's memory before anything
+    compiles (its parameters and optimizer state alone exceed it), or None."""
     state = shard_bytes(abstract["model"]) + shard_bytes(abstract["optimizer"])
     if state <= hardware.memory_bytes:
         return None
@@ -193,28 +203,23 @@ def _param_count(cfg: Config, vocab: int) -> int:
     return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
-def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target | None = None):
-    """(lowered train step, its matmul FLOPs, param bytes/device, optimizer bytes/device, param count) for one
-    strategy."""
+def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target | None = None, prepared=None):
+    """(lowered train step, its matmul FLOPs, param bytes/device, optimizer bytes/device) for one strategy;
+    `prepared`: its `_abstract_state`, when already built."""
     import contextlib
 
-    import jax
-
     from shardlm.flops import jaxpr_matmul_flops
-
     from shardlm.perf.targets import tracing_for
-    from shardlm.train.state import TrainState, abstract_train_state
+    from shardlm.train.state import TrainState
     from shardlm.train.step import batch_struct, train_step_for
 
-    mesh = strategy.make_mesh(devices)
+    mesh, (_, graphdef, abstract, shardings) = prepared or _abstract_state(cfg, strategy, vocab, devices, target)
     with tracing_for(target) if target else contextlib.nullcontext():
-        _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
         step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
         traced = step.trace(abstract, batch_struct(cfg, mesh))
         lowered = traced.lower()
-    count = sum(leaf.size for leaf in jax.tree.leaves(abstract["model"]))
     return lowered, jaxpr_matmul_flops(traced.jaxpr), shard_bytes(abstract["model"]), \
-        shard_bytes(abstract["optimizer"]), count
+        shard_bytes(abstract["optimizer"])
 
 
 def _devices(n_devices: int | None, target: Target | None, hosts: int | None) -> list:
@@ -295,7 +300,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
             for item in [p for p in pending if p[3].done()]:
                 pending.remove(item)
                 read(*item)
-            if strategies is None and (why := _cannot_fit(cfg, s, vocab, devices, hardware)):
+            prepared = _abstract_state(cfg, s, vocab, devices, target)
+            if strategies is None and (why := _cannot_fit(prepared[1][2], hardware)):
                 pruned.append((s, why))
                 continue
             if strategies is None and best[0] is not None and not bounds[s].beats(best[0][0]):
@@ -303,7 +309,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                                   f"is {_format_seconds(bounds[s].step_s)} ({_format_seconds(bounds[s].compute_s)} "
                                   f"compute + {_format_seconds(bounds[s].comm_s)} of unavoidable traffic)"))
                 continue
-            lowered, matmul_flops, p_bytes, o_bytes, _ = _lower(cfg, s, vocab, devices, target)
+            lowered, matmul_flops, p_bytes, o_bytes = _lower(cfg, s, vocab, devices, target, prepared)
             pending.append((s, p_bytes, o_bytes, pool.submit(compile_one, lowered, matmul_flops, s.devices)))
             del lowered
         while pending:  # drop each executable once read: 64 devices' worth of programs add up

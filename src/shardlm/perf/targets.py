@@ -32,8 +32,7 @@ from pathlib import Path
 
 from shardlm.accelerator import Accelerator, native_stderr_silenced
 from shardlm.errors import ShardlmError
-from shardlm.perf.costmodel import Hardware, devices_per_host
-from shardlm.units import parse_rate
+from shardlm.perf.costmodel import Hardware, devices_per_host, inter_host_bw_per_device
 
 SPECS = Path(__file__).with_name("gpu_specs")
 
@@ -65,12 +64,8 @@ class Target:
         # A TPU slice is one ICI network across its hosts: unless told otherwise, cost it as one "host".
         default = n_devices if self.platform == "tpu" else self.devices_per_host
         per_host = devices_per_host(n_devices, hosts, None) if hosts else default
-        network = self.network_bw
-        if inter_host_bandwidth is not None:
-            try:
-                network = parse_rate(inter_host_bandwidth) / per_host
-            except ValueError as e:
-                raise ShardlmError(f"--inter-host-bandwidth {e}") from None
+        network = self.network_bw if inter_host_bandwidth is None else inter_host_bw_per_device(
+            per_host, inter_host_bandwidth, None)
         return Hardware(name=self.label, peak_flops=self.peak_flops[dtype],
                         memory_bytes=memory_bytes or self.memory_bytes, intra_node_bw=self.link_bw,
                         inter_node_bw=network, devices_per_node=per_host, latency_s=10e-6)

@@ -16,6 +16,8 @@ Design choices:
 - A model from a py: file is stored as it is held: its structure is its own.
 """
 
+import functools
+
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -43,8 +45,14 @@ def save_state(ckpts: RunCheckpoints, step: int, state, position: int, meta: dic
     if stacks_blocks and is_per_layer(pure["model"]):
         pure = jax.jit(stacked_tree)(pure)
     elif stacks_blocks and order is not None:
-        pure = jax.jit(lambda t: permuted_blocks(t, rows_of_layers(order)))(pure)
+        pure = _permuted(pure, tuple(rows_of_layers(order)))
     ckpts.save_trees(step, pure["model"], pure["optimizer"], position, meta)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _permuted(tree, rows: tuple[int, ...]):
+    """`permuted_blocks` compiled once per row order (a lambda jitted at each save would compile at each save)."""
+    return permuted_blocks(tree, rows)
 
 
 def restore_state(reader: RunCheckpoints, step: int, abstract_state, *, optimizer: bool = True,
