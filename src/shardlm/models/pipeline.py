@@ -72,11 +72,17 @@ from shardlm.sharding import (
 ACTIVATION = ("batch", "seq", "act_embed")  # the residual stream's logical names
 
 
+def microbatch_count(setting: int, stages: int) -> int:
+    """M for `model.pipeline_microbatches=setting` on `stages` stages: the setting, 0 meaning one per stage; 1
+    without a pipeline."""
+    return (setting or stages) if stages > 1 else 1
+
+
 def check_pipeline(n_layers: int, batch: int, stages: int, microbatches: int, repeats: int) -> None:
     """One-line errors for a schedule that cannot run: layers not divisible by S R, M not a multiple of S, or a
     batch (per gradient-accumulation step) that does not split into M microbatches. `microbatches` is the
     setting: 0 means one per stage."""
-    m = microbatches or stages
+    m = microbatch_count(microbatches, stages)
     setting = f"model.pipeline_microbatches={microbatches}" + ("" if microbatches else f", one per stage: {m}")
     if n_layers % (stages * repeats):
         raise ShardlmError(
@@ -121,7 +127,7 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     iteration's stage compute, and with `remat_unit="layer"` each layer inside it too. Returns the output and
     the blocks' statistics (`stats`: their zeros) summed over the layers and over the microbatches, except `aux_loss`, a
     per-batch quantity, which is their mean."""
-    m_count = microbatches or stages
+    m_count = microbatch_count(microbatches, stages)
     check_pipeline(n_layers, x.shape[0], stages, microbatches, repeats)
     replicas, replica_axes = _replicas()
     weights = _stage_weights(blocks, stages, repeats, compute_dtype, replicas, replica_axes)
@@ -294,5 +300,5 @@ def layer_ranges(layers: list[int]) -> str:
     return ", ".join(out)
 
 
-__all__ = ["bubble_fraction", "check_pipeline", "circular_order", "layer_ranges", "row_order", "run_pipeline",
-           "stage_layers"]
+__all__ = ["bubble_fraction", "check_pipeline", "circular_order", "layer_ranges", "microbatch_count", "row_order",
+           "run_pipeline", "stage_layers"]

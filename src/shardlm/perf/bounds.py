@@ -53,9 +53,11 @@ class Bound:
 def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count: int) -> Bound:
     """The bound for `cfg` (shardlm's models; a py: file's model gets its compute only) on strategy `s`, whose
     step costs `model_flops` over all devices, for a model of `param_count` parameters."""
+    from shardlm.models.pipeline import microbatch_count  # imports JAX: planning_flags runs before JAX starts
+
     m, t = cfg.model, cfg.train
     compute = model_flops / s.devices / hw.peak_flops
-    micro = (m.pipeline_microbatches or s.stage) if s.stage > 1 else 1
+    micro = microbatch_count(m.pipeline_microbatches, s.stage)
     iterations = micro * m.pipeline_repeats + s.stage - 1
     if s.stage > 1:
         compute *= iterations / (micro * m.pipeline_repeats)

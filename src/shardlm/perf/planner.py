@@ -403,7 +403,7 @@ def pipeline_lines(p: Plan) -> list[str]:
     """For each strategy with pipeline stages: the schedule's bubble (which the compiled step's FLOPs, and so the
     estimate, already include: idle stages compute on zeros) and what it hands between stages, in all and across
     hosts."""
-    from shardlm.models.pipeline import bubble_fraction
+    from shardlm.models.pipeline import bubble_fraction, microbatch_count
 
     m = p.cfg.model
     lines = []
@@ -411,7 +411,7 @@ def pipeline_lines(p: Plan) -> list[str]:
         stages = r.strategy.stage
         if stages == 1:
             continue
-        micro = m.pipeline_microbatches or stages
+        micro = microbatch_count(m.pipeline_microbatches, stages)
         hand_offs = [op for op in r.collectives if op.kind == "collective-permute"]
         sent = sum(op.bytes * op.times for op in hand_offs)
         across = sum(split_traffic(op, p.hardware.devices_per_node, r.strategy.devices)[1] * op.times

@@ -54,7 +54,14 @@ from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
 from shardlm.models.layers import check_attention
-from shardlm.models.pipeline import bubble_fraction, check_pipeline, layer_ranges, row_order, stage_layers
+from shardlm.models.pipeline import (
+    bubble_fraction,
+    check_pipeline,
+    layer_ranges,
+    microbatch_count,
+    row_order,
+    stage_layers,
+)
 from shardlm.sharding import batch_sharding, state_shardings, use_mesh_rules
 from shardlm.trees import path_str
 from shardlm.units import fmt_bytes
@@ -224,7 +231,7 @@ class OwnModel:
         if stages == 1:
             return None
         m = self.cfg.model
-        micro, repeats = m.pipeline_microbatches or stages, m.pipeline_repeats
+        micro, repeats = microbatch_count(m.pipeline_microbatches, stages), m.pipeline_repeats
         held = "; ".join(f"stage {s}: layers {layer_ranges(layers)}"
                          for s, layers in enumerate(stage_layers(m.n_layers, stages, repeats)))
         activation = self._rows_per_device(mesh) // micro * m.seq_len // mesh.shape["context"] * m.d_model \

@@ -17,6 +17,7 @@ from flax import nnx
 
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
+from shardlm.models.pipeline import microbatch_count
 from shardlm.models.stack import is_stacked_block
 from shardlm.sharding.rules import as_axes, axis_degree
 from shardlm.train.source import model_source
@@ -127,7 +128,7 @@ def check_batch(cfg: Config, mesh) -> None:
             f"= {dp} devices; use a train.batch_size that is a multiple of {k * dp}, or a smaller grad_accum"
         )
     stages = mesh.shape.get("stage", 1)
-    m = (cfg.model.pipeline_microbatches or stages) if stages > 1 else 1
+    m = microbatch_count(cfg.model.pipeline_microbatches, stages)
     if m > 1 and (cfg.train.batch_size // k) % (dp * m):
         raise ShardlmError(
             f"the pipeline cuts each batch of {cfg.train.batch_size // k} sequences into {m} microbatches "
