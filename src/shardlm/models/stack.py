@@ -157,7 +157,7 @@ def unstacked(model):
     rows = rows_of_layers(model.layer_order, model.n_layers)
 
     def layer(i):
-        block = nnx.merge(graphdef, jax.tree.map(lambda a: _row(a, rows[i]), stacked))
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: stack_row(a, rows[i]), stacked))
         for _, var in nnx.iter_graph(block):  # the stacked axis's name goes with it
             if isinstance(var, nnx.Variable) and (names := var.get_metadata().get("out_sharding")):
                 var.set_metadata(out_sharding=tuple(names[1:]) if names[0] == LAYERS else names)
@@ -168,7 +168,7 @@ def unstacked(model):
     return model
 
 
-def _row(a, i):
+def stack_row(a, i):
     """Row i of a stacked array, or of an abstract one (shape and sharding only: a compile for a target)."""
     if isinstance(a, jax.ShapeDtypeStruct):
         from jax.sharding import NamedSharding, PartitionSpec

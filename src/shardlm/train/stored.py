@@ -24,7 +24,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlm.checkpoint import RunCheckpoints
-from shardlm.models.stack import is_per_layer, per_layer_tree, permuted_blocks, rows_of_layers, stacked_tree
+from shardlm.models.stack import (
+    is_per_layer,
+    per_layer_tree,
+    permuted_blocks,
+    rows_of_layers,
+    stack_row,
+    stacked_tree,
+)
 
 
 def _blocks_in(tree) -> dict | None:
@@ -71,7 +78,7 @@ def restore_state(reader: RunCheckpoints, step: int, abstract_state, *, optimize
     reorder = stacks_blocks and order is not None and not held_per_layer
     if convert or reorder:
         shardings = jax.tree.map(lambda t: t.sharding, target)
-        n_layers = _n_layers(target if held_per_layer else stored) if convert else 0
+        n_layers = _n_layers(target) if convert and held_per_layer else 0  # (stacking needs no count)
 
         def change(t):
             if convert:
@@ -102,9 +109,4 @@ def _as_stacked(target):
 def _as_per_layer(target):
     """The per-layer form of a stacked target: one leaf per layer, sharded like the stack without its first axis."""
     n_layers = jax.tree.leaves(_blocks_in(target["model"] if "model" in target else target))[0].shape[0]
-
-    def take(leaf, i):
-        sharding = NamedSharding(leaf.sharding.mesh, P(*leaf.sharding.spec[1:]))
-        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
-
-    return per_layer_tree(target, n_layers, take)
+    return per_layer_tree(target, n_layers, stack_row)
