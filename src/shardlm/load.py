@@ -81,15 +81,16 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
         check_vocab_padding(meta, padded, mesh.shape["tensor"], "load")
         graphdef, abstract = abstract_model(cfg, mesh, real)
         source = model_source(cfg)
-        stacks, order = source.stacks_blocks, source.layer_order(mesh)
+
+        def read(s: int):
+            return stored.restore_state(reader, s, abstract, optimizer=False, stacks_blocks=source.stacks_blocks,
+                                        order=source.layer_order(mesh))
+
         try:
-            state = stored.restore_state(reader, step, abstract, optimizer=False, stacks_blocks=stacks, order=order)
+            state = read(step)
         except CheckpointError as e:
             older = [s for s in steps if s < step]
-            raise unreadable(run_dir, e, older, reader,
-                             check=lambda s: (reader.read_meta(s), stored.restore_state(
-                                 reader, s, abstract, optimizer=False, stacks_blocks=stacks, order=order))
-                             ) from None
+            raise unreadable(run_dir, e, older, reader, check=lambda s: (reader.read_meta(s), read(s))) from None
     finally:
         reader.close()
     return LoadedModel(cfg, mesh, graphdef, state, run_tokenizer(cfg, run_dir), step)

@@ -132,17 +132,18 @@ def restore_state(run_dir: Path, step: int, cfg: Config, mesh, vocab_size: int) 
     If it cannot be read, the error names the newest older checkpoint that can."""
     _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab_size)
     source = model_source(cfg)
-    stacks, order = source.stacks_blocks, source.layer_order(mesh)
     reader = RunCheckpoints(run_dir, read_only=True)
+
+    def read(s: int):
+        return stored.restore_state(reader, s, abstract, stacks_blocks=source.stacks_blocks,
+                                    order=source.layer_order(mesh))
+
     try:
-        state = stored.restore_state(reader, step, abstract, stacks_blocks=stacks, order=order)
+        state = read(step)
         position = reader.read_position(step)
     except CheckpointError as e:
         older = [s for s in local_steps(run_dir) if s < step]
-        raise unreadable(run_dir, e, older, reader,
-                         check=lambda s: (reader.read_meta(s),
-                                          stored.restore_state(reader, s, abstract, stacks_blocks=stacks,
-                                                               order=order))) from None
+        raise unreadable(run_dir, e, older, reader, check=lambda s: (reader.read_meta(s), read(s))) from None
     finally:
         reader.close()
     return TrainState(graphdef, state, shardings), position
