@@ -97,9 +97,6 @@ def _checkpoint_meta(run_dir: Path, step: int | None) -> dict:
         raise ShardlmError(f"{run_dir} trained {model.get('preset')}, a model from the user's file, whose architecture "
                            "has no Hugging Face counterpart shardlm knows; read its variables with "
                            "shardlm.load_model(run_dir) instead (the module's state, on any mesh)")
-    if model.get("family", "gpt") == "gpt" and model.get("use_bias") is False:
-        raise ShardlmError(f"{run_dir} trained a GPT without biases (model.use_bias=false), which transformers' "
-                           "GPT2LMHeadModel cannot hold; only GPT runs with biases export")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     check_exportable(ModelConfig(**{k: v for k, v in model.items() if k in fields}), str(run_dir))
     steps = complete_steps(run_dir)

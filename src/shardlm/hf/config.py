@@ -163,8 +163,11 @@ def check_context(directory: str | Path, model: ModelConfig) -> None:
 
 
 def check_exportable(m: ModelConfig, where: str) -> None:
-    """Raise if `m` has no Hugging Face counterpart shardlm writes: a mixture of experts is exported as Mixtral,
-    whose every layer is sparse, with one expert size and no shared expert."""
+    """Raise if `m` has no Hugging Face counterpart shardlm writes: a GPT is exported as GPT-2, which has biases;
+    a mixture of experts as Mixtral, whose every layer is sparse, with one expert size and no shared expert."""
+    if m.family == "gpt" and not m.use_bias:
+        raise ShardlmError(f"{where} trained a GPT without biases (model.use_bias=false), which transformers' "
+                           "GPT2LMHeadModel cannot hold; only GPT runs with biases export")
     if not m.moe_experts:
         return
     if m.moe_every != 1:
