@@ -48,6 +48,7 @@ def main() -> None:
     from shardlm.explanation import explain_state
     from shardlm.units import fmt_bytes
     from shardlm.checkpoint import RunCheckpoints
+    from shardlm.train import stored
     from shardlm.train.state import abstract_train_state, create_train_state
     from shardlm.train.step import train_step_for
 
@@ -83,7 +84,8 @@ def main() -> None:
     for save_step in (1, 2):  # the first save pays one-time costs (thread pools, transfer programs); the second not
         _progress(f"save {save_step}: starting")
         t0 = time.perf_counter()
-        ck.save(save_step, state, save_step, {"step": save_step, "config": cfg.to_dict()})
+        stored.save_state(ck, save_step, state, save_step, {"step": save_step, "config": cfg.to_dict()},
+                          stacks_blocks=True)  # what training runs
         blocked = time.perf_counter() - t0
         during = []
         while ck.manager.is_saving_in_progress():
@@ -104,7 +106,7 @@ def main() -> None:
         abstract = abstract_train_state(cfg, target, vocab)[2]
         reader = RunCheckpoints(root, read_only=True)
         t0 = time.perf_counter()
-        restored = reader.restore(1, abstract)
+        restored = stored.restore_state(reader, 1, abstract)
         jax.block_until_ready(jax.tree.leaves(restored))
         restores[name] = time.perf_counter() - t0
         reader.close()

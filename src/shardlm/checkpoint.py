@@ -35,7 +35,6 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
-from flax import nnx
 from orbax.checkpoint import checkpoint_managers as policies
 
 from shardlm.errors import ShardlmError
@@ -247,17 +246,6 @@ class RunCheckpoints:
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(step, f"its data position cannot be read: {_reason(e)}") from e
 
-    def restore(self, step: int, abstract_state, *, optimizer: bool = True):
-        """The state at `step`, each array placed as the matching leaf of `abstract_state` says (ShapeDtypeStructs
-        with shardings). `abstract_state` is the nnx.State {"model": ..., "optimizer": ...}, or the model's state
-        alone when `optimizer` is False."""
-        target = nnx.to_pure_dict(abstract_state)
-        params, opt = self.restore_trees(step, target["model"] if optimizer else target,
-                                         target["optimizer"] if optimizer else None)
-        state = jax.tree.map(lambda x: x, abstract_state)  # a fresh tree of the same Variables, filled below
-        nnx.replace_by_pure_dict(state, {"model": params, "optimizer": opt} if optimizer else params)
-        return state
-
     def restore_trees(self, step: int, params_target, optimizer_target=None):
         """(params, optimizer state) at `step`, read into the shapes, dtypes and shardings of the targets (pytrees
         of ShapeDtypeStructs, the structure they were saved with); the optimizer item is not read without a
@@ -275,14 +263,10 @@ class RunCheckpoints:
         return params, opt
 
     # --- writing -----------------------------------------------------------------------------------------------
-    def save(self, step: int, state, position: int, meta: dict) -> None:
-        """Start saving `state` (the nnx.State {"model", "optimizer"}) and the data position (the index of the next
-        batch); returns once the arrays are off the devices, while the files are written in the background."""
-        pure = nnx.to_pure_dict(state)
-        self.save_trees(step, pure["model"], pure["optimizer"], position, meta)
-
     def save_trees(self, step: int, params, optimizer, position: int, meta: dict) -> None:
-        """`save` for plain pytrees of arrays: the params item, the optimizer item, the position and the meta."""
+        """Start saving plain pytrees of arrays (the params item, the optimizer item), the data position (the index
+        of the next batch) and the meta; returns once the arrays are off the devices, while the files are written
+        in the background (`shardlm.train.stored.save_state` saves a train state with it)."""
         args = ocp.args.Composite(
             params=ocp.args.PyTreeSave(_storable(params)),
             optimizer=ocp.args.PyTreeSave(_storable(optimizer)),
