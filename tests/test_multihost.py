@@ -204,8 +204,8 @@ def test_checkpoints_move_between_process_counts(reference, launched, tmp_path):
     assert_close_losses(losses(one), want, range(11, 21), first_tol=1e-5, last_tol=5e-5)
 
 
-def test_sigterm_to_one_process_stops_all_at_the_same_step_saved(reference, tmp_path):
-    ref = reference("fsdp4_tp2", FSDP4_TP2)
+def test_sigterm_to_one_process_stops_all_at_the_same_step_saved(launched, tmp_path):
+    uninterrupted, _ = launched(2, 4, "fsdp4_tp2", FSDP4_TP2)
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     proc = launch(2, 4, run_dir, *FSDP4_TP2, log_dir=logs, background=True)
     log1 = logs / "process-1.log"
@@ -217,9 +217,12 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_saved(reference, tmp_
     assert stops[0] == stops[1] < 20, texts  # both processes stopped after the same step...
     assert checkpoint_steps(run_dir)[-1] == stops[0]  # ...and saved it
     assert not (run_dir / "summary.json").exists()
-    summary = train(load_config(None, RUN + FSDP4_TP2), run_dir, progress=False)  # the resume continues from it
-    assert summary["resumed_from"] == stops[0]
-    assert_close_losses(losses(run_dir), losses(ref), range(1, 21), first_tol=1e-5, last_tol=1e-5)
+    # the resume, on the same two processes, continues from it: every step's loss is the uninterrupted launch's,
+    # exactly (a resume on one process differs from two in gloo's summation order, which the steps grow:
+    # test_checkpoints_move_between_process_counts)
+    assert launch(2, 4, run_dir, *FSDP4_TP2, log_dir=tmp_path / "resumed").returncode == 0
+    assert f"from its checkpoint at step {stops[0]} " in launcher_log(tmp_path / "resumed")
+    assert losses(run_dir) == losses(uninterrupted)
 
 
 def test_a_killed_process_stops_the_others_and_the_run_resumes(reference, tmp_path):
