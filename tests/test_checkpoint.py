@@ -3,6 +3,7 @@ parameter-only readers. Runs are real `train` calls (in-process, or `shardlm` su
 must hit a whole process) on the built-in corpus with a byte tokenizer."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from flax import nnx
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh
+from shardlm.sharding.rules import as_axes
 from shardlm.checkpoint import RunCheckpoints
 from shardlm.train import stored
 from shardlm.train.loop import train
@@ -147,8 +149,9 @@ def test_restore_reads_each_array_into_the_new_sharding(reference):
         assert a.sharding == s, jax.tree_util.keystr(path)  # read back from the restored array
         assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
         if any(e == "tensor" or (isinstance(e, tuple) and "tensor" in e) for e in s.spec):
-            tensor_split += 1  # each device holds a quarter: the shard, not the whole array
-            assert a.addressable_shards[0].data.size * 4 == a.size, jax.tree_util.keystr(path)
+            tensor_split += 1  # each device holds its shard (a quarter over tensor, halved again over data when the
+            degree = math.prod(mesh.shape[a] for e in s.spec for a in as_axes(e))  # state is sharded over it)
+            assert degree >= 4 and a.addressable_shards[0].data.size * degree == a.size, jax.tree_util.keystr(path)
     assert tensor_split >= 8  # attention and MLP weights of both layers, and their AdamW moments
 
 
@@ -164,6 +167,21 @@ def test_fsdp8_checkpoint_continues_on_another_mesh(reference, tmp_path, mesh, d
                                                                 **mesh}
     want, got = losses(reference), losses(run_dir)
     assert sorted(got) == list(range(1, 11))
+    for step in range(7, 11):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_a_checkpoint_moves_in_and_out_of_a_state_sharded_over_data(reference, tmp_path):
+    """The FSDP 8 checkpoint at step 6 continues on data 8 with the weights and AdamW's moments split over the
+    replicas (`train.shard_optimizer_over_data`, the default), is stopped at step 8 and saved so; that checkpoint
+    continues with the setting off, every replica holding the whole state. Every loss matches the uninterrupted
+    run. (Which arrays each setting splits is `test_sharding`'s.)"""
+    run_dir = copy_run(reference, tmp_path, keep_steps=[6])
+    summary = train(cfg_for("mesh.data=8"), run_dir, progress=False, on_step=send_at(8, signal.SIGTERM))
+    assert summary["resumed_from"] == 6 and max(steps(run_dir)) == 8
+    summary = train(cfg_for("mesh.data=8", "train.shard_optimizer_over_data=false"), run_dir, progress=False)
+    assert summary["resumed_from"] == 8 and summary["finished"]
+    want, got = losses(reference), losses(run_dir)
     for step in range(7, 11):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 

@@ -99,7 +99,8 @@ def test_hybrid_mesh_command_as_spelled_in_the_issue(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "mesh stage=1 x data=2 x fsdp=2 x expert=1 x context=1 x tensor=2" in out
-    assert "blocks/mlp/w_in" in out and str(P(None, "fsdp", "tensor")) in out  # stacked over the layers
+    # stacked over the layers; embed over fsdp and the data-parallel replicas (the state is sharded over them)
+    assert "blocks/mlp/w_in" in out and str(P(None, ("fsdp", "data"), "tensor")) in out
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 20 and REQUIRED <= set(rows[-1])
 

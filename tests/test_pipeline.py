@@ -152,19 +152,36 @@ def test_the_schedule_equals_the_layers_in_order(stages, repeats, microbatches, 
     np.testing.assert_allclose(np.asarray(dx), np.asarray(ref_dx), rtol=1e-4, atol=1e-6 * np.abs(ref_dx).max())
 
 
-def test_the_stage_weights_are_cast_as_the_blocks_read_them():
-    """Cast ahead of the loop to the compute dtype, all but what the blocks read in float32 (the norms): those the
-    unpipelined blocks never round, and their gradients sum over the iterations in float32."""
+def test_stage_weights_are_read_in_the_compute_dtype_and_their_gradients_summed_in_float32():
+    """The blocks read their compute copies (bfloat16, but float32 for norms and biases); each weight's gradient reaches
+    the stored float32 weight through a float32 carrier, so the pipeline's loop sums it over its iterations in
+    float32: against a float64 sum of 4,096 bfloat16 terms, the carrier's sum is float32-exact where a sum in
+    bfloat16 (the weight's own cotangent) is off by a thousandth."""
     from flax.traverse_util import flatten_dict
 
-    from shardlm.models.pipeline import _stage_weights
+    from shardlm.models.pipeline import _stage_weights, _with_gradient_into
+    from shardlm.models.precision import compute_view
 
     model, _ = _blocks_and_input()
-    weights = nnx.to_pure_dict(_stage_weights(model.blocks, 2, 1, jnp.bfloat16, 1, ()))
-    dtypes = {k: a.dtype for k, a in flatten_dict(weights, sep="/").items()}
-    norms = {k for k in dtypes if k.split("/")[0].startswith("ln")}
-    assert norms and {dtypes[k] for k in norms} == {jnp.dtype("float32")}
-    assert {dtypes[k] for k in dtypes.keys() - norms} == {jnp.dtype("bfloat16")}  # the attention's and the MLP's
+    weights, carriers = _stage_weights(compute_view(model, jnp.bfloat16).blocks, model.blocks, 2, 1, 1, ())
+    dtypes = {k: a.dtype for k, a in flatten_dict(nnx.to_pure_dict(weights), sep="/").items()}
+    in_float32 = {k for k in dtypes if k.split("/")[0].startswith("ln") or k.endswith("bias")}  # norms, biases
+    assert in_float32 and {dtypes[k] for k in in_float32} == {jnp.dtype("float32")}
+    assert {dtypes[k] for k in dtypes.keys() - in_float32} == {jnp.dtype("bfloat16")}  # the matrices
+    assert {a.dtype for a in jax.tree.leaves(carriers)} == {jnp.dtype("float32")}
+
+    terms = jax.random.normal(jax.random.key(0), (4096, 8), jnp.float32).astype(jnp.bfloat16) + 1
+    exact = np.asarray(terms, np.float64).sum(0)
+
+    def summed(w, c):  # the gradient of sum_t <w, terms[t]> over a loop, as a pipeline's weights take it
+        return jax.lax.scan(lambda acc, g: (acc + (_with_gradient_into(w, c) * g).sum(), None), 0.0, terms)[0]
+
+    w, c = jnp.ones(8, jnp.bfloat16), jnp.zeros(8, jnp.float32)
+    through_carrier = jax.grad(summed, argnums=1)(w, c)
+    own = jax.grad(lambda w: jax.lax.scan(lambda acc, g: (acc + (w * g).sum(), None), 0.0, terms)[0])(w)
+    assert through_carrier.dtype == jnp.float32 and own.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(through_carrier) / exact - 1).max() < 1e-6
+    assert np.abs(np.asarray(own, np.float64) / exact - 1).max() > 1e-3
 
 
 def test_pipeline_errors_are_one_line():
@@ -309,5 +326,6 @@ def test_remat_per_layer_without_remat_is_a_one_line_error():
     from shardlm.config import load_config
     from shardlm.errors import ShardlmError
 
-    with pytest.raises(ShardlmError, match="model.remat=none rematerialises nothing: set model.remat"):
+    with pytest.raises(ShardlmError, match="model.remat=none keeps every matmul output, so there is nothing to "
+                                           "rematerialise: set model.remat"):
         load_config(None, BASE + ["mesh.stage=2", "model.pipeline_remat=layer"])

@@ -10,7 +10,7 @@ from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.explanation import explain_state, format_explanation
 from shardlm.mesh import make_mesh
-from shardlm.sharding import batch_sharding, logical_to_spec
+from shardlm.sharding import batch_sharding, logical_to_spec, zero_rules
 from shardlm.trees import path_str
 from shardlm.train.state import create_train_state
 
@@ -40,11 +40,14 @@ EXPECTED_LOGICAL = {
 
 
 def expected_spec(path: str, shape=None, mesh=None) -> P:
+    """A training state's spec: the rule table's, and with data-parallel replicas the table that also splits the
+    state over them (`train.shard_optimizer_over_data`, on by default)."""
     key = next(k for k in EXPECTED_LOGICAL if path == k or path.endswith("/" + k))
     names = EXPECTED_LOGICAL[key]
     if path.startswith("blocks/") and not path.split("/")[1].isdigit():  # scanned: stacked on a `layers` axis
         names = ("layers", *names)
-    return logical_to_spec(names, shape=shape, mesh=mesh)
+    rules = zero_rules() if mesh is not None and mesh.shape["data"] > 1 else None
+    return logical_to_spec(names, rules, shape=shape, mesh=mesh)
 
 
 def _same_spec(a: P, b: P) -> bool:
@@ -126,9 +129,13 @@ def test_fsdp8_holds_an_eighth_of_the_state_per_device():
     for dev in ex.param_bytes_per_device:
         per_dev = ex.param_bytes_per_device[dev] + ex.opt_bytes_per_device[dev]
         assert per_dev <= full / 8 * 1.01, (dev, per_dev, full)
-    # Pure DP replicates everything: each device holds the whole state.
+    # Pure DP splits the weights and AdamW's moments over the replicas too (ZeRO-1/2), unless told not to: then
+    # each device holds the whole state.
     dp_mesh = make_mesh(8, 1, 1)
     dp = explain_state(create_train_state(cfg, dp_mesh, 500).state, dp_mesh)
+    assert dp.max_param_bytes + dp.max_opt_bytes <= full / 8 * 1.01
+    replicated = load_config(None, MICRO + ["train.shard_optimizer_over_data=false"])
+    dp = explain_state(create_train_state(replicated, dp_mesh, 500).state, dp_mesh)
     assert dp.max_param_bytes + dp.max_opt_bytes == full
 
 
@@ -136,13 +143,14 @@ def test_tensor_parallel_splits_heads_mlp_and_vocab():
     cfg = load_config(None, MICRO)
     mesh = make_mesh(2, 1, 4)
     model_state = create_train_state(cfg, mesh, 500).state["model"]
+    # (embed split over the 2 data-parallel replicas too: the training state is sharded over them)
     wq = model_state["blocks"]["attn"]["wq"][...]  # stacked over the 2 layers
-    assert wq.addressable_shards[0].data.shape == (2, 64, 1, 16)  # one head of four per tensor device
+    assert wq.addressable_shards[0].data.shape == (2, 32, 1, 16)  # one head of four per tensor device
     w_in = model_state["blocks"]["mlp"]["w_in"][...]
-    assert w_in.addressable_shards[0].data.shape == (2, 64, 32)
+    assert w_in.addressable_shards[0].data.shape == (2, 32, 32)
     wte = model_state["wte"][...]
     assert wte.shape == (512, 64)  # 500 padded to a multiple of 64
-    assert wte.addressable_shards[0].data.shape == (128, 64)
+    assert wte.addressable_shards[0].data.shape == (128, 32)
 
 
 def test_indivisible_degree_fails_before_compile_naming_the_parameter():
@@ -185,19 +193,20 @@ def test_sharded_init_never_materialises_a_whole_parameter():
     assert stats.temp_size_in_bytes < largest
 
 
-@pytest.mark.parametrize("degrees, gathers", [
-    ((8, 1, 1), False),  # DP: weights stay replicated and are never gathered; gradients are all-reduced
-    ((1, 8, 1), True),  # FSDP: weights are all-gathered for use; gradients are reduced (scattered) back to shards
-    ((1, 1, 4), False),  # TP: weights are never gathered; activations are all-reduced after row-parallel matmuls
+@pytest.mark.parametrize("degrees, gathers, sharded_state", [
+    ((8, 1, 1), False, False),  # DP: weights stay replicated and are never gathered; gradients are all-reduced
+    ((8, 1, 1), True, True),  # DP, the state split over the replicas: weights gathered once, gradients scattered
+    ((1, 8, 1), True, True),  # FSDP: weights are all-gathered for use; gradients are reduced (scattered) to shards
+    ((1, 1, 4), False, True),  # TP: weights are never gathered; activations are all-reduced after row-parallel
 ])
-def test_strategies_compile_to_their_collectives(degrees, gathers):
+def test_strategies_compile_to_their_collectives(degrees, gathers, sharded_state):
     """The compiled step's collectives are the ones each strategy is defined by (read from XLA's HLO)."""
     import re
 
     from shardlm.sharding import batch_sharding
     from shardlm.train.step import train_step_for
 
-    cfg = load_config(None, MICRO)
+    cfg = load_config(None, MICRO + [f"train.shard_optimizer_over_data={str(sharded_state).lower()}"])
     mesh = make_mesh(*degrees, devices=jax.devices()[: int(np.prod(degrees))])
     ts = create_train_state(cfg, mesh, 500)
     bsh = batch_sharding(mesh)

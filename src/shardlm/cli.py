@@ -137,6 +137,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     _target_options(plan, devices=False)
     plan.add_argument("--strategies", metavar="LIST",
                       help="only these strategies, comma-separated as plan names them (e.g. fsdp8,fsdp4+tp2)")
+    plan.add_argument("--remat", metavar="LIST",
+                      help="compile each strategy under each of these remat policies (e.g. none,save_attention,full)"
+                           " and name the cheapest that fits each; default: model.remat alone")
     plan.add_argument("--peak-tflops", type=float, default=None, metavar="T",
                       help="peak FLOP/s per device for the cost model (default: H100 SXM dense for model.dtype, "
                            "494.5 float32 as TF32, 989 bfloat16)")
@@ -381,8 +384,9 @@ def _plan(args: argparse.Namespace) -> None:
     if any(o.split("=", 1)[0].strip().startswith("mesh.") for o in args.overrides):
         print("note: plan tries every mesh (or --strategies); the mesh.* overrides are ignored", file=sys.stderr)
     strategies = parse_strategies(args.strategies, n) if args.strategies is not None else None
+    remats = [r.strip() for r in args.remat.split(",") if r.strip()] if args.remat else None
     p = plan(cfg, n if target else args.devices, hw, strategies=strategies, log=report_progress, target=target,
-             hosts=args.hosts)
+             hosts=args.hosts, remats=remats)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s"
                     + (f" ({len(p.pruned)} more pruned: they cannot win)" if p.pruned else ""))

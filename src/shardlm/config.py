@@ -76,6 +76,10 @@ class TrainConfig:
     # jitted step (a scan) and their gradients averaged: the same update (without dropout), with the activations
     # of one microbatch alive at a time.
     grad_accum: int = 1
+    # With mesh.data > 1, the weights and AdamW's moments are split over the data-parallel replicas too (ZeRO-1/2:
+    # gradients reduce-scattered, each replica updating its shard, the weights gathered in the compute dtype once
+    # per step). false: every replica holds the whole state, as before.
+    shard_optimizer_over_data: bool = True
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30

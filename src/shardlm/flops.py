@@ -31,7 +31,8 @@ def jaxpr_matmul_flops(jaxpr) -> float:
     `ragged_dot_general` row by its group's matrix: the rows of an expert-parallel exchange buffer, padding
     included, count, so a mixture's count can exceed its active FLOPs), a scan's body
     counted once per iteration, a conditional's costliest branch, a while loop's body once (its trip count is not
-    known), nested calls (jit, remat, custom derivatives' primal) followed. For a forward pass this is what the
+    known), a `shard_map`'s per-device body once per device, nested calls (jit, remat, custom derivatives'
+    primal) followed. For a forward pass this is what the
     6N + 12LTd convention counts for shardlm's models, 3 x (2N + 4LTd): the weights' matmuls and attention's."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr's
     total = 0.0
@@ -47,6 +48,10 @@ def jaxpr_matmul_flops(jaxpr) -> float:
             total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"])
         elif name == "cond":
             total += max(jaxpr_matmul_flops(branch) for branch in eqn.params["branches"])
+        elif name == "shard_map":  # a per-device program, run on each device of its manual axes
+            mesh = eqn.params["mesh"]
+            axes = eqn.params.get("newly_manual_axes") or eqn.params.get("manual_axes") or tuple(mesh.shape)
+            total += math.prod(mesh.shape[a] for a in axes) * jaxpr_matmul_flops(eqn.params["jaxpr"])
         else:
             total += sum(jaxpr_matmul_flops(v) for v in eqn.params.values() if _is_jaxpr(v))
     return total

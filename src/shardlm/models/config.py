@@ -36,8 +36,17 @@ class ModelConfig:
     # bfloat16 on GPUs and TPUs, float32 on a CPU (resolved when the config is loaded: `shardlm.accelerator`).
     dtype: str = "auto"
     param_dtype: str = "float32"  # the master weights (and so the gradients and AdamW moments)
-    # Rematerialise each block in the backward pass: none | full | dots_saveable | dots_with_no_batch_dims_saveable
+    # The dtype the weights' gradients are produced in, and so summed across the devices that split the tokens
+    # (data-parallel replicas, FSDP): auto (the compute dtype: bfloat16 on GPUs and TPUs) or float32 (twice the
+    # bytes; Megatron's and torchtitan's choice). (`models.precision`)
+    grad_reduce_dtype: str = "auto"
+    # What each block keeps for the backward pass (`shardlm.models.remat`): none (every matmul output it needs,
+    # elementwise work recomputed) | full (the block's input) | save_attention | save_qkv_proj | save:NAME,NAME |
+    # dots_saveable | dots_with_no_batch_dims_saveable
     remat: str = "none"
+    # Named activations kept in pinned host memory instead of on the device (comma-separated: block_input,
+    # qkv_proj, attention_out, out_proj, mlp_hidden, mlp_out)
+    remat_offload: str = ""
     # The blocks' parameters stacked on a leading `layers` axis and run with a scan (one block compiled, whatever
     # the depth), or one module per layer. Checkpoints are the same either way.
     scan_layers: bool = True
@@ -60,6 +69,9 @@ class ModelConfig:
     moe_shared_expert: bool = False
     # The load-balancing loss's weight in the training loss (Switch Transformer's; 1.0 when perfectly balanced).
     moe_aux_loss_weight: float = 0.01
+    # The training loss's head runs over the vocabulary in this many chunks per device (0 = automatic: each
+    # chunk's float32 logits under 128 MiB per device; `shardlm.models.head`)
+    loss_chunks: int = 0
     # jax.nn.dot_product_attention implementation: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes, else XLA) | xla
     # | cudnn
     attention: str = "auto"
@@ -88,7 +100,8 @@ def check_model(m: ModelConfig) -> None:
     check_one_of("model.pipeline_remat", m.pipeline_remat, ("iteration", "layer"))
     if m.pipeline_remat == "layer" and m.remat == "none":
         raise ShardlmError("model.pipeline_remat=layer rematerialises each layer inside the rematerialised pipeline "
-                           "iteration, and model.remat=none rematerialises nothing: set model.remat (full, or "
+                           "iteration, and model.remat=none keeps every matmul output, so there is nothing to "
+                           "rematerialise: set model.remat (full, or "
                            "another policy) too")
     _check_moe(m)
     if m.pipeline_microbatches < 0:
@@ -119,12 +132,16 @@ def _check_moe(m: ModelConfig) -> None:
 
 def _check_kinds(m: ModelConfig) -> None:
     """Family, head layout, dtypes and the remat/attention choices."""
-    from shardlm.models.layers import ATTENTION_IMPLS, COMPUTE_DTYPES, DTYPES, REMAT_POLICIES
+    from shardlm.models.layers import ATTENTION_IMPLS, COMPUTE_DTYPES, DTYPES
+    from shardlm.models.remat import check_policy
 
     check_one_of("model.family", m.family, FAMILY_NAMES)
     check_one_of("model.dtype", m.dtype, COMPUTE_DTYPES, " (float16 would need loss scaling: use bfloat16)")
     check_one_of("model.param_dtype", m.param_dtype, DTYPES)
-    check_one_of("model.remat", m.remat, REMAT_POLICIES)
+    check_one_of("model.grad_reduce_dtype", m.grad_reduce_dtype, ("auto", *DTYPES))
+    if m.loss_chunks < 0:
+        raise ShardlmError(f"model.loss_chunks must be >= 0 (0 = automatic), got {m.loss_chunks}")
+    check_policy(m.remat, m.remat_offload)
     check_one_of("model.attention", m.attention, ATTENTION_IMPLS)
     check_positive("model.rope_theta", m.rope_theta)
     kv = m.n_kv_heads or m.n_heads

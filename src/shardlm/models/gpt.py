@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlm.models import remat
 from shardlm.models.config import ModelConfig
 from shardlm.models.layers import (
     CACHE_AXES,
@@ -31,8 +32,10 @@ from shardlm.models.layers import (
     PreNormBlock,
     padded_vocab_size,
     param,
+    reduce_dtype,
     use,
 )
+from shardlm.models.precision import add_bias, matmul
 from shardlm.sharding import constrain
 
 __all__ = ["GPT", "CACHE_AXES", "LayerCache", "padded_vocab_size"]
@@ -57,27 +60,28 @@ class LayerNorm(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_mlp, DTYPES[cfg.param_dtype]
-        self.dtype = compute_dtype(cfg.dtype)
+        self.dtype, self.reduce_dtype = compute_dtype(cfg.dtype), reduce_dtype(cfg.grad_reduce_dtype)
         self.w_in = param(rngs, nnx.initializers.normal(0.02), (d, f), ("embed", "mlp"), pd)
         self.w_out = param(rngs, nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers)), (f, d),
                            ("mlp", "embed"), pd)
         zeros = nnx.initializers.zeros_init()
-        self.in_bias = param(rngs, zeros, (f,), ("mlp",), pd) if cfg.use_bias else None
-        self.out_bias = param(rngs, zeros, (d,), ("embed",), pd) if cfg.use_bias else None
+        bias = lambda shape, names: param(rngs, zeros, shape, names, pd, read_in_float32=True)  # noqa: E731
+        self.in_bias = bias((f,), ("mlp",)) if cfg.use_bias else None
+        self.out_bias = bias((d,), ("embed",)) if cfg.use_bias else None
 
     def __call__(self, x):
-        h = x @ use(self.w_in, self.dtype)
-        h = h + use(self.in_bias, self.dtype) if self.in_bias is not None else h
-        h = constrain(jax.nn.gelu(h, approximate=True), "batch", "seq", "act_mlp")
-        out = h @ use(self.w_out, self.dtype)
-        return out + use(self.out_bias, self.dtype) if self.out_bias is not None else out
+        h = add_bias(matmul("btd,df->btf", x, use(self.w_in, self.dtype), self.reduce_dtype), self.in_bias)
+        h = remat.named(constrain(h, "batch", "seq", "act_mlp"), remat.MLP_HIDDEN)
+        h = jax.nn.gelu(h, approximate=True)
+        return add_bias(matmul("btf,fd->btd", h, use(self.w_out, self.dtype), self.reduce_dtype), self.out_bias)
 
 
 class Block(PreNormBlock):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt, pd = compute_dtype(cfg.dtype), DTYPES[cfg.param_dtype]
         self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.n_layers, cfg.use_bias, dt, pd, rngs)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.n_layers, cfg.use_bias, dt, pd, rngs,
+                              reduce_dtype(cfg.grad_reduce_dtype))
         self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.mlp = MLP(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
@@ -89,21 +93,23 @@ class GPT(CausalLM):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs, *, stages: int = 1):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
-        self.dtype, self.attention, self.remat = compute_dtype(cfg.dtype), cfg.attention, cfg.remat
+        self.dtype, self.attention = compute_dtype(cfg.dtype), cfg.attention
+        self.remat, self.remat_offload = cfg.remat, cfg.remat_offload
         pd = DTYPES[cfg.param_dtype]
         init = nnx.initializers.normal(0.02)
-        self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd)
-        self.wpe = param(rngs, init, (cfg.seq_len, cfg.d_model), ("pos", "embed"), pd)
+        self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd, cast_where_read=True)
+        self.wpe = param(rngs, init, (cfg.seq_len, cfg.d_model), ("pos", "embed"), pd, cast_where_read=True)
         self.dropout = nnx.Dropout(cfg.dropout)
         self._stack_blocks(cfg, lambda r, i=None: Block(cfg, r), rngs, stages)
         self.ln_f = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.lm_head = None if cfg.tie_embeddings else param(rngs, init, (cfg.d_model, padded_vocab),
-                                                             ("embed", "vocab"), pd)
+                                                             ("embed", "vocab"), pd, cast_where_read=True)
 
-    def _embed(self, tokens, table, rngs, pos):
+    def _embed(self, tokens, rngs, pos):
         if pos is None:
-            positions = use(self.wpe, self.dtype)[: tokens.shape[1]]
-        else:  # a lookup per row: gather FSDP shards of the table first, as for wte
-            positions = constrain(use(self.wpe, self.dtype), "pos", "act_embed")[pos][:, None]
-        x = table[tokens] + positions
+            positions = self.wpe[...][: tokens.shape[1]]
+        else:  # a lookup per row: gather FSDP shards of the table first
+            positions = constrain(self.wpe[...], "pos", "act_embed")[pos][:, None]
+        # added in float32, then cast: the positions' gradient is a float32 sum over the batch
+        x = (self._token_rows(tokens).astype(jnp.float32) + positions).astype(self.dtype)
         return self.dropout(x, deterministic=rngs is None, rngs=rngs), None

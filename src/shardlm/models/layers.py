@@ -24,8 +24,11 @@ Design choices:
   in the compute dtype (`CACHE_AXES`: TP splits it by kv heads and DP/FSDP by batch). `prefill` fills positions
   0..T-1 from a prompt; `decode` feeds one token per row at that row's own position and attends to the cache up
   to it. Rows may sit at different positions (prompts of different lengths).
-- `remat` rematerialises each block during training: "full" saves only the block's input and recomputes the
-  rest in the backward pass; "dots_saveable" saves matmul outputs and recomputes the cheap elementwise work.
+- Every block trains under a remat policy over its named activations (`shardlm.models.remat`), `model.remat=none`
+  included: "none" saves the matmul outputs the backward pass needs and recomputes the elementwise work from them;
+  "full" saves only the block's input; the others save subsets, or offload them to host memory.
+- The attention kernels (`shardlm.kernels.attention`) name what their backward pass keeps (a fused kernel's output
+  and softmax statistics), so that a policy saves them rather than running the kernel's forward pass again.
 - The blocks are one module per layer or one scanned stack (`model.scan_layers`, `shardlm.models.stack`); the
   KV cache is stacked over the layers either way.
 """
@@ -39,21 +42,19 @@ from flax import nnx
 
 from shardlm.accelerator import current, resolve_dtype
 from shardlm.errors import ShardlmError
+from shardlm.kernels.attention import cudnn_attention, xla_attention
+from shardlm.models import remat
+from shardlm.models.head import head_loss
 from shardlm.models.pipeline import row_order, run_pipeline
-from shardlm.models.stack import LAYERS, READ_IN_FLOAT32, LayerCache, build_blocks, layer_rngs, run_blocks
-from shardlm.sharding import active_degree, constrain, gathered
+from shardlm.models.precision import CAST_WHERE_READ, READ_IN_FLOAT32, add_bias, compute_view, matmul
+from shardlm.models.stack import LAYERS, LayerCache, build_blocks, layer_rngs, run_blocks
+from shardlm.sharding import active_degree, constrain, sharded_lookup
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
 CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")  # one layer's keys or values
 STACKED_CACHE_AXES = (LAYERS, *CACHE_AXES)  # the model's cache, every layer's
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bfloat16 on GPUs and TPUs, float32 on a CPU (`shardlm.accelerator`)
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
@@ -62,17 +63,23 @@ def compute_dtype(name: str):
     return DTYPES[resolve_dtype(name)]
 
 
+def reduce_dtype(name: str):
+    """The jnp dtype of `model.grad_reduce_dtype` (None for auto: each gradient in the dtype it is computed in)."""
+    return None if name == "auto" else DTYPES[name]
+
+
 def padded_vocab_size(vocab_size: int, tensor_degree: int = 1) -> int:
     multiple = math.lcm(VOCAB_MULTIPLE, tensor_degree)
     return -(-vocab_size // multiple) * multiple
 
 
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str | None, ...], dtype, *,
-          read_in_float32: bool = False) -> nnx.Param:
-    """A parameter with logical axis `names`. `read_in_float32`: the module reads it in float32, not through
-    `use` (norms, routers), which a pipeline's cast ahead of the blocks must respect (`stack.read_dtype`)."""
+          read_in_float32: bool = False, cast_where_read: bool = False) -> nnx.Param:
+    """A parameter with logical axis `names`. `read_in_float32`: its compute copy stays float32 (norms, routers,
+    biases); `cast_where_read`: it has no compute copy, its reader casts what it reads (`shardlm.models.precision`)."""
     value = nnx.with_partitioning(init, names)(rngs.params(), shape, dtype)
-    return nnx.Param(value, **{READ_IN_FLOAT32: True}) if read_in_float32 else nnx.Param(value)
+    meta = {READ_IN_FLOAT32: read_in_float32, CAST_WHERE_READ: cast_where_read}
+    return nnx.Param(value, **{k: True for k, v in meta.items() if v})
 
 
 def use(p: nnx.Param, dtype) -> jax.Array:
@@ -153,11 +160,13 @@ def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
     if ctx.pos is None:
         # Every key and value position, as each query block needs: an all-gather over context when the sequence
         # is split (and a reduce-scatter of their gradients), nothing otherwise. The cache keeps its own layout.
-        k_all, v_all = (constrain(t, "batch", "kv_seq", "act_kv_heads", "head_dim") for t in (k, v))
+        # Named once gathered: a policy that keeps them (`kv_gathered`) spares the backward pass their gather.
+        k_all, v_all = (remat.named(constrain(t, "batch", "kv_seq", "act_kv_heads", "head_dim"), remat.KV_GATHERED)
+                        for t in (k, v))
         if ctx.impl == "cudnn":
-            y = jax.nn.dot_product_attention(q, k_all, v_all, is_causal=True, implementation="cudnn")
+            y = cudnn_attention(q, k_all, v_all, residual_name=remat.ATTENTION)
         else:
-            y = jax.nn.dot_product_attention(q, k_all, v_all, mask=ctx.mask, implementation="xla")
+            y = xla_attention(q, k_all, v_all, ctx.mask, residual_name=remat.ATTENTION)
         if cache is not None:
             t = q.shape[1]
             cache = LayerCache(*(constrain(c.at[ctx.layer, :, :, :t].set(n.transpose(0, 2, 1, 3).astype(c.dtype)),
@@ -195,9 +204,9 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d: int, heads: int, kv_heads: int, n_layers: int, use_bias: bool, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, reduce_dtype=None):
         hd = d // heads
-        self.dtype = dtype
+        self.dtype, self.reduce_dtype = dtype, reduce_dtype
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual projection scaling
         self.wq = param(rngs, init, (d, heads, hd), ("embed", "heads", "head_dim"), param_dtype)
@@ -206,10 +215,11 @@ class Attention(nnx.Module):
         self.wo = param(rngs, out_init, (heads, hd, d), ("heads", "head_dim", "embed"), param_dtype)
         zeros = nnx.initializers.zeros_init()
         if use_bias:
-            self.q_bias = param(rngs, zeros, (heads, hd), ("heads", "head_dim"), param_dtype)
-            self.k_bias = param(rngs, zeros, (kv_heads, hd), ("kv_heads", "head_dim"), param_dtype)
-            self.v_bias = param(rngs, zeros, (kv_heads, hd), ("kv_heads", "head_dim"), param_dtype)
-            self.out_bias = param(rngs, zeros, (d,), ("embed",), param_dtype)
+            bias = lambda shape, names: param(rngs, zeros, shape, names, param_dtype, read_in_float32=True)  # noqa: E731
+            self.q_bias = bias((heads, hd), ("heads", "head_dim"))
+            self.k_bias = bias((kv_heads, hd), ("kv_heads", "head_dim"))
+            self.v_bias = bias((kv_heads, hd), ("kv_heads", "head_dim"))
+            self.out_bias = bias((d,), ("embed",))
         else:
             self.q_bias = self.k_bias = self.v_bias = self.out_bias = None
 
@@ -217,9 +227,8 @@ class Attention(nnx.Module):
         """x [batch, T, embed] -> ([batch, T, embed], cache); see `self_attention` for the cache's three modes."""
 
         def project(w, b, heads_axis):
-            y = jnp.einsum("bte,ehd->bthd", x, use(w, self.dtype))
-            y = y + use(b, self.dtype) if b is not None else y
-            return constrain(y, "batch", "seq", heads_axis, "head_dim")
+            y = add_bias(matmul("bte,ehd->bthd", x, use(w, self.dtype), self.reduce_dtype), b)
+            return remat.named(constrain(y, "batch", "seq", heads_axis, "head_dim"), remat.QKV_PROJ)
 
         q = project(self.wq, self.q_bias, "act_heads")
         k = project(self.wk, self.k_bias, "act_kv_heads")
@@ -231,8 +240,9 @@ class Attention(nnx.Module):
         # over (h, d) this needs no transposed copy of wo when y comes from `_attend_to_cache` (12% of a decode
         # step). heads stays the major half of the merged dimension, so a split over tensor carries over.
         b, t, h, d = y.shape
-        out = y.reshape(b, t, h * d) @ use(self.wo, self.dtype).reshape(h * d, -1)
-        return (out + use(self.out_bias, self.dtype) if self.out_bias is not None else out), cache
+        wo = use(self.wo, self.dtype).reshape(h * d, -1)
+        out = add_bias(matmul("btf,fd->btd", y.reshape(b, t, h * d), wo, self.reduce_dtype), self.out_bias)
+        return remat.named(out, remat.OUT_PROJ), cache
 
 
 class PreNormBlock(nnx.Module):
@@ -244,6 +254,7 @@ class PreNormBlock(nnx.Module):
 
     def __call__(self, x, rngs: nnx.Rngs | None, cache: LayerCache | None, ctx: Context):
         """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens"} for a sparse block, {} for a dense one."""
+        x = remat.named(x, remat.BLOCK_INPUT)
         a, cache = self.attn(self.ln1(x), cache, ctx)
         x = x + self.dropout(a, deterministic=rngs is None, rngs=rngs)
         x = constrain(x, "batch", "seq", "act_embed")
@@ -251,17 +262,18 @@ class PreNormBlock(nnx.Module):
         if self.sparse:
             h, moe = h
             stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens}
+        h = remat.named(h, remat.MLP_OUT)
         x = x + self.dropout(h, deterministic=rngs is None, rngs=rngs)
         return constrain(x, "batch", "seq", "act_embed"), cache, stats
 
 
 class CausalLM(nnx.Module):
-    """The decoder-only forward pass every family shares. A family provides `_embed(tokens, table, rngs, pos)`
-    (tokens to the residual stream, and rotary tables if it uses them), `blocks` (`PreNormBlock`s, built by
+    """The decoder-only forward pass every family shares. A family provides `_embed(tokens, rngs, pos)` (tokens to
+    the residual stream, from `_token_rows`, and rotary tables if it uses them), `blocks` (`PreNormBlock`s, built by
     `shardlm.models.stack.build_blocks`), the final norm `ln_f`, the token table `wte` and, untied, `lm_head`, and
     sets `vocab_size` (the tokenizer's; the tables have `padded_vocab` rows), `context` (seq_len), `dtype`
-    (compute), `attention` (the requested implementation) and `remat` (a `REMAT_POLICIES` name), and builds its
-    blocks with `_stack_blocks`.
+    (compute), `attention` (the requested implementation), `remat` and `remat_offload` (`shardlm.models.remat`), and
+    builds its blocks with `_stack_blocks`.
 
     With the stacked blocks split over pipeline stages (the rule table maps `layers` to the `stage` mesh axis), a
     training or evaluation pass runs them as a pipeline (`shardlm.models.pipeline`); the embedding and the head
@@ -276,6 +288,7 @@ class CausalLM(nnx.Module):
         self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
         self.stages, self.microbatches, self.repeats = stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
         self.pipeline_remat = cfg.pipeline_remat
+        self.reduce_dtype, self.loss_chunks = reduce_dtype(cfg.grad_reduce_dtype), cfg.loss_chunks
         self.layer_order = row_order(cfg.n_layers, stages, cfg.pipeline_repeats)
         self.blocks = build_blocks(make_block, cfg.n_layers, rngs.params(), cfg.scan_layers, self.layer_order)
 
@@ -291,9 +304,7 @@ class CausalLM(nnx.Module):
         over the sparse layers), "expert_tokens" ([experts]: token-assignments each expert received, summed over
         them)}; {} for a dense model. What a training step reads."""
         logits, _, stats = self._forward(tokens, rngs)
-        if "aux_loss" in stats:  # a mean over the sparse layers, so that balanced routing reads 1.0
-            stats = {**stats, "aux_loss": stats["aux_loss"] / (self.n_layers // self.moe_every)}
-        return logits, stats
+        return logits, self._mean_aux(stats)
 
     def init_cache(self, batch: int) -> LayerCache:
         """An empty KV cache for `batch` rows and the whole context, stacked over the layers, in the compute dtype
@@ -317,25 +328,48 @@ class CausalLM(nnx.Module):
             return {}
         return {"aux_loss": jnp.zeros((), jnp.float32), "expert_tokens": jnp.zeros((self.moe_experts,), jnp.float32)}
 
-    def _forward(self, tokens, rngs, cache=None, pos=None, at=None):
+    def _forward(self, tokens, rngs, cache=None, pos=None, at=None, head=True):
+        """(logits, cache, stats); with `head=False`, the final norm's output [batch, T, d_model] instead of the
+        logits (what `loss` multiplies out chunk by chunk). The modules run on their weights' compute copies
+        (`shardlm.models.precision`)."""
+        view = compute_view(self, self.dtype, self.reduce_dtype)
+        return view._run(tokens, rngs, cache, pos, at, head, stored_blocks=self.blocks)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
+        """(mean cross entropy of `targets` [batch, T] after `tokens` [batch, T], the blocks' statistics as
+        `with_stats` gives them): the head and the loss fused and chunked over the vocabulary
+        (`shardlm.models.head`), float32 logits never held for the whole vocabulary. What a training step
+        minimises."""
+        x, _, stats = self._forward(tokens, rngs, head=False)
+        tied = self.lm_head is None
+        with jax.named_scope("loss"):  # the output head's matmuls with it
+            value = head_loss(x, (self.wte if tied else self.lm_head)[...], targets, tied=tied,
+                              vocab_size=self.vocab_size, compute_dtype=self.dtype, reduce_dtype=self.reduce_dtype,
+                              chunks=self.loss_chunks)
+        return value, self._mean_aux(stats)
+
+    def _mean_aux(self, stats: dict) -> dict:
+        if "aux_loss" in stats:  # a mean over the sparse layers, so that balanced routing reads 1.0
+            stats = {**stats, "aux_loss": stats["aux_loss"] / (self.n_layers // self.moe_every)}
+        return stats
+
+    def _token_rows(self, tokens):
+        """The token table's rows for `tokens` in the compute dtype, looked up where the table lies
+        (`sharding.sharded_lookup`) and cast as they are read: the table's gradient is a scatter-add into its own
+        float32 shards."""
+        return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]), self.dtype)
+
+    def _run(self, tokens, rngs, cache, pos, at, head, stored_blocks=None):
         impl = attention_impl(self.attention, self.dtype, self.head_dim, active_degree("seq"))
         # One dropout key for the pass: layer i draws from it folded with i, the embedding with n_layers
         # (`stack.layer_rngs`), whichever layout the blocks are in.
         key = rngs.dropout() if rngs is not None else None
         with jax.named_scope("embed"):
-            # FSDP shards of the table are gathered before the lookup (what FSDP does for every weight): a lookup
-            # into a table split over the same axis as the batch is otherwise fully rematerialised by XLA's
-            # partitioner. The gathered table is the tied head's too.
-            table = use(self.wte, self.dtype)
-            if active_degree("seq") > 1:  # as before under a sequence split (`gathered` not yet examined there)
-                table = constrain(table, "vocab", "act_embed")
-            else:  # gathered, its gradient reduce-scattered back into the table's shards (`gathered`)
-                table = gathered(table, ("vocab", "act_embed"), self.wte.get_metadata()["out_sharding"])
-            x, rope = self._embed(tokens, table, layer_rngs(key, self.n_layers), pos)
+            x, rope = self._embed(tokens, layer_rngs(key, self.n_layers), pos)
             x = constrain(x, "batch", "seq", "act_embed")
         mask = causal_mask(tokens.shape[1]) if pos is None and impl == "xla" else None  # once, for every layer
         ctx = Context(impl, mask, rope, pos)
-        policy = REMAT_POLICIES[self.remat] if cache is None else None
+        policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
         step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
         stages = active_degree(LAYERS)
         if cache is None and stages > 1:
@@ -344,7 +378,7 @@ class CausalLM(nnx.Module):
                                    f"{stages}: build it for the mesh it runs on")
             x, stats = run_pipeline(self.blocks, self.n_layers, step, x, stages=stages,
                                     microbatches=self.microbatches, repeats=self.repeats, dropout_key=key,
-                                    policy=policy, remat_unit=self.pipeline_remat, compute_dtype=self.dtype,
+                                    policy=policy, remat_unit=self.pipeline_remat, stored=stored_blocks,
                                     stats=self._stats_zeros())
         else:
             x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, step, x, dropout_key=key,
@@ -353,9 +387,12 @@ class CausalLM(nnx.Module):
         if at is not None:  # one position per row reaches the head
             x = jnp.take_along_axis(x, at[:, None, None], axis=1)
         with jax.named_scope("head"):
-            x = self.ln_f(x)
+            # the final norm's float32 work is recomputed in the backward pass, as the blocks' is
+            x = nnx.remat(lambda ln, x: ln(x), policy=jax.checkpoint_policies.nothing_saveable)(self.ln_f, x)
+            if not head:
+                return x, cache, stats
             if self.lm_head is None:  # tied: contract with the table as stored; a `wte.T` operand made XLA:CPU
-                logits = float32_logits("bte,ve->btv", x, table)  # copy the transposed table every call
+                logits = float32_logits("bte,ve->btv", x, use(self.wte, self.dtype))  # copy it every call
             else:
                 logits = float32_logits("bte,ev->btv", x, use(self.lm_head, self.dtype))
             logits = constrain(logits, "batch", "seq", "act_vocab")

@@ -24,8 +24,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlm.models import remat
 from shardlm.models.config import ModelConfig
-from shardlm.models.layers import DTYPES, Attention, CausalLM, PreNormBlock, compute_dtype, param, rope_tables, use
+from shardlm.models.layers import (
+    DTYPES,
+    Attention,
+    CausalLM,
+    PreNormBlock,
+    compute_dtype,
+    param,
+    reduce_dtype,
+    rope_tables,
+    use,
+)
+from shardlm.models.precision import matmul
 from shardlm.models.moe import MoeMLP
 from shardlm.sharding import constrain
 
@@ -44,7 +56,7 @@ class RMSNorm(nnx.Module):
 class SwiGLU(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_mlp, DTYPES[cfg.param_dtype]
-        self.dtype = compute_dtype(cfg.dtype)
+        self.dtype, self.reduce_dtype = compute_dtype(cfg.dtype), reduce_dtype(cfg.grad_reduce_dtype)
         init = nnx.initializers.normal(0.02)
         self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.w_up = param(rngs, init, (d, f), ("embed", "mlp"), pd)
@@ -52,8 +64,10 @@ class SwiGLU(nnx.Module):
                             ("mlp", "embed"), pd)
 
     def __call__(self, x):
-        h = jax.nn.silu(x @ use(self.w_gate, self.dtype)) * (x @ use(self.w_up, self.dtype))
-        return constrain(h, "batch", "seq", "act_mlp") @ use(self.w_down, self.dtype)
+        gate, up = (remat.named(constrain(matmul("btd,df->btf", x, use(w, self.dtype), self.reduce_dtype),
+                                          "batch", "seq", "act_mlp"), remat.MLP_HIDDEN)
+                    for w in (self.w_gate, self.w_up))
+        return matmul("btf,fd->btd", jax.nn.silu(gate) * up, use(self.w_down, self.dtype), self.reduce_dtype)
 
 
 class Block(PreNormBlock):
@@ -64,7 +78,7 @@ class Block(PreNormBlock):
         # ln1 / ln2 / ln_f: RMSNorms, named as the GPT family's norms (and Hugging Face's "input_layernorm").
         self.ln1 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, dt, pd,
-                              rngs)
+                              rngs, reduce_dtype(cfg.grad_reduce_dtype))
         self.ln2 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.sparse = sparse
         if sparse:
@@ -88,19 +102,20 @@ class Llama(CausalLM):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs, *, stages: int = 1):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
-        self.dtype, self.attention, self.remat = compute_dtype(cfg.dtype), cfg.attention, cfg.remat
+        self.dtype, self.attention = compute_dtype(cfg.dtype), cfg.attention
+        self.remat, self.remat_offload = cfg.remat, cfg.remat_offload
         self.rope_theta = cfg.rope_theta
         pd = DTYPES[cfg.param_dtype]
         init = nnx.initializers.normal(0.02)
-        self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd)
+        self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd, cast_where_read=True)
         self.dropout = nnx.Dropout(cfg.dropout)
         self.moe_experts, self.moe_every = cfg.moe_experts, cfg.moe_every
         self._stack_blocks(cfg, lambda r, i=None: Block(cfg, r, sparse=is_sparse(cfg, i)), rngs, stages)
         self.ln_f = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.lm_head = None if cfg.tie_embeddings else param(rngs, init, (cfg.d_model, padded_vocab),
-                                                             ("embed", "vocab"), pd)
+                                                             ("embed", "vocab"), pd, cast_where_read=True)
 
-    def _embed(self, tokens, table, rngs, pos):
+    def _embed(self, tokens, rngs, pos):
         positions = jnp.arange(tokens.shape[1])[None] if pos is None else pos[:, None]
-        x = self.dropout(table[tokens], deterministic=rngs is None, rngs=rngs)
+        x = self.dropout(self._token_rows(tokens), deterministic=rngs is None, rngs=rngs)
         return x, rope_tables(positions, self.head_dim, self.rope_theta)

@@ -52,6 +52,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardlm.errors import ShardlmError
+from shardlm.models import remat
 from shardlm.models.layers import param, use
 from shardlm.sharding import active_mesh, active_spec, constrain
 from shardlm.sharding.rules import as_axes
@@ -112,8 +113,8 @@ def experts_ragged(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: 
                    group_sizes: jax.Array) -> jax.Array:
     """SwiGLU of rows [M, D] grouped by expert (group g: the next group_sizes[g] rows) with that expert's
     weights [G, D, F], [G, D, F], [G, F, D] -> [M, D]. Rows past the groups come out zero."""
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes)) * jax.lax.ragged_dot(rows, w_up, group_sizes)
-    return jax.lax.ragged_dot(h, w_down, group_sizes)
+    gate, up = (remat.named(jax.lax.ragged_dot(rows, w, group_sizes), remat.MLP_HIDDEN) for w in (w_gate, w_up))
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
 
 
 def combine(out_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
@@ -126,8 +127,8 @@ def combine(out_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.
 def dropless_local(x_flat, weights, experts, w_gate, w_up, w_down) -> jax.Array:
     """Every expert on this device: x_flat [N, D] with its routing -> [N, D]."""
     order, sizes = sort_by_expert(experts, w_gate.shape[0])
-    rows = x_flat[order // weights.shape[1]]  # assignment a is token a // k's
-    return combine(experts_ragged(rows, w_gate, w_up, w_down, sizes), order, weights)
+    rows = remat.named(x_flat[order // weights.shape[1]], remat.MOE_DISPATCH)  # assignment a is token a // k's
+    return combine(remat.named(experts_ragged(rows, w_gate, w_up, w_down, sizes), remat.MOE_OUT), order, weights)
 
 
 # --- expert parallelism: dispatch over the expert axis ----------------------------------------------------------
@@ -181,8 +182,9 @@ def experts_remote(sent: jax.Array, counts: jax.Array, w_gate, w_up, w_down, axi
     ep, capacity, d = sent.shape
     received, recv_counts = exchange(sent, axis), exchange(counts, axis)
     order, sizes = regroup(recv_counts, capacity)
-    out = experts_ragged(received.reshape(ep * capacity, d)[order], w_gate, w_up, w_down, sizes)
-    return exchange(out[inverse_permutation(order)].reshape(ep, capacity, d), axis)
+    rows = remat.named(received.reshape(ep * capacity, d)[order], remat.MOE_DISPATCH)
+    out = experts_ragged(rows, w_gate, w_up, w_down, sizes)
+    return remat.named(exchange(out[inverse_permutation(order)].reshape(ep, capacity, d), axis), remat.MOE_OUT)
 
 
 def dropless_expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_experts: int, ep: int,

@@ -57,13 +57,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlm.errors import ShardlmError
-from shardlm.models.stack import LAYERS, PER_BATCH, Step, add_stats, combine_parts, read_dtype
+from shardlm.models.stack import LAYERS, PER_BATCH, Step, add_stats, combine_parts
 from shardlm.sharding import (
     active_axes,
     active_mesh,
     active_rules,
     constrain,
     gathered_for,
+    gradient_carrier,
     replicas_of,
     rules_without,
     use_mesh_rules,
@@ -119,10 +120,12 @@ def row_order(n_layers: int, stages: int, repeats: int) -> tuple[int, ...] | Non
 
 
 def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int, microbatches: int = 0,
-                 repeats: int = 1, dropout_key=None, policy=None, remat_unit: str = "iteration",
-                 compute_dtype=None, idle_input: float = 0.0, stats: dict | None = None) -> tuple[jax.Array, dict]:
+                 repeats: int = 1, dropout_key=None, policy=None, remat_unit: str = "iteration", stored=None,
+                 idle_input: float = 0.0, stats: dict | None = None) -> tuple[jax.Array, dict]:
     """x [batch, T, D] through the stacked `blocks` split over `stages` (the stack's rows in `circular_order`),
-    `microbatches` at a time (0 = one per stage). `idle_input` fills the stages' inputs before the first
+    `microbatches` at a time (0 = one per stage). `blocks` hold the weights as the blocks use them (their compute
+    copies, `shardlm.models.precision`) and `stored` as they are stored (default: `blocks`): the gradients flow to
+    the stored ones, summed over the iterations in their dtype. `idle_input` fills the stages' inputs before the first
     microbatch reaches them (a test sets NaN: the gradients must not see it). `policy` rematerialises each
     iteration's stage compute, and with `remat_unit="layer"` each layer inside it too. Returns the output and
     the blocks' statistics (`stats`: their zeros) summed over the layers and over the microbatches, except `aux_loss`, a
@@ -130,7 +133,7 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     m_count = microbatch_count(microbatches, stages)
     check_pipeline(n_layers, x.shape[0], stages, microbatches, repeats)
     replicas, replica_axes = _replicas()
-    weights = _stage_weights(blocks, stages, repeats, compute_dtype, replicas, replica_axes)
+    weights = _stage_weights(blocks, blocks if stored is None else stored, stages, repeats, replicas, replica_axes)
     schedule = _Schedule(stages, m_count, repeats, n_layers // (stages * repeats))
     per_stage = _per_stage(nnx.graphdef(blocks), step, schedule, policy, remat_unit, replicas, replica_axes,
                            {} if stats is None else stats)
@@ -187,7 +190,9 @@ def _per_stage(graphdef, step: Step, schedule: "_Schedule", policy, remat_unit: 
         layer_key = None if key is None else jax.random.fold_in(key, jnp.clip(mb, 0) % schedule.m)
         if layer_key is not None and replicas > 1:
             layer_key = jax.random.fold_in(layer_key, f)
-        rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), w)
+        used, carriers = (jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), part)
+                          for part in w)
+        rows = jax.tree.map(_with_gradient_into, used, carriers)
 
         def layer(carry, xs):
             x, total = carry
@@ -242,24 +247,50 @@ def _store_returned(io, arrived, t, schedule: _Schedule, first_stage):
     return _on_stages(io.at[:, m].set(returned), 2)
 
 
-def _stage_weights(blocks, stages: int, repeats: int, compute_dtype, replicas: int, replica_axes):
-    """The stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already holds) in the dtype the
-    blocks read each in (`stack.read_dtype`), gathered over FSDP once for the whole step, not once per
-    microbatch. With F > 1 data-parallel replicas, as [S, F, R, K, ...]: each device's own copy
-    (`sharding.replicas_of`), whose gradient it accumulates over every microbatch before the copies' gradients
-    are reduce-scattered, once, after the loop."""
-    params = nnx.state(blocks)
-
-    def per_stage(var):
+def _stage_weights(blocks, stored, stages: int, repeats: int, replicas: int, replica_axes):
+    """(weights, carriers): the stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already
+    holds), their compute copies gathered over FSDP once for the whole step, not once per microbatch, and for each a
+    float32 gradient carrier (`sharding.gradient_carrier`) through which its gradient reaches the stored weight:
+    the weights themselves are read without a gradient, so the loop sums each weight's gradient over its
+    iterations in float32 (M R + S - 1 of them) where a bfloat16 weight's own would be summed in bfloat16. With
+    F > 1 data-parallel replicas, both as [S, F, R, K, ...]: each device's own copy (`sharding.replicas_of`),
+    whose gradient it accumulates over every microbatch before the copies' gradients are reduce-scattered, once,
+    after the loop."""
+    def staged(var):
         a = var[...]
-        if compute_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
-            a = a.astype(read_dtype(var, compute_dtype))  # norms and routers stay float32, as the blocks read them
         names = tuple(var.get_metadata().get("out_sharding") or (LAYERS,) + (None,) * (a.ndim - 1))
-        a = a.reshape(stages, repeats, a.shape[0] // (stages * repeats), *a.shape[1:])
-        names = (LAYERS, None, None, *names[1:])
+        return a.reshape(stages, repeats, a.shape[0] // (stages * repeats), *a.shape[1:]), (LAYERS, None, None,
+                                                                                           *names[1:])
+
+    def weight(var):
+        a, names = staged(var)
+        a = jax.lax.stop_gradient(a)  # the gradient goes through the carrier
         return gathered_for(a, names) if replicas == 1 else replicas_of(a, names, replicas, replica_axes)
 
-    return jax.tree.map(per_stage, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    def carrier(var):
+        return gradient_carrier(*staged(var), replicas, replica_axes)
+
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    return (jax.tree.map(weight, nnx.state(blocks), is_leaf=is_var),
+            jax.tree.map(carrier, nnx.state(stored), is_leaf=is_var))
+
+
+def _with_gradient_into(weight, carrier):
+    """`weight`, whose gradient goes to `carrier` instead, cast to the carrier's dtype (`_stage_weights`)."""
+    dtype = carrier.dtype
+
+    @jax.custom_vjp
+    def passed(weight, carrier):
+        return weight
+
+    def forward(weight, carrier):
+        return weight, None
+
+    def backward(_, g):
+        return None, g.astype(dtype)
+
+    passed.defvjp(forward, backward)
+    return passed(weight, carrier)
 
 
 def _on_stages(a, lead: int):

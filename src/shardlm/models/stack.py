@@ -28,9 +28,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 LAYERS = "layers"  # the logical name of the stacked axis
-# A parameter's metadata key saying the block reads it in float32 whatever the compute dtype (norm scales and
-# biases, a router): whoever casts the blocks' parameters ahead of them (a pipeline) must leave those alone.
-READ_IN_FLOAT32 = "read_in_float32"
 BLOCKS = "blocks"  # the attribute (and tree key) holding the blocks
 
 
@@ -55,11 +52,6 @@ def build_blocks(make_block: Callable[..., nnx.Module], n_layers: int, key: jax.
     stack = nnx.vmap(lambda k: make_block(nnx.Rngs(params=k)), in_axes=0, out_axes=0,
                      transform_metadata={nnx.PARTITION_NAME: LAYERS})
     return stack(keys)
-
-
-def read_dtype(variable: nnx.Variable, compute_dtype):
-    """The dtype a block reads `variable` in: float32 when it is marked `READ_IN_FLOAT32`, else `compute_dtype`."""
-    return jnp.float32 if variable.get_metadata().get(READ_IN_FLOAT32) else compute_dtype
 
 
 def layer_rngs(key: jax.Array | None, i) -> nnx.Rngs | None:

@@ -55,7 +55,7 @@ class CompileReport:
         s = self.step
         return {"target": self.target.name if self.target else None, "devices": self.devices, "mesh": self.mesh,
                 "bytes_per_device": {"params": self.params, "optimizer": self.optimizer, "temporaries": s.temp_bytes,
-                                     "peak": s.peak},
+                                     "peak": s.peak, "host_temporaries": s.host_temp_bytes},
                 "memory_bytes": self.hardware.memory_bytes, "fits": self.fits, "refusal": s.refusal,
                 "collectives": hlo.summarize(s.collectives), "flops_per_device": s.flops_per_device,
                 "model_flops": self.model_flops, "compiler_step_s": s.compiler_s,
@@ -113,7 +113,8 @@ def format_report(r: CompileReport) -> str:
     else:
         lines.append(f"memory per device: params {fmt_bytes(r.params)}, optimizer {fmt_bytes(r.optimizer)}, "
                      f"temporaries {fmt_bytes(s.temp_bytes)}, peak {fmt_bytes(s.peak)} of "
-                     f"{fmt_bytes(hw.memory_bytes)}")
+                     f"{fmt_bytes(hw.memory_bytes)}" + (f"; in host memory: {fmt_bytes(s.host_temp_bytes)} of "
+                                                        "offloaded activations" if s.host_temp_bytes else ""))
         lines.append(f"fits: {'yes' if r.fits else 'NO'}")
         what = ", ".join(f"{c['kind']} {c['count']}x {fmt_bytes(c['bytes'])}" for c in hlo.summarize(s.collectives))
         lines.append(f"collectives per step: {what or 'none'}")

@@ -48,6 +48,7 @@ class CompiledStep:
     hlo_text: str = ""
     refusal: str | None = None  # why the compiler refused the program (it does not fit), if it did
     reported_peak: int = 0  # the compiler's own peak (XLA:TPU's is what it checks against HBM), if it gives one
+    host_temp_bytes: int = 0  # temporaries in host memory: activations a remat policy offloads (`model.remat_offload`)
 
     @property
     def peak(self) -> int:
@@ -89,7 +90,13 @@ def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops
                         mem.temp_size_in_bytes, hlo.collectives(text, n_devices), flops,
                         compile_s, platform, estimate, hlo_text=text if keep_hlo else "",
                         # XLA:CPU's plans keep the sum below (their numbers predate this field)
-                        reported_peak=0 if platform == "cpu" else getattr(mem, "peak_memory_in_bytes", 0) or 0)
+                        reported_peak=0 if platform == "cpu" else getattr(mem, "peak_memory_in_bytes", 0) or 0,
+                        host_temp_bytes=host_temps(mem))
+
+
+def host_temps(memory_analysis) -> int:
+    """Bytes of temporaries the compiler placed in host memory (pinned host: offloaded activations)."""
+    return int(getattr(memory_analysis, "host_temp_size_in_bytes", 0) or 0)
 
 
 def tpu_seconds(cost: dict, hlo_text: str) -> float | None:
@@ -103,6 +110,13 @@ def tpu_seconds(cost: dict, hlo_text: str) -> float | None:
     return seconds if seconds > 0 else None
 
 
+# What a deviceless XLA:GPU compile changes from a run's, and why: XLA:GPU rewrites a large sort (a mixture of
+# experts' routing sort at 2,048-token sequences) into CUB's radix sort, whose kernel it loads from the CUDA
+# libraries a CPU host does not have ("Error loading CUDA libraries"). Compiled for, the sort stays XLA's own
+# sorting network: the same result, costed as XLA's sort rather than CUB's.
+DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+
+
 def _compile_gpu(lowered, n_devices: int, matmul_flops: float, keep_hlo: bool) -> CompiledStep:
     """XLA:GPU, with the latency-hiding schedule dumped to a directory of our own and read back."""
     dump = Path(tempfile.mkdtemp(prefix="shardlm-xla-gpu-"))
@@ -110,6 +124,7 @@ def _compile_gpu(lowered, n_devices: int, matmul_flops: float, keep_hlo: bool) -
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options={
             **GPU_COMPILER_OPTIONS,  # as a run on GPUs compiles (`shardlm.accelerator`)
+            **DEVICELESS_GPU_OPTIONS,
             "xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True,
             # Only the schedule is read: no IR, PTX or pass-by-pass HLO written beside it.
             "xla_dump_hlo_pass_re": "^$", "xla_dump_hlo_as_text": False})
@@ -123,7 +138,8 @@ def _compile_gpu(lowered, n_devices: int, matmul_flops: float, keep_hlo: bool) -
     return CompiledStep(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
                         mem.temp_size_in_bytes, hlo.collectives(text, n_devices),
                         matmul_flops / n_devices + fused_attention_flops(text), compile_s, "gpu",
-                        schedule.step_s if schedule else None, schedule, text if keep_hlo else "")
+                        schedule.step_s if schedule else None, schedule, text if keep_hlo else "",
+                        host_temp_bytes=host_temps(mem))
 
 
 def fused_attention_flops(hlo_text: str) -> float:

@@ -71,6 +71,17 @@ class StrategyPlan:
     compiler_s: float | None = None  # the target compiler's own estimate of the step's time
     refusal: str | None = None  # the target compiler refused the program (it does not fit): its reason
     hidden: dict | None = None  # XLA:GPU's schedule: fraction of each collective kind's time hidden by compute
+    host_temps: int = 0  # temporaries in host memory (activations offloaded by `model.remat_offload`)
+    remat: str = ""  # the remat policy it was compiled with, when the plan compares several (`--remat`)
+
+    @property
+    def label(self) -> str:
+        """The strategy's name, and its remat policy when the plan compares several."""
+        return self.strategy.name + (f" remat={self.remat}" if self.remat else "")
+
+    def overrides(self) -> list[str]:
+        """The `key=value` overrides that train with it."""
+        return self.strategy.overrides() + ([f"model.remat={self.remat}"] if self.remat else [])
 
     def mfu(self, step_s: float | None, hardware: Hardware) -> float | None:
         """Model FLOPs per device per second over the peak, for a step of `step_s`."""
@@ -102,9 +113,11 @@ class StrategyPlan:
         return {
             "rank": self.rank,
             "name": self.strategy.name,
+            "remat": self.remat or None,
             "mesh": self.strategy.mesh,
             "bytes_per_device": {"params": self.params, "optimizer": self.optimizer, "gradients": self.gradients,
-                                 "temporaries": self.temporaries, "peak": self.peak, "total": self.peak},
+                                 "temporaries": self.temporaries, "peak": self.peak, "total": self.peak,
+                                 "host_temporaries": self.host_temps},
             "collectives": hlo.summarize(self.collectives),
             "issued_collectives": issued(self.collectives),
             "comm_bytes_per_device": round(self.est.traffic_bytes),
@@ -122,7 +135,7 @@ class StrategyPlan:
             "est_step_s": self.est.step_s,
             "est_compute_s": self.est.compute_s,
             "est_comm_s": self.est.comm_s,
-            "overrides": self.strategy.overrides(),
+            "overrides": self.overrides(),
         }
 
 
@@ -137,7 +150,7 @@ class Plan:
     wall_s: float
     platform: str = "cpu"  # what it was compiled for
     target: Target | None = None
-    pruned: list[tuple[Strategy, str]] = dataclasses.field(default_factory=list)  # not compiled: cannot win
+    pruned: list[tuple["Candidate", str]] = dataclasses.field(default_factory=list)  # not compiled: cannot win
 
     @property
     def best(self) -> StrategyPlan | None:
@@ -240,11 +253,12 @@ def _devices(n_devices: int | None, target: Target | None, hosts: int | None) ->
 
 def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = None, *, vocab_size: int | None = None,
          strategies: list[Strategy] | None = None, workers: int | None = None, log=None,
-         target: Target | None = None, hosts: int | None = None) -> Plan:
+         target: Target | None = None, hosts: int | None = None, remats: list[str] | None = None) -> Plan:
     """Compile the train step of `cfg` for every strategy over `n_devices` (default: all devices JAX sees, or one
     device of `target`), or only for `strategies`, and rank them. Without a target JAX must already see that many
     devices (the CLI's `--devices` simulates them on a CPU host); with one, they are its abstract devices over
-    `hosts` hosts. `hardware` defaults to the target's, or an H100 SXM at its dense peak for `model.dtype`."""
+    `hosts` hosts. `hardware` defaults to the target's, or an H100 SXM at its dense peak for `model.dtype`.
+    `remats`: compile each strategy under each of these remat policies (`model.remat`), not the config's alone."""
     from shardlm.train.source import model_flops_per_step
     from shardlm.train.data import tokenizer_vocab
 
@@ -273,49 +287,78 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
               for s in candidates}
     if strategies is None:  # the likeliest winners first, so that the rest can be pruned against them
         candidates.sort(key=lambda s: bounds[s].step_s)
-    pruned: list[tuple[Strategy, str]] = []
+    # each strategy under each policy: the policies in the order given (the cheapest in FLOPs first, as a rule)
+    compiled_as = {r: _with_remat(cfg, r) for r in remats or [""]}
+    candidates = [Candidate(s, r) for s in candidates for r in compiled_as]
+    pruned: list[tuple[Candidate, str]] = []
     best: list = [None]  # (estimated step time, strategy) of the fastest fitting strategy compiled so far
 
     def compile_one(lowered, matmul_flops, devices_used):
         return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops)
 
-    def read(s, p_bytes, o_bytes, future):
+    def read(c, p_bytes, o_bytes, future):
         step: CompiledStep = future.result()
+        s = c.strategy
         r = StrategyPlan(s, p_bytes, o_bytes, p_bytes, step.temp_bytes, step.peak, step.collectives,
                          step.flops_per_device, model_flops_per_step(cfg, vocab, s.tensor), None, False,
                          step.compile_s, compiler_s=step.compiler_s, refusal=step.refusal,
-                         hidden=step.schedule.hidden_by_kind() if step.schedule else None)
+                         hidden=step.schedule.hidden_by_kind() if step.schedule else None,
+                         host_temps=step.host_temp_bytes, remat=c.remat)
         rank_strategies([r], hardware)
         if r.fits and (best[0] is None or r.est.step_s < best[0][0]):
-            best[0] = (r.est.step_s, s)
+            best[0] = (r.est.step_s, c)
         results.append(r)
-        log(f"[{len(results)}/{len(candidates) - len(pruned)}] {s.name}: compiled in {step.compile_s:.1f} s"
+        log(f"[{len(results)}/{len(candidates) - len(pruned)}] {c.name}: compiled in {step.compile_s:.1f} s"
             + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
 
     # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering. Results are
     # read as they finish, so that the best estimate so far can prune what is left.
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending = []
-        for s in candidates:
+        for c in candidates:
+            s, cfg_c = c.strategy, compiled_as[c.remat]
             for item in [p for p in pending if p[3].done()]:
                 pending.remove(item)
                 read(*item)
-            prepared = _abstract_state(cfg, s, vocab, devices, target)
+            prepared = _abstract_state(cfg_c, s, vocab, devices, target)
             if strategies is None and (why := _cannot_fit(prepared[1][2], hardware)):
-                pruned.append((s, why))
+                pruned.append((c, why))
                 continue
             if strategies is None and best[0] is not None and not bounds[s].beats(best[0][0]):
-                pruned.append((s, f"cannot beat {best[0][1].name} ({_format_seconds(best[0][0])}): its lower bound "
+                pruned.append((c, f"cannot beat {best[0][1].name} ({_format_seconds(best[0][0])}): its lower bound "
                                   f"is {_format_seconds(bounds[s].step_s)} ({_format_seconds(bounds[s].compute_s)} "
                                   f"compute + {_format_seconds(bounds[s].comm_s)} of unavoidable traffic)"))
                 continue
-            lowered, matmul_flops, p_bytes, o_bytes = _lower(cfg, s, vocab, devices, target, prepared)
-            pending.append((s, p_bytes, o_bytes, pool.submit(compile_one, lowered, matmul_flops, s.devices)))
+            lowered, matmul_flops, p_bytes, o_bytes = _lower(cfg_c, s, vocab, devices, target, prepared)
+            pending.append((c, p_bytes, o_bytes, pool.submit(compile_one, lowered, matmul_flops, s.devices)))
             del lowered
         while pending:  # drop each executable once read: 64 devices' worth of programs add up
             read(*pending.pop(0))
     return Plan(cfg, n, hardware, rank_strategies(results, hardware), rejected, param_count,
                 time.perf_counter() - t0, platform, target, pruned)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A strategy to compile, under a remat policy ("" = the config's)."""
+
+    strategy: Strategy
+    remat: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name + (f" remat={self.remat}" if self.remat else "")
+
+
+def _with_remat(cfg: Config, remat: str) -> Config:
+    """`cfg` with `model.remat` set to `remat` ("" = as it is), checked."""
+    if not remat:
+        return cfg
+    from shardlm.models.config import check_model
+
+    model = dataclasses.replace(cfg.model, remat=remat)
+    check_model(model)
+    return dataclasses.replace(cfg, model=model)
 
 
 def rank_strategies(results: list[StrategyPlan], hardware: Hardware) -> list[StrategyPlan]:
@@ -351,17 +394,20 @@ def format_plan(p: Plan) -> str:
         f"({fmt_bytes(p.hardware.memory_bytes)}) per device",
         "",
     ]
-    w = max([16] + [len(r.strategy.name) for r in p.strategies])
+    w = max([16] + [len(r.label) for r in p.strategies])
+    offloads = any(r.host_temps for r in p.strategies)
     head = (f"{'rank':>4}  {'strategy':<{w}} {'params':>10} {'optimizer':>10} {'grads*':>10} {'temps':>10} "
-            f"{'peak':>10}  {'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} " + (f"{'x-host/dev':>10} " if hosts else "")
+            f"{'peak':>10}  " + (f"{'host':>10}  " if offloads else "")
+            + f"{'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} " + (f"{'x-host/dev':>10} " if hosts else "")
             + f"{'est step':>9} {'MFU':>6}  " + (f"{'compiler':>9} {'MFU':>6}  " if target else "")
             + "collectives per step")
     lines += [head, "-" * len(head)]
     for r in p.strategies:
         lines.append(
-            f"{r.rank:>4}  {r.strategy.name:<{w}} {fmt_bytes(r.params):>10} {fmt_bytes(r.optimizer):>10} "
+            f"{r.rank:>4}  {r.label:<{w}} {fmt_bytes(r.params):>10} {fmt_bytes(r.optimizer):>10} "
             f"{fmt_bytes(r.gradients):>10} {fmt_bytes(r.temporaries):>10} {fmt_bytes(r.peak):>10}  "
-            f"{'yes' if r.fits else 'NO':<4} {r.flops_per_device / 1e12:>9.3f} {fmt_bytes(r.est.traffic_bytes):>10} "
+            + (f"{fmt_bytes(r.host_temps):>10}  " if offloads else "")
+            + f"{'yes' if r.fits else 'NO':<4} {r.flops_per_device / 1e12:>9.3f} {fmt_bytes(r.est.traffic_bytes):>10} "
             + (f"{fmt_bytes(r.est.inter_node_bytes):>10} " if hosts else "")
             + f"{_format_seconds(r.est.step_s):>9} {_percent(r.mfu(r.est.step_s, p.hardware)):>6}  "
             + (f"{_format_seconds(r.compiler_s):>9} {_percent(r.mfu(r.compiler_s, p.hardware)):>6}  " if target else "")
@@ -374,10 +420,12 @@ def format_plan(p: Plan) -> str:
             cross = r.cross_host(p.hardware)
             what = ", ".join(f"{_ABBREV[c['kind']]} {c['count']}x {fmt_bytes(c['bytes'])} (sends "
                              f"{fmt_bytes(c['sent_per_device'])})" for c in cross)
-            lines.append(f"  {r.strategy.name:<{w}} {what or 'nothing crosses hosts'}")
+            lines.append(f"  {r.label:<{w}} {what or 'nothing crosses hosts'}")
         lines.append("")
     lines.append("bytes are per device; peak = params + optimizer + temps (activations, gradients, gathered "
-                 "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps")
+                 "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps"
+                 + ("; host = activations offloaded to host memory (model.remat_offload), not in the peak"
+                    if offloads else ""))
     lines.append("comm/dev = what one device sends per step (ring algorithms); est step = compute at peak + "
                  "collectives at link bandwidth + latency (`shardlm.perf.costmodel`)")
     from shardlm.train.source import flops_convention  # imports JAX: planning_flags runs before JAX starts
@@ -389,7 +437,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"note: XLA:CPU emulates {p.cfg.model.dtype} in float32, so temps and collectives above are "
                      "float32-sized (or more, with the conversions); a GPU or TPU computes it natively and needs "
                      "less: check there with `shardlm bench`")
-    lines += pipeline_lines(p)
+    lines += pipeline_lines(p) + remat_lines(p)
     for s, why in p.pruned:
         lines.append(f"pruned (not compiled): {s.name}: {why}")
     for s, why in p.rejected:
@@ -397,6 +445,26 @@ def format_plan(p: Plan) -> str:
     lines.append("")
     lines.append(recommendation(p))
     return "\n".join(lines)
+
+
+def cheapest_remats(p: Plan) -> dict[str, StrategyPlan | None]:
+    """Per strategy (its name) of a plan that compared remat policies: its fastest compiled policy that fits, or
+    None if none does."""
+    out: dict[str, StrategyPlan | None] = {}
+    for r in p.strategies:  # ranked: fitting ones by estimated step first
+        out.setdefault(r.strategy.name, None)
+        if r.fits and out[r.strategy.name] is None:
+            out[r.strategy.name] = r
+    return out
+
+
+def remat_lines(p: Plan) -> list[str]:
+    """The cheapest remat policy that fits each strategy, when the plan compared several (`--remat`)."""
+    if not any(r.remat for r in p.strategies):
+        return []
+    parts = [f"{name}: {r.remat} ({_format_seconds(r.est.step_s)}, peak {fmt_bytes(r.peak)})" if r else
+             f"{name}: none of them fits" for name, r in cheapest_remats(p).items()]
+    return ["cheapest remat policy that fits, per strategy: " + "; ".join(parts)]
 
 
 def pipeline_lines(p: Plan) -> list[str]:
@@ -416,7 +484,7 @@ def pipeline_lines(p: Plan) -> list[str]:
         sent = sum(op.bytes * op.times for op in hand_offs)
         across = sum(split_traffic(op, p.hardware.devices_per_node, r.strategy.devices)[1] * op.times
                      for op in hand_offs)
-        lines.append(f"pipeline {r.strategy.name}: {micro} microbatches x {m.pipeline_repeats} repeat(s) over "
+        lines.append(f"pipeline {r.label}: {micro} microbatches x {m.pipeline_repeats} repeat(s) over "
                      f"{stages} stages, bubble {bubble_fraction(stages, micro, m.pipeline_repeats):.0%} of the "
                      f"stage-iterations (charged: idle stages compute on zeros); hand-offs send "
                      f"{fmt_bytes(sent)} per device per step" + (f", {fmt_bytes(across)} of it across hosts"
@@ -432,7 +500,7 @@ def _compiler_note(p: Plan) -> str:
     if p.platform == "gpu":
         what += (" (the latency-hiding scheduler's; none for one device, whose program it does not schedule; "
                  "cuDNN attention charged 10 us a call, so attention-heavy steps read fast)")
-        hidden = [(r.strategy.name, r.hidden) for r in p.strategies if r.hidden]
+        hidden = [(r.label, r.hidden) for r in p.strategies if r.hidden]
         if hidden:
             what += "\ncollective time hidden behind compute in XLA:GPU's schedule: " + "; ".join(
                 f"{name} " + ", ".join(f"{_ABBREV[k]} {v:.0%}" for k, v in h.items())
@@ -459,20 +527,20 @@ def recommendation(p: Plan) -> str:
     if best is None:
         low = min(p.strategies, key=lambda r: r.peak)
         return (f"no strategy fits in {fmt_bytes(p.hardware.memory_bytes)} per device; the smallest peak is "
-                f"{low.strategy.name} at {fmt_bytes(low.peak)}: lower train.batch_size or model.seq_len, use more "
+                f"{low.label} at {fmt_bytes(low.peak)}: lower train.batch_size or model.seq_len, use more "
                 "devices, " + ("" if p.cfg.model.remat == "full" else "model.remat=full, ")
                 + ("or a target with more memory" if p.target else "or pass --memory for a larger device"))
-    text = (f"recommended: {best.strategy.name} (est {_format_seconds(best.est.step_s)} per step: "
+    text = (f"recommended: {best.label} (est {_format_seconds(best.est.step_s)} per step: "
             f"{_format_seconds(best.est.compute_s)} compute + {_format_seconds(best.est.comm_s)} communication; "
             f"peak {fmt_bytes(best.peak)} of {fmt_bytes(p.hardware.memory_bytes)})")
     nxt = next((r for r in p.strategies[1:] if r.fits), None)
     if nxt and best.est.step_s > 0:
-        text += (f"; next {nxt.strategy.name} at {_format_seconds(nxt.est.step_s)} "
+        text += (f"; next {nxt.label} at {_format_seconds(nxt.est.step_s)} "
                  f"({nxt.est.step_s / best.est.step_s:.2f}x)")
-    no_fit = [r.strategy.name for r in p.strategies if not r.fits]
+    no_fit = [r.label for r in p.strategies if not r.fits]
     if no_fit:
         text += f"; too large for the memory: {', '.join(no_fit)}"
-    text += f"\ntrain with it: shardlm train {' '.join(best.strategy.overrides())} ..."
+    text += f"\ntrain with it: shardlm train {' '.join(best.overrides())} ..."
     return text
 
 

@@ -5,7 +5,9 @@ Model code names the axes of every parameter and of a few activations with logic
 (data, fsdp, context, tensor). Because a mesh axis of degree 1 shards nothing, this single table covers every
 strategy:
 
-- DP (data=N): only `batch` is split; parameters are replicated.
+- DP (data=N): only `batch` is split; parameters are replicated for use. A training state may be stored split
+  over `data` as well (`zero_rules`: ZeRO-1/2, each weight gathered once per step by its compute copy,
+  `compute_copy`).
 - FSDP / ZeRO-3 (fsdp=N): `batch` is split over fsdp too, and every parameter's `embed` dimension is split over
   fsdp, so parameters, gradients and AdamW moments are all 1/N per device; XLA all-gathers weights per layer.
 - Megatron TP (tensor=N): attention heads (query and key/value), the MLP hidden dimension and the vocabulary are
@@ -28,7 +30,7 @@ residual stream's `act_embed` stays whole (its batch dimension is already split 
 import contextlib
 import math
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -153,11 +155,20 @@ def axis_degree(mesh, axes: MeshAxes) -> int:
 _active = threading.local()
 
 
+class _Active(NamedTuple):
+    mesh: Any
+    rules: Rules  # how activations, and weights as they are used, are split
+    storage: Rules  # how the weights are stored (with `data` too when the state is sharded over it: `zero_rules`)
+
+
 @contextlib.contextmanager
-def use_mesh_rules(mesh, rules: Rules | None = None):
-    """Within this context, `constrain` pins activations to `mesh` through the logical rules."""
+def use_mesh_rules(mesh, rules: Rules | None = None, storage: Rules | None = None):
+    """Within this context, `constrain` pins activations to `mesh` through the logical rules. `storage`: the table
+    the weights are stored by, when it differs (a training state sharded over `data`: `zero_rules`); the
+    gradients of their compute copies are pinned to it (`compute_copy`)."""
     previous = getattr(_active, "value", None)
-    _active.value = (mesh, LOGICAL_AXIS_RULES if rules is None else rules)
+    rules = LOGICAL_AXIS_RULES if rules is None else rules
+    _active.value = _Active(mesh, rules, rules if storage is None else storage)
     try:
         yield
     finally:
@@ -168,13 +179,13 @@ def active_mesh():
     """The mesh of the active rules (None outside `use_mesh_rules`): model code that runs per device
     (`jax.shard_map`, a mixture of experts' all-to-alls) asks for it."""
     active = getattr(_active, "value", None)
-    return None if active is None else active[0]
+    return None if active is None else active.mesh
 
 
 def active_rules() -> Rules | None:
     """The rules of the active `use_mesh_rules` (None outside it)."""
     active = getattr(_active, "value", None)
-    return None if active is None else active[1]
+    return None if active is None else active.rules
 
 
 def active_spec(*names: str | None, shape=None) -> P:
@@ -182,8 +193,16 @@ def active_spec(*names: str | None, shape=None) -> P:
     active = getattr(_active, "value", None)
     if active is None:
         return P()
-    mesh, rules = active
-    return logical_to_spec(names, rules, shape=shape, mesh=mesh)
+    return logical_to_spec(names, active.rules, shape=shape, mesh=active.mesh)
+
+
+def active_storage_spec(*names: str | None, shape=None) -> P:
+    """The PartitionSpec a weight with logical `names` is stored with under the active rules (P() outside
+    `use_mesh_rules`): the storage table's (`use_mesh_rules(storage=...)`)."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return P()
+    return logical_to_spec(names, active.storage, shape=shape, mesh=active.mesh)
 
 
 def active_degree(name: str) -> int:
@@ -192,35 +211,24 @@ def active_degree(name: str) -> int:
     active = getattr(_active, "value", None)
     if active is None:
         return 1
-    mesh, rules = active
-    return axis_degree(mesh, logical_to_spec((name,), rules, mesh=mesh)[0])
+    return axis_degree(active.mesh, logical_to_spec((name,), active.rules, mesh=active.mesh)[0])
 
 
 def active_axes(name: str) -> tuple[str, ...]:
     """The mesh axes the active rules split logical axis `name` over (() outside `use_mesh_rules`): a pipeline's
     `vmap` over stages names them as its `spmd_axis_name`."""
     active = getattr(_active, "value", None)
-    return () if active is None else as_axes(logical_to_spec((name,), active[1], mesh=active[0])[0])
+    return () if active is None else as_axes(logical_to_spec((name,), active.rules, mesh=active.mesh)[0])
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     active = getattr(_active, "value", None)
     if active is None:
         return x
-    mesh, rules = active
     # Shape-aware, as parameters' shardings are: a weight cast to the compute dtype (`use`) is pinned to exactly
     # its own spec, fallback rules included.
-    spec = logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-def gathered(x: jax.Array, names: tuple, stored: tuple) -> jax.Array:
-    """`constrain(x, *names)` (a weight gathered for use, e.g. FSDP's shards made whole), whose gradient is
-    constrained to `stored`, the weight's own logical names, instead of to `names`. Autodiff would constrain the
-    cotangent like the gathered value, whole on every device, which XLA can only make with an all-reduce of the
-    whole gradient before slicing it; pinned to the stored sharding, it is the reduce-scatter FSDP needs (half the
-    bytes on the wire)."""
-    return _pinned_with_gradient(x, lambda a: constrain(a, *names), lambda g: constrain(g, *stored))
+    spec = logical_to_spec(names, active.rules, shape=x.shape, mesh=active.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
 
 
 def _pinned_with_gradient(x: jax.Array, pin, pin_gradient) -> jax.Array:
@@ -247,16 +255,90 @@ STORAGE_AXES = ("data", "fsdp", "expert", "context")
 
 def gathered_for(x: jax.Array, names: tuple) -> jax.Array:
     """A weight with logical `names` gathered over the `STORAGE_AXES` that shard it, its gradient reduce-scattered
-    back to its stored sharding (`gathered`): a pipeline gathers each stage's weights once per step with it. The
-    identity outside `use_mesh_rules`."""
+    back to its stored sharding: a pipeline gathers each stage's weights once per step with it. The identity
+    outside `use_mesh_rules`."""
     active = getattr(_active, "value", None)
     if active is None:
         return x
-    mesh, rules = active
-    stored = NamedSharding(mesh, logical_to_spec(names, rules, shape=x.shape, mesh=mesh))
+    mesh = active.mesh
+    stored = NamedSharding(mesh, logical_to_spec(names, active.storage, shape=x.shape, mesh=mesh))
     used = NamedSharding(mesh, P(*(_keep(entry) for entry in stored.spec)))
     return _pinned_with_gradient(x, lambda a: jax.lax.with_sharding_constraint(a, used),
                                  lambda g: jax.lax.with_sharding_constraint(g, stored))
+
+
+def compute_copy(x: jax.Array, names: tuple, dtype, reduce_dtype=None) -> jax.Array:
+    """Weight `x` (logical `names`) cast to `dtype` for use, and pinned to its sharding under the active rules:
+    its stored sharding, less the `data` split of a state sharded over the data-parallel replicas (`zero_rules`),
+    which XLA gathers here, in `dtype`, once per step. Its gradient is pinned to the stored sharding (summed over
+    the replicas and, sharded over them, reduce-scattered) after a cast to `reduce_dtype` (default: x's), and
+    returned in x's dtype. The identity but for the cast outside `use_mesh_rules`."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return x.astype(dtype)
+    mesh, reduce_dtype = active.mesh, reduce_dtype or x.dtype
+    used = NamedSharding(mesh, logical_to_spec(names, active.rules, shape=x.shape, mesh=mesh))
+    stored = NamedSharding(mesh, logical_to_spec(names, active.storage, shape=x.shape, mesh=mesh))
+    # cast where each shard lies (pinned to the stored sharding), then gathered: in `dtype`, not in x's
+    return _pinned_with_gradient(
+        x, lambda a: jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(a.astype(dtype), stored), used),
+        lambda g: jax.lax.with_sharding_constraint(g.astype(reduce_dtype), stored).astype(x.dtype))
+
+
+def sharded_lookup(table: jax.Array, ids: jax.Array, names: tuple, dtype=None) -> jax.Array:
+    """table[ids] for a table (logical `names`, [vocab, embed]) stored with its embed dimension split over mesh
+    axes that also split the tokens of `ids` [batch, T] (FSDP's, the context devices', a state sharded over
+    `data`): the ids are gathered over those axes, each device looks up its own columns of the table for all of
+    them, and the rows move to the activations' split, one mesh axis at a time (all-to-alls of activations: moved
+    all at once, XLA's partitioner falls back to replicating the rows). Nothing of the table moves: the
+    alternative, a lookup into the gathered table, gathers it (1 GiB of bfloat16 for Llama 3's 128k x 4096) and
+    reduce-scatters its gradient, a dense [vocab, embed] buffer. The gradient is scattered into the table's own
+    shard, in its dtype: a frequent token's rows are summed in float32 for a float32 table. The rows are cast to
+    `dtype` (default: the table's) as they are looked up, so they move, and their gradients move back, in it.
+    Rows come out [batch, T, embed], split as ("batch", "seq", "act_embed")."""
+    active = getattr(_active, "value", None)
+    dtype = dtype or table.dtype
+    if active is None:
+        return table[ids].astype(dtype)
+    mesh = active.mesh
+    live = lambda entry: [a for a in as_axes(entry) if mesh.shape[a] > 1]  # noqa: E731
+    columns = live(logical_to_spec(names, active.storage, shape=table.shape, mesh=mesh)[1])
+    target = logical_to_spec(("batch", "seq", "act_embed"), active.rules, shape=(*ids.shape, table.shape[1]),
+                             mesh=mesh)
+    batch, seq = live(target[0]), live(target[1])
+    rows_axes = [a for a in batch if a not in columns]
+    seq_axes: list[str] = []
+
+    def pinned(x, *entries):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*(tuple(e) or None for e in entries))))
+
+    rows = pinned(table[pinned(ids, rows_axes, [])].astype(dtype), rows_axes, [], columns)
+    while columns:  # the minor-most column axis to its place among the batch's or the sequence's axes
+        axis = columns.pop()
+        if axis in batch:
+            rows_axes = [a for a in batch if a in rows_axes or a == axis]
+        else:
+            seq_axes = [a for a in seq if a in seq_axes or a == axis]
+        rows = pinned(rows, rows_axes, seq_axes, columns)
+    return pinned(rows, batch, seq, [])
+
+
+def zero_rules(rules: Rules | None = None) -> Rules:
+    """The table for a training state whose weights and optimizer state are split over `data` as well (ZeRO-1 over
+    the data-parallel replicas: MaxText's `shard_optimizer_over_data`): a name's rules that split over `fsdp` are
+    preceded by variants of them with `data` added last, in the same order. A variant is skipped where it does not
+    divide the dimension, or splits no more ways than the next (the same axes, some of degree 1)."""
+    rules = LOGICAL_AXIS_RULES if rules is None else rules
+    out, done = [], set()
+    for name, axes in rules:
+        if name not in done and name not in _ACTIVATION_NAMES:
+            out += [(name, (*as_axes(a), "data")) for n, a in rules if n == name and "fsdp" in as_axes(a)]
+            done.add(name)
+        out.append((name, axes))
+    return tuple(out)
+
+
+_ACTIVATION_NAMES = ("batch", "seq", "kv_seq")
 
 
 def replicas_of(x: jax.Array, names: tuple, replicas: int, axes: tuple[str, ...]) -> jax.Array:
@@ -265,12 +347,43 @@ def replicas_of(x: jax.Array, names: tuple, replicas: int, axes: tuple[str, ...]
     `STORAGE_AXES`, once), and so accumulates its own partial gradient through loops that use it. The copies'
     gradients are summed only where the broadcast is transposed, after those loops: one reduce-scatter back into
     the stored shards, where a weight used whole would have its gradient reduced in every iteration."""
-    mesh, rules = _active.value
-    stored = logical_to_spec(names, rules, shape=x.shape, mesh=mesh)
+    mesh, storage = _active.value.mesh, _active.value.storage
+    stored = logical_to_spec(names, storage, shape=x.shape, mesh=mesh)
     x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, stored))
     copies = jnp.broadcast_to(x[:, None], (x.shape[0], replicas, *x.shape[1:]))
     used = P(stored[0], axes, *(_keep(entry) for entry in stored[1:]))
     return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, used))
+
+
+def gradient_carrier(x: jax.Array, names: tuple, replicas: int = 1, axes: tuple[str, ...] = ()) -> jax.Array:
+    """Zeros of `x`'s shape and dtype, laid out as `gathered_for(x, names)` lays x out (with `replicas`, as
+    `replicas_of(x, names, replicas, axes)` does, [S, F, ...]), whose gradient is `x`'s: summed over the replicas and
+    pinned to x's stored sharding. A loop that reads a weight in a 16-bit dtype takes its gradient through a
+    carrier (`shardlm.models.pipeline`), so that the loop sums the weight's gradient over its iterations in x's
+    dtype (float32) and not in the weight's. The zeros themselves are never read (XLA drops them)."""
+    active = getattr(_active, "value", None)
+    shape = x.shape if replicas == 1 else (x.shape[0], replicas, *x.shape[1:])
+    pin = pin_gradient = lambda a: a  # noqa: E731
+    if active is not None:
+        mesh = active.mesh
+        stored = logical_to_spec(names, active.storage, shape=x.shape, mesh=mesh)
+        used = P(*(_keep(entry) for entry in stored)) if replicas == 1 else P(
+            stored[0], axes, *(_keep(entry) for entry in stored[1:]))
+        pin = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, used))  # noqa: E731
+        pin_gradient = lambda g: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, stored))  # noqa: E731
+
+    @jax.custom_vjp
+    def carrier(x):
+        return pin(jnp.zeros(shape, x.dtype))
+
+    def forward(x):
+        return carrier(x), None
+
+    def backward(_, g):
+        return (pin_gradient(g if replicas == 1 else g.sum(1)),)
+
+    carrier.defvjp(forward, backward)
+    return carrier(x)
 
 
 def _keep(entry: MeshAxes) -> MeshAxes:

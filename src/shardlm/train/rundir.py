@@ -35,9 +35,10 @@ CONFIG_FILE = "config.yaml"
 RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "loss.png", "samples.txt", "tokenizer.json", "tokenizer_config.json",
              FINISHED_MARKER)
 # Keys that must be equal to the checkpoint's for a run to resume. Dropout and the compute settings (dtype, remat,
-# attention kernel) change how the step computes, not what the checkpoint holds, so they may change.
-CHANGEABLE_MODEL_KEYS = ("dropout", "dtype", "remat", "attention", "scan_layers", "pipeline_microbatches",
-                         "pipeline_repeats", "pipeline_remat")
+# the gradients' reduction dtype, the loss's chunks, attention kernel) change how the step computes, not what the
+# checkpoint holds, so they may change.
+CHANGEABLE_MODEL_KEYS = ("dropout", "dtype", "remat", "remat_offload", "grad_reduce_dtype", "loss_chunks",
+                         "attention", "scan_layers", "pipeline_microbatches", "pipeline_repeats", "pipeline_remat")
 FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
                    if f.name not in CHANGEABLE_MODEL_KEYS) + ("seed", "train.batch_size")
 

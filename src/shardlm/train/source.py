@@ -62,7 +62,8 @@ from shardlm.models.pipeline import (
     row_order,
     stage_layers,
 )
-from shardlm.sharding import batch_sharding, state_shardings, use_mesh_rules
+from shardlm.losses import cross_entropy
+from shardlm.sharding import batch_sharding, state_shardings, use_mesh_rules, zero_rules
 from shardlm.trees import path_str
 from shardlm.units import fmt_bytes
 
@@ -124,15 +125,24 @@ class OwnModel:
         return lambda: family(m, real, padded, nnx.Rngs(params=seed), stages=stages)
 
     def state_shardings(self, abstract_state, mesh):
+        """The training state's: weights and AdamW moments split over `data` too where the state is sharded over
+        the data-parallel replicas (`storage_rules`)."""
+        return state_shardings(abstract_state, mesh, self.storage_rules(mesh))
+
+    def model_shardings(self, abstract_state, mesh):
+        """A reader's (the model alone, no optimizer): the rule table's, never split over `data`."""
         return state_shardings(abstract_state, mesh)
+
+    def storage_rules(self, mesh):
+        """The table the training state is stored by: `sharding.zero_rules` when `train.shard_optimizer_over_data`
+        and the mesh has data-parallel replicas, else None (the rule table's)."""
+        return zero_rules() if self.cfg.train.shard_optimizer_over_data and mesh.shape.get("data", 1) > 1 else None
 
     def layer_order(self, mesh) -> tuple[int, ...] | None:
         """The layer each row of the stacked blocks holds on `mesh` (a circular pipeline's order), or None when row
         i is layer i: checkpoints store layer order (`train.stored`)."""
         m = self.cfg.model
         return row_order(m.n_layers, mesh.shape.get("stage", 1), m.pipeline_repeats)
-
-    model_shardings = state_shardings
 
     def batch_sharding(self, mesh) -> NamedSharding:
         return batch_sharding(mesh)
@@ -149,6 +159,13 @@ class OwnModel:
 
     def logits(self, model, tokens, mesh, *, train: bool, key=None):
         return self.forward(model, tokens, mesh, train=train, key=key)[0]
+
+    def loss(self, model, batch, mesh, *, key=None):
+        """(the training loss of `batch` [rows, seq_len + 1], the blocks' statistics): the head and the cross
+        entropy fused (`CausalLM.loss`), under the training state's storage rules."""
+        dropout = key is not None and self.cfg.model.dropout > 0
+        with use_mesh_rules(mesh, storage=self.storage_rules(mesh)):
+            return model.loss(batch[:, :-1], batch[:, 1:], rngs=nnx.Rngs(dropout=key) if dropout else None)
 
     def flops_per_token(self, vocab_size: int, tensor_degree: int) -> int:
         return flops_per_token(self.cfg.model, self.vocab_sizes(vocab_size, tensor_degree)[1])
@@ -327,6 +344,10 @@ class PlannedModel:
     def logits(self, model, tokens, mesh, *, train: bool, key=None):
         with constrained(model, self.plan, mesh):
             return self._run(model, tokens, train, key)
+
+    def loss(self, model, batch, mesh, *, key=None):
+        """(the mean next-token cross entropy of `batch` under the model's logits, {})."""
+        return cross_entropy(self.logits(model, batch[:, :-1], mesh, train=True, key=key), batch[:, 1:]), {}
 
     def _run(self, model, tokens, train: bool, key):
         """The model on `tokens` in training or evaluation mode, through the call adapter, without constraints."""

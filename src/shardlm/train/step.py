@@ -17,17 +17,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlm.losses import cross_entropy
 from shardlm.sharding import replicated, use_mesh_rules
 from shardlm.train.source import model_source
 
 
-def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, forward, grad_accum: int = 1,
+def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss_of, grad_accum: int = 1,
                     aux_loss_weight: float = 0.0):
-    """The jitted train step. `forward(model, tokens, mesh, train=True, key=...) -> (logits, stats)` is the
-    model's forward pass as its source runs it (`train.source`): dropout, activation constraints, and a mixture of
-    experts' statistics (`model_metrics`), whose load-balancing loss joins the objective times
-    `aux_loss_weight`. The logged `loss` is the cross entropy alone."""
+    """The jitted train step. `loss_of(model, batch, mesh, key=...) -> (loss, stats)` is the model's training loss
+    as its source computes it (`train.source`): the forward pass with its dropout and activation constraints, the
+    next-token cross entropy (shardlm's models fuse it with the head), and a mixture of experts' statistics
+    (`model_metrics`), whose load-balancing loss joins the objective times `aux_loss_weight`. The logged `loss` is
+    the cross entropy alone."""
     graphdef = train_state.graphdef
     param_shardings = nnx.filter_state(train_state.shardings["model"], nnx.Param)  # what gradients are taken of
     base_key = jax.random.key(seed)
@@ -35,9 +35,8 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, forw
     def loss_fn(model, tokens, key):
         # Keys and RNG streams are made inside the differentiated function: NNX refuses RNG state created at
         # another trace level.
-        out, stats = forward(model, tokens[:, :-1], mesh, train=True, key=key)
+        loss, stats = loss_of(model, tokens, mesh, key=key)
         with jax.named_scope("loss"):
-            loss = cross_entropy(out, tokens[:, 1:])
             objective = loss + aux_loss_weight * stats["aux_loss"] if "aux_loss" in stats else loss
         return objective, {"loss": loss, **model_metrics(stats)}
 
@@ -156,7 +155,7 @@ def train_step_for(cfg, train_state, mesh):
 
     source = model_source(cfg)
     return make_train_step(train_state, mesh, source.batch_sharding(mesh), make_schedule(cfg), cfg.seed,
-                           source.forward, cfg.train.grad_accum, source.aux_loss_weight)
+                           source.loss, cfg.train.grad_accum, source.aux_loss_weight)
 
 
 def eval_step_for(cfg, train_state, mesh, token_bytes):

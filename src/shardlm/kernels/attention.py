@@ -1,0 +1,78 @@
+"""Causal self-attention kernels: XLA's (any backend) and cuDNN's fused flash attention (NVIDIA GPUs).
+
+Design choices:
+- One signature, q [batch, T, heads, head_dim] and k, v [batch, S, kv_heads, head_dim] -> [batch, T, heads,
+  head_dim]; grouped-query heads are read as `jax.nn.dot_product_attention` reads them (query head n uses kv head
+  n // (heads / kv_heads)).
+- What the backward pass keeps is named (`residual_name`), so that a `jax.checkpoint` policy can save it instead of
+  running the kernel's forward pass again. cuDNN's kernel is a `custom_vjp` inside JAX whose residuals (the output
+  and the softmax statistics, log-sum-exp per query and head) no policy can name: under any policy its forward
+  kernel ran a second time in the backward pass. `cudnn_attention` is the same kernel pair (JAX's forward and
+  backward rules, called as JAX calls them) under a `custom_vjp` of its own that names the two, so a policy that
+  saves `residual_name` keeps 2 bytes per token x d_model (and 4 per token and head of statistics) and the
+  backward pass runs cuDNN's backward kernel alone. The rules are JAX internals (`jax._src.cudnn`); a JAX without
+  them gets the public `jax.nn.dot_product_attention`, whose forward then runs again.
+- XLA's attention is plain jnp: its backward needs the probabilities, which a policy that saves only named
+  tensors recomputes from q and k (one more QK^T per head, as a flash kernel's backward pass does) instead of
+  keeping [T, T] per head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+
+def xla_attention(q, k, v, mask=None, *, residual_name: str | None = None):
+    """XLA's attention with a boolean `mask` ([1, 1, T, S] or broadcastable; None: no mask): softmax in float32.
+    The output is named `residual_name` (the next matmul's input)."""
+    y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    return checkpoint_name(y, residual_name) if residual_name else y
+
+
+def _cudnn_rules():
+    """JAX's cuDNN attention internals: (module, its forward rule, its backward rule), or None if this JAX does not
+    have them under those names."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        return fa, fa._dot_product_attention_fwd_rule, fa._dot_product_attention_bwd_rule
+    except (ImportError, AttributeError):
+        return None
+
+
+def cudnn_attention(q, k, v, *, residual_name: str | None = None):
+    """cuDNN's fused causal attention, its output and softmax statistics named `residual_name`."""
+    rules = _cudnn_rules()
+    if rules is None or residual_name is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    fa, fwd_rule, bwd_rule = rules
+    dtype = q.dtype
+
+    def unused():  # the kernel's unused operands (bias, sequence lengths, offsets, page tables), made in each trace
+        return (jnp.zeros(0, dtype),) * 7
+
+    # (scale, seed, dropout rate, (has bias, has bias gradient), mask, layout, sliding window, cuDNN version,
+    # return_residual), as `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` passes them
+    static = (1.0 / math.sqrt(q.shape[-1]), 0, 0.0, (False, False), fa.MaskType.CAUSAL,
+              fa._normalize_layout("BTNH").value, None, fa.check_cudnn_version(), False)
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return fwd_rule(q, k, v, *unused(), *static)[0]
+
+    def forward(q, k, v):
+        out, res = fwd_rule(q, k, v, *unused(), *static)
+        stats, out = checkpoint_name(res[-2], residual_name), checkpoint_name(out, residual_name)
+        return out, (q, k, v, stats, out)
+
+    def backward(saved, g):
+        q, k, v, stats, out = saved
+        grads = bwd_rule(*static, (q, k, v, *unused(), stats, out), g)
+        return tuple(grads[:3])
+
+    attend.defvjp(forward, backward)
+    return attend(q, k, v)

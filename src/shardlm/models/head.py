@@ -1,0 +1,198 @@
+"""The output head and the language-modelling loss in one pass that never holds float32 logits for the whole
+vocabulary: Megatron's vocabulary-parallel cross entropy, chunked over the vocabulary as Liger's fused linear
+cross entropy and "Cut Your Losses" (Wijmans et al. 2024) chunk it. Math, with the per-device collectives
+written out.
+
+Design choices:
+- Training's loss is the head and the cross entropy together, `head_loss(x, w, targets)`, under a custom VJP. The
+  forward pass runs over chunks of the vocabulary keeping, per token, a running max and sum of exponentials (the
+  log-sum-exp) and the target's logit; it saves the head's input and the log-sum-exp per token, nothing of size
+  [tokens, vocabulary]. The backward pass runs over the chunks again: it recomputes each chunk's logits (one more
+  head matmul, the price of not keeping them), turns them into the chunk's softmax minus the one-hot target, and
+  multiplies out the input's and the weight's gradients. Llama 3.1 8B at 2 x 8192 tokens per device and a 128k
+  vocabulary held 7.8 GiB per float32 copy of its logits, and the loss and its gradient about two copies.
+- Each device cuts its own rows of the vocabulary (all of them, or its tensor-parallel block) into as few chunks as
+  keep a chunk's float32 logits for the device's tokens under `CHUNK_BYTES` (`model.loss_chunks` sets the count
+  instead), each a multiple of 128 rows (`chunk_width`). The last chunk starts early enough to end at the last
+  row, and its rows an earlier chunk covered are masked: widths stay multiples of 128 whatever the vocabulary
+  (Llama 3's 128,256 rows have no such divisor), which the GEMMs want, for at most 127 rows per chunk computed
+  twice.
+- Per device, inside `shard_map`: a weight chunk is cast to the compute dtype, gathered over the mesh axes that
+  store the embedding dimension (FSDP's), used and dropped. Its gradient is computed in float32 and summed over
+  the devices that hold other tokens, reduce-scattered back into the stored shards chunk by chunk, in
+  `reduce_dtype`: each chunk is reduced once, so no more bytes cross than for one reduce-scatter of the whole
+  gradient, and no device holds the whole head or its gradient. The input's gradient is accumulated on each
+  device over the chunks and summed over the tensor devices once at the end (under XLA's automatic partitioning
+  each chunk's partial sum would be all-reduced). Max, sum and target logit are combined over the tensor devices
+  once per pass.
+- The weight is read as stored (float32 master weights: `CAST_WHERE_READ` in the mixed-precision policy): the
+  tied head reads the token table [vocab, embed], an untied one its own [embed, vocab].
+- Padded vocabulary rows (past `vocab_size`) get -inf logits: no probability, no gradient.
+- Evaluation and generation keep the plain head (`CausalLM.__call__`): they need logits, or per-token losses.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from shardlm.errors import ShardlmError
+from shardlm.sharding import active_mesh, active_spec, active_storage_spec
+from shardlm.sharding.rules import as_axes
+
+CHUNK_BYTES = 128 * 2**20  # a chunk's float32 logits per device, at most (when a divisor of the rows allows)
+
+
+def chunk_width(rows: int, tokens: int, requested: int = 0) -> int:
+    """How many of a device's `rows` of the vocabulary one chunk holds, for its `tokens`: all of them if their
+    float32 logits fit `CHUNK_BYTES`; else the rows over as many chunks as that takes (or `requested` chunks),
+    rounded up to a multiple of 128 (the last chunk, which starts early, then recomputes at most 127 rows per
+    chunk)."""
+    if requested:
+        if requested > rows:
+            raise ShardlmError(f"model.loss_chunks={requested} is more than the {rows} vocabulary rows each device "
+                               "holds; choose at most that, or 0 (automatic)")
+        n = requested
+    else:
+        n = -(-tokens * rows * 4 // CHUNK_BYTES)
+    if n <= 1:
+        return rows
+    width = -(-rows // n)
+    return min(rows, -(-width // 128) * 128) if not requested else width
+
+
+def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool, vocab_size: int, compute_dtype,
+              reduce_dtype=None, chunks: int = 0) -> jax.Array:
+    """The mean cross entropy of `targets` [batch, T] under logits x @ head: x [batch, T, embed] (the final norm's
+    output, in the compute dtype), `w` the head as stored ([vocab, embed] tied, [embed, vocab] untied). See the
+    module docstring."""
+    names = ("vocab", "embed") if tied else ("embed", "vocab")
+    n_tokens = targets.size
+    mesh = active_mesh()
+    if mesh is None:
+        return _per_device(x, w, targets, tied=tied, vocab_size=vocab_size, compute_dtype=compute_dtype,
+                           reduce_dtype=reduce_dtype, chunks=chunks, n_tokens=n_tokens, axes=_Axes((), (), ()))
+    x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
+    w_spec = active_storage_spec(*names, shape=w.shape)
+    live = lambda entry: tuple(a for a in as_axes(entry) if mesh.shape[a] > 1)  # noqa: E731
+    token_axes = live(x_spec[0]) + live(x_spec[1])
+    vocab_entry, embed_entry = (w_spec[0], w_spec[1]) if tied else (w_spec[1], w_spec[0])
+    axes = _Axes(token_axes, live(vocab_entry), live(embed_entry))
+    missing = set(axes.embed) - set(token_axes)
+    if missing:  # the weight's gradient is reduce-scattered over its embed axes, which must hold other tokens
+        raise ShardlmError(f"the output head's embedding dimension is split over {sorted(missing)}, which do not "
+                           "split the batch; the fused loss needs the rule table's embed axes to split tokens")
+    # size-1 axes split nothing, and would only type the values as varying over them
+    x_spec, w_spec = (P(*(live(entry) or None for entry in spec)) for spec in (x_spec, w_spec))
+    t_spec = P(x_spec[0], x_spec[1])
+    run = lambda x, w, t: _per_device(x, w, t, tied=tied, vocab_size=vocab_size,  # noqa: E731
+                                      compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, chunks=chunks,
+                                      n_tokens=n_tokens, axes=axes)
+    return jax.shard_map(run, mesh=mesh, in_specs=(x_spec, w_spec, t_spec), out_specs=P())(x, w, targets)
+
+
+class _Axes:
+    """The mesh axes a device's part of the loss is summed over: those splitting the tokens, the vocabulary, and
+    the head's embedding dimension (each a tuple of axes of size > 1)."""
+
+    def __init__(self, token: tuple, vocab: tuple, embed: tuple):
+        self.token, self.vocab, self.embed = token, vocab, embed
+        self.other_token = tuple(a for a in token if a not in embed)  # tokens' axes that do not store the head
+
+
+def _per_device(x, w, targets, *, tied, vocab_size, compute_dtype, reduce_dtype, chunks, n_tokens, axes: _Axes):
+    """One device's loss: its tokens x [b, t, d], its shard of the head, its targets [b, t]. (The custom VJP's
+    functions close over no traced value: each derives what it needs from its arguments.)"""
+    rows = w.shape[0] if tied else w.shape[1]  # this device's vocabulary rows
+    width = chunk_width(rows, x.shape[0] * x.shape[1], chunks)
+    n = -(-rows // width)
+    row_axis = 0 if tied else 1
+    reduce_dtype = reduce_dtype or compute_dtype  # auto: as any weight's gradient, in the compute dtype
+    contract, dx_contract, dw_contract = (("btd,vd->btv", "btv,vd->btd", "btv,btd->vd") if tied else
+                                          ("btd,dv->btv", "btv,dv->btd", "btv,btd->dv"))
+
+    def start(j):
+        """Chunk j's first row: j x width, or earlier for the last chunk, so that it ends at the last row."""
+        return jnp.minimum(j * width, rows - width)
+
+    def weight_chunk(w, j):
+        """Chunk j of the head in the compute dtype, whole over the embedding dimension: [width, d] or [d, width]."""
+        c = jax.lax.dynamic_slice_in_dim(w, start(j), width, axis=row_axis).astype(compute_dtype)
+        return jax.lax.all_gather(c, axes.embed, axis=1 - row_axis, tiled=True) if axes.embed else c
+
+    def chunk_logits(x, c, j):
+        """Chunk j's float32 logits [b, t, width] (-inf for padded rows and rows an earlier chunk covered) and its
+        vocabulary ids [width]."""
+        logits = jnp.einsum(contract, x, c, preferred_element_type=jnp.float32)
+        local = start(j) + jnp.arange(width)
+        ids = local + (jax.lax.axis_index(axes.vocab) * rows if axes.vocab else 0)
+        return jnp.where((ids < vocab_size) & (local >= j * width), logits, -jnp.inf), ids
+
+    def forward(x, w, targets):
+        def body(carry, j):
+            m, s, target_logit = carry
+            logits, ids = chunk_logits(x, weight_chunk(w, j), j)
+            m_new = jnp.maximum(m, logits.max(-1))
+            base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a device whose rows are all padding: m = -inf
+            s = s * jnp.exp(m - base) + jnp.exp(logits - base[..., None]).sum(-1)
+            hit = (ids == targets[..., None]) & jnp.isfinite(logits)
+            target_logit = target_logit + jnp.where(hit, logits, 0.0).sum(-1)
+            return (m_new, s, target_logit), None
+
+        zeros = _varying(jnp.zeros_like(targets, jnp.float32), axes.vocab)
+        (m, s, target_logit), _ = jax.lax.scan(body, (zeros - jnp.inf, zeros, zeros), jnp.arange(n))
+        if axes.vocab:  # the log-sum-exp and the target's logit over every tensor device's rows
+            top = jax.lax.pmax(m, axes.vocab)
+            s = jax.lax.psum(s * jnp.exp(m - top), axes.vocab)
+            m, target_logit = top, jax.lax.psum(target_logit, axes.vocab)
+        lse = m + jnp.log(s)
+        total = (lse - target_logit).sum()
+        if axes.token:
+            total = jax.lax.psum(total, axes.token)
+        return total / n_tokens, lse
+
+    @jax.custom_vjp
+    def loss(x, w, targets):
+        return forward(x, w, targets)[0]
+
+    def loss_forward(x, w, targets):
+        value, lse = forward(x, w, targets)
+        return value, (x, w, targets, lse)
+
+    def loss_backward(saved, g):
+        x, w, targets, lse = saved
+        scale = g / n_tokens
+
+        def body(carry, j):
+            dx, dw = carry
+            c = weight_chunk(w, j)
+            logits, ids = chunk_logits(x, c, j)
+            hit = (ids == targets[..., None]) & jnp.isfinite(logits)
+            dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * scale).astype(compute_dtype)
+            # each chunk's share in the compute dtype, as any matmul's (XLA:GPU's untuned deviceless compile
+            # costs a float32-output GEMM at a tenth of the tensor cores' rate), summed over the chunks in float32
+            dx = dx + jnp.einsum(dx_contract, dlogits, c).astype(jnp.float32)
+            dc = jnp.einsum(dw_contract, dlogits, x, preferred_element_type=jnp.float32).astype(reduce_dtype)
+            if axes.embed:  # summed over the tokens of the devices sharing the shard, scattered into it
+                dc = jax.lax.psum_scatter(dc, axes.embed, scatter_dimension=1 - row_axis, tiled=True)
+            if axes.other_token:
+                dc = jax.lax.psum(dc, axes.other_token)
+            # rows an earlier chunk covered have zero gradient here: adding keeps that chunk's
+            before = jax.lax.dynamic_slice_in_dim(dw, start(j), width, axis=row_axis)
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, before + dc.astype(dw.dtype), start(j), axis=row_axis)
+            return (dx, dw), None
+
+        dx = _varying(jnp.zeros_like(x, jnp.float32), axes.vocab)
+        (dx, dw), _ = jax.lax.scan(body, (dx, jnp.zeros_like(w)), jnp.arange(n))
+        if axes.vocab:
+            dx = jax.lax.psum(dx, axes.vocab)
+        return dx.astype(x.dtype), dw, None
+
+    loss.defvjp(loss_forward, loss_backward)
+    return loss(x, w, targets)
+
+
+def _varying(x: jax.Array, axes: tuple) -> jax.Array:
+    """`x` typed as varying over mesh `axes` too (a loop carry that will take values that differ over them)."""
+    return jax.lax.pcast(x, axes, to="varying") if axes else x

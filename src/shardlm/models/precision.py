@@ -1,0 +1,99 @@
+"""Mixed precision as one policy, applied to a model's parameter tree at one place in its forward pass. Math with
+logical axis names; the pins are `shardlm.sharding`'s.
+
+The policy has three dtypes: the weights are stored in `model.param_dtype` (float32 master weights, so the
+gradients and AdamW's moments are float32 too), computed with in `model.dtype` (bfloat16 on GPUs and TPUs), and
+their gradients summed across devices in `model.grad_reduce_dtype` (auto: the compute dtype; `matmul`).
+
+Design choices:
+- `compute_view(module)` is the module with every parameter replaced by its compute copy (`sharding.compute_copy`):
+  cast to the compute dtype and pinned to the sharding it is used with, its gradient pinned to the sharding it is
+  stored with. The modules then use their weights as they find them. Before, each module cast at each use: the
+  cast and its pin were spread over `layers.use` (which pinned on one path and returned early on others), the
+  pipeline's own cast of the stage weights and `READ_IN_FLOAT32` metadata, and inside the scan over layers the
+  cast's output became a stacked residual, a bfloat16 copy of every block weight kept for the backward pass.
+- Parameters marked `READ_IN_FLOAT32` (norm scales and biases, a router, biases) keep float32 copies: norms and
+  routing compute in float32, and a bias added in float32 has its gradient (a sum over every token of the batch)
+  summed in float32.
+- Tables that are looked up (the token and position embeddings) are not copied: the lookup reads the stored float32
+  table where it lies (`sharding.sharded_lookup`) and casts the rows, so the table's gradient, a scatter-add of
+  every token's rows, is summed in float32 (a frequent token adds up ~10^4 terms in a batch); the tied output head
+  casts the table chunk by chunk as it multiplies (`shardlm.losses`).
+- Under a training state sharded over the data-parallel replicas (`sharding.zero_rules`), the compute copies are
+  where the weights are gathered over `data`: once per step, in the compute dtype; their gradients are
+  reduce-scattered back over `data`.
+- Where gradients are summed across devices: XLA reduces a weight gradient's partial sums (over the devices
+  that split the tokens) where the matmul producing it does, in its output dtype. `matmul` produces the weight's
+  gradient in `grad_reduce_dtype` when that is not the compute dtype, so the choice reaches every such sum.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlm.sharding import compute_copy
+
+# Metadata keys of a parameter. READ_IN_FLOAT32: its compute copy stays float32 (norms, routers, biases).
+# CAST_WHERE_READ: it has no compute copy; its reader casts and pins what it reads (a table looked up, a head
+# multiplied chunk by chunk).
+READ_IN_FLOAT32 = "read_in_float32"
+CAST_WHERE_READ = "cast_where_read"
+
+
+def read_dtype(variable: nnx.Variable, compute_dtype):
+    """The dtype a block reads `variable` in: float32 when it is marked `READ_IN_FLOAT32`, else `compute_dtype`."""
+    return jnp.float32 if variable.get_metadata().get(READ_IN_FLOAT32) else compute_dtype
+
+
+def compute_view(module: nnx.Module, compute_dtype, reduce_dtype=None) -> nnx.Module:
+    """A copy of `module` whose parameters are their compute copies (see the module docstring); its other
+    variables are shared."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def copy(var):
+        value = var[...]
+        meta = var.get_metadata()
+        names = meta.get("out_sharding")
+        if meta.get(CAST_WHERE_READ) or names is None or not jnp.issubdtype(value.dtype, jnp.floating):
+            return var
+        return var.replace(compute_copy(value, tuple(names), read_dtype(var, compute_dtype), reduce_dtype))
+
+    params = jax.tree.map(copy, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.merge(graphdef, params, rest)
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, reduce_dtype=None) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` ("bte,ehd->bthd": x's indices, the weight's, the output's), in the operands' dtype.
+    With a `reduce_dtype` other than it, the weight's gradient is produced in `reduce_dtype`: XLA sums a
+    gradient's partial sums over the devices that split the tokens (data-parallel replicas, FSDP) where the
+    matmul that produces it does, in its output dtype, so this is the dtype of that sum."""
+    if reduce_dtype is None or jnp.dtype(reduce_dtype) == jnp.dtype(w.dtype):
+        return jnp.einsum(spec, x, w)
+    operands, out = spec.split("->")
+    x_spec, w_spec = operands.split(",")
+
+    @jax.custom_vjp
+    def product(x, w):
+        return jnp.einsum(spec, x, w)
+
+    def forward(x, w):
+        return product(x, w), (x, w)
+
+    def backward(saved, g):
+        x, w = saved
+        dx = jnp.einsum(f"{out},{w_spec}->{x_spec}", g, w)
+        dw = jnp.einsum(f"{x_spec},{out}->{w_spec}", x, g, preferred_element_type=reduce_dtype)
+        return dx, dw.astype(w.dtype)
+
+    product.defvjp(forward, backward)
+    return product(x, w)
+
+
+def add_bias(y: jax.Array, bias: nnx.Param | None) -> jax.Array:
+    """y + bias, added in float32 and returned in y's dtype: the bias's gradient, a sum over every token of the
+    batch, is then summed in float32."""
+    if bias is None:
+        return y
+    return (y.astype(jnp.float32) + bias[...].astype(jnp.float32)).astype(y.dtype)
