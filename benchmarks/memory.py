@@ -65,7 +65,7 @@ POLICIES = {  # label: (model.remat, model.remat_offload)
     "save_qkv_proj": ("save_qkv_proj", ""),
     "full": ("full", ""),
     "dots_saveable": ("dots_saveable", ""),
-    "none, mlp_hidden offloaded": ("none", "mlp_hidden"),
+    "none + mlp_hidden offloaded": ("none", "mlp_hidden"),
 }
 
 

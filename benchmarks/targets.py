@@ -67,7 +67,9 @@ def _s(x):
 
 
 def _p(x):
-    return "-" if x is None else f"{x:.1%}"
+    """An MFU; above 100% an estimate is faster than the step's FLOPs at the dense peak allow, which no real step
+    is (a compiler's estimate that misses work), so it says so."""
+    return "-" if x is None else f"{x:.1%}" + (" (impossible)" if x > 1 else "")
 
 
 def main() -> None:

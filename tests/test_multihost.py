@@ -245,7 +245,9 @@ def test_a_killed_process_stops_the_others_and_the_run_resumes(reference, tmp_pa
     assert 5 in checkpoint_steps(run_dir)
     summary = train(load_config(None, RUN + FSDP4_TP2), run_dir, progress=False)
     assert summary["resumed_from"] >= 5 and summary["finished"]
-    assert_close_losses(losses(run_dir), losses(ref), range(1, 21), first_tol=1e-5, last_tol=1e-5)
+    # resumed in one process: after steps on gloo, whose summation order differs by up to the 5e-5 of the
+    # processes-against-one-process parity test
+    assert_close_losses(losses(run_dir), losses(ref), range(1, 21), first_tol=1e-5, last_tol=5e-5)
 
 
 # --- bad input: one line on every process, nothing written ------------------------------------------------------

@@ -151,19 +151,13 @@ def test_the_step_compiles_for_a_tpu_v5e_slice_with_activations_offloaded(device
 def test_a_layer_keeps_what_its_remat_policy_names_compiled_for_h100s():
     """`benchmarks/memory.py` at a small size: compiled for 2 H100s at 2 and 4 layers, one GPT layer under
     `remat=none` keeps its analytic bytes per token x d_model (the named matmul outputs and its gradient shard)
-    within 15%, and one Llama layer with its MLP's hidden activations offloaded keeps the rest on the device and
-    those in host memory."""
+    within 15%. (The benchmark prints every family and policy at d_model 2048 on 8.)"""
     from test_benchmarks import load
 
     memory = load("memory")
-    shape = memory.Shape(d=256, heads=4, kv_heads=2, seq=1024, per_device=4, devices=2, vocab=512, gpt_mlp=1024,
-                         llama_mlp=768)
+    shape = memory.Shape(d=256, heads=4, seq=1024, per_device=4, devices=2, vocab=512, gpt_mlp=1024)
     gpt = memory.measure("gpt", "none", "", shape, depths=(2, 4))
     assert gpt["device"] / memory.analytic("gpt", "none", "", shape)[0] == pytest.approx(1.0, abs=0.15)
-    llama = memory.measure("llama", "none", "mlp_hidden", shape, depths=(2, 4))
-    device, host = memory.analytic("llama", "none", "mlp_hidden", shape)
-    assert llama["device"] / device == pytest.approx(1.0, abs=0.15)
-    assert llama["host"] / host == pytest.approx(1.0, abs=0.15)
 
 
 def test_a_step_xla_tpu_refuses_for_its_memory_is_reported_not_raised():

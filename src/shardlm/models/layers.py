@@ -83,9 +83,10 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str | None,
 
 
 def use(p: nnx.Param, dtype) -> jax.Array:
-    """A parameter's value in the compute dtype. The cast is pinned to the parameter's own sharding, so that the
-    cast happens on each device's shard and XLA gathers FSDP shards in the compute dtype (bfloat16: half the
-    bytes of gathering float32 and casting the whole weight)."""
+    """A parameter's value in the compute dtype. Under the model's compute view (`precision.compute_view`) it is in
+    it already and is returned as it is. Read without one (the output head outside training's fused loss, a module
+    called on its own), it is cast where each shard lies (pinned to the parameter's own sharding), so that XLA
+    gathers FSDP shards in the compute dtype (bfloat16: half the bytes of gathering float32)."""
     x = p[...]
     if x.dtype == jnp.dtype(dtype):
         return x

@@ -29,9 +29,10 @@ Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShar
   a `vmap` over the F data-parallel replicas (the mesh axes that split the batch), each with its own copy of the
   weights ([S, F, R, K, ...], split over the stages and the replicas: one whole copy per device), and each copy's
   gradient is its device's own partial sum until the copies are summed after the loop.
-- Remat checkpoints the iteration's stage compute as a whole (the blocks inside are not also rematerialised):
-  the step keeps one input per stage and iteration, and the backward pass recomputes a stage's K layers at once,
-  holding their activations together. With many layers per stage and long sequences that is the step's peak
+- Remat checkpoints the iteration's stage compute as a whole under the model's policy (`shardlm.models.remat`;
+  every training step has one, `none` included, so the stage's slice of its weights, indexed by a traced repeat,
+  is never kept per iteration): the step keeps one input per stage and iteration and what the policy names, and
+  the backward pass recomputes the rest of a stage's K layers at once, holding their activations together. With many layers per stage and long sequences that is the step's peak
   (compiled for 64 H100s, a 70B shape's pp8 x fsdp8 step peaks at 89.6 GiB, 10 layers a stage at 4096 tokens),
   so `remat_unit="layer"` (`model.pipeline_remat=layer`) also checkpoints each layer inside the stage: one more
   forward pass of recomputation (XLA:GPU's FLOPs +19%), one layer's activations at a time (the same step peaks
@@ -39,12 +40,13 @@ Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShar
   stage's weights for the backward pass (hundreds of GiB): both or the iteration only. The microbatch
   bookkeeping around it is linear and saves nothing.
 - Dropout: layer l of microbatch m draws from the step's key folded with m, then (with F > 1) the replica f, then l.
-- Mixed precision: the stage weights are cast to the compute dtype once, before the loop (halving the gathered
-  copy), except the parameters the blocks read in float32 (`stack.READ_IN_FLOAT32`: norms, routers). The
-  weights are a constant of the loop, so their gradient is summed over the M R + S - 1 iterations in that dtype:
-  in bfloat16 that is M R + S - 1 more bfloat16 additions per weight than the unpipelined step makes, rounding
-  of the kind FSDP's bfloat16 reduce-scatter already adds over its shards. A float32 copy would sum in float32
-  at twice the bytes (in the 70B plan, pp8 x fsdp4 x tp2 gathers 8.0 GiB of bfloat16 weights per device).
+- Mixed precision: the stage weights are the blocks' compute copies (`shardlm.models.precision`: bfloat16 where
+  the blocks compute in it, float32 for the norms and biases), gathered once before the loop. The weights are a
+  constant of the loop, so their gradient is summed over its M R + S - 1 iterations: each weight reaches the
+  stored one through a float32 carrier (`sharding.gradient_carrier`), so that sum is float32 where the
+  bfloat16 copy's own would be bfloat16 (a float32 accumulator of the gathered weights' size, where gathering
+  float32 weights would also double the gathered copy: 8.0 GiB of bfloat16 per device in the 70B plan's pp8 x
+  fsdp4 x tp2).
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     x_mb = _microbatches(x, m_count)  # [M, b, T, D]
     io = _on_stages(jnp.broadcast_to(x_mb, (stages, *x_mb.shape)), 2)
     state = _on_stages(jnp.full((stages, *x_mb.shape[1:]), idle_input, x.dtype), 1)
-    first_stage = (jnp.arange(stages) == 0)[:, None, None, None]
+    # Stage 0's mask at the activations' full shape, made once: a `where` inside the loop would broadcast it every
+    # iteration, and the backward pass would keep each iteration's copy.
+    first_stage = _on_stages(jnp.broadcast_to((jnp.arange(stages) == 0)[:, None, None, None], state.shape), 1)
     stage_ids = jnp.arange(stages)
 
     def iteration(carry, t):
@@ -243,7 +247,8 @@ def _store_returned(io, arrived, t, schedule: _Schedule, first_stage):
     dimension: XLA partitions that by gathering the whole buffer over the stages, every iteration."""
     m = (t - schedule.s) % schedule.m
     keep = io[:, m]
-    returned = jnp.where(first_stage & (t >= schedule.s), arrived, keep)
+    # a scalar predicate (select_n keeps it scalar: `where` would broadcast it, a mask per iteration)
+    returned = jax.lax.select_n(t >= schedule.s, keep, jnp.where(first_stage, arrived, keep))
     return _on_stages(io.at[:, m].set(returned), 2)
 
 
