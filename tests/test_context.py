@@ -4,6 +4,7 @@ temporaries falling with the context degree, the one-line errors, and a run that
 samples, and generates the same tokens on one device."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -56,12 +57,19 @@ def test_context_split_matches_one_device(trajectories, split):
                                                    4 // degrees.get("tensor", 1), 16)
 
 
-def test_context_composes_with_remat_and_grad_accumulation():
-    """Llama with GQA, dropout, remat full and 2 microbatches: fsdp 2 x context 2 x tensor 2 against one device."""
-    overrides = FAMILIES["llama-gqa"] + ["model.remat=full", "train.grad_accum=2"]
-    want = np.array(run_steps(overrides, (1, 1, 1), steps=10)[0])
-    got = np.array(run_steps(overrides, {"fsdp": 2, "context": 2, "tensor": 2}, steps=10)[0])
-    assert np.all(np.abs(got - want) / want < 1e-5), (got, want)
+def test_context_composes_with_remat_grad_accumulation_and_stages():
+    """Llama with GQA, remat full and 2 microbatches: fsdp 2 x context 2 x tensor 2 (dropout on), and context 2 x
+    pipeline stages 2 (dropout off: a pipeline draws its masks per microbatch), each against one device; and the
+    blockwise kernel alone on one device, in blocks of 8 of the 32 positions, against XLA's attention."""
+    overrides = LLAMA_GQA + ["model.remat=full", "train.grad_accum=2"]
+    for dropout, degrees in (("0.1", {"fsdp": 2, "context": 2, "tensor": 2}), ("0", {"stage": 2, "context": 2})):
+        with_dropout = overrides + [f"model.dropout={dropout}"]
+        want = np.array(run_steps(with_dropout, (1, 1, 1), steps=10)[0])
+        got = np.array(run_steps(with_dropout, degrees, steps=10)[0])
+        assert np.all(np.abs(got - want) / want < 1e-5), (degrees, got, want)
+    blockwise = np.array(run_steps(with_dropout + ["model.attention=flash", "model.attention_block=8"], (1, 1, 1),
+                                   steps=10)[0])
+    assert np.all(np.abs(blockwise - want) / want < 1e-5), (blockwise, want)
 
 
 def _compiled_step(overrides, degrees):
@@ -80,34 +88,37 @@ def _axis_groups(mesh, axis):
     return sorted(sorted(g) for g in np.moveaxis(positions, k, -1).reshape(-1, mesh.shape[axis]).tolist())
 
 
-def test_keys_and_values_are_all_gathered_over_context_and_nothing_else_is():
-    """fsdp 2 x context 2 x tensor 2, Llama with 2 kv heads: per layer, K and V (8 rows x 32 positions x 1 local kv
-    head x 16) are all-gathered over the context groups in the forward pass (and again in the backward pass) and
-    their gradients reduce-scattered back; queries, scores and outputs are never gathered."""
-    compiled, mesh = _compiled_step(LLAMA_GQA, {"fsdp": 2, "context": 2, "tensor": 2})
-    ops = hlo.collectives(compiled.as_text(), 8)
+def _sequence_pairs(hlo_text: str, sizes: set[int]) -> list[str]:
+    """Every array shape in a compiled program with two dimensions whose sizes are both in `sizes`."""
+    shapes = re.findall(r"[a-z]+[0-9]*\[([0-9,]+)\]", hlo_text)
+    return sorted({s for s in shapes if sum(int(d) in sizes for d in s.split(",")) >= 2})
+
+
+def test_the_ring_passes_keys_and_values_around_context_and_never_holds_t_by_t():
+    """Llama with 2 kv heads on fsdp 2 x context 2 x tensor 2, 192 positions in blocks of 48 (a zigzag chunk).
+    Per layer, K and V (8 rows x 96 local positions x 1 local kv head x 16) travel over the context axis by
+    collective-permute and are never all-gathered; queries are never gathered; and no buffer of the compiled step
+    pairs two sequence-sized dimensions (96 or 192), where the all-gather variant holds [96, 192] scores per
+    head."""
+    overrides = LLAMA_GQA + ["model.seq_len=192", "model.d_mlp=160", "model.attention_block=48"]
+    compiled, mesh = _compiled_step(overrides, {"fsdp": 2, "context": 2, "tensor": 2})
+    text = compiled.as_text()
+    ops = hlo.collectives(text, 8)
+    kv_bytes, q_bytes = 8 * 96 * 1 * 16 * 4, 8 * 96 * 2 * 16 * 4
+    permuted = [op.bytes for op in ops if op.kind == "collective-permute"]
+    # K and V forward, again when the backward pass recomputes the ring, and their gradients the other way
+    assert permuted.count(kv_bytes) >= 2 * 2, permuted
     context_groups = _axis_groups(mesh, "context")
-    kv_bytes = 8 * 32 * 1 * 16 * 4
-    q_bytes = 8 * 32 * 2 * 16 * 4
-
-    def over_context(kind):
-        return [op for op in ops if op.kind == kind and sorted(sorted(g) for g in op.groups) == context_groups]
-
-    gathers = over_context("all-gather")
-    # K and V of both layers, and nothing else: each gathered once per layer of the scanned blocks' loop, and
-    # again by the backward pass (`remat=none` keeps them local: a device's memory falls as 1/context; XLA may
-    # reuse the last layer's forward gathers)
-    sizes = [op.bytes for op in gathers for _ in range(op.times)]
-    assert set(sizes) == {kv_bytes} and 2 * 2 < len(sizes) <= 2 * 2 * 2, sizes
-    # Their gradients, reduce-scattered back over context (XLA may issue a layer's two as one collective).
-    assert sum(op.bytes * op.times for op in over_context("reduce-scatter")) == 2 * 2 * kv_bytes
-    assert q_bytes not in [op.bytes for op in ops if op.kind == "all-gather"]  # queries stay split
-    # What the run header and `explain` say it costs is what the compiled step gathers.
-    (note,) = split_notes(load_config(None, LLAMA_GQA), mesh)
-    assert "each device holds 16 of every 32 tokens" in note and f"{2 * kv_bytes // 1024}.00 KiB per layer" in note
-    # (The token embeddings' rows move from the table's split to the sequence's by all-to-all, once per step.)
-    assert not [op for op in ops if op.kind in ("all-to-all", "collective-permute") and op.bytes >= kv_bytes
-                and "embed" not in op.op_name]
+    gathered = [op for op in ops if op.kind == "all-gather" and op.bytes >= kv_bytes]
+    assert not [op for op in gathered if sorted(sorted(g) for g in op.groups or []) == context_groups], gathered
+    assert q_bytes not in [op.bytes for op in gathered]
+    assert _sequence_pairs(text, {96, 192}) == []
+    gathered_variant, _ = _compiled_step(overrides + ["model.context_attention=all_gather"],
+                                         {"fsdp": 2, "context": 2, "tensor": 2})
+    assert any("96,192" in shape for shape in _sequence_pairs(gathered_variant.as_text(), {96, 192}))
+    # What the run header and `explain` say the ring costs is what the compiled step sends.
+    (note,) = split_notes(load_config(None, overrides), mesh)
+    assert "each device holds 96 of every 192 tokens" in note and f"{kv_bytes * 2 // 1024}.00 KiB per layer" in note
 
 
 def test_temporaries_fall_with_the_context_degree():
@@ -130,7 +141,10 @@ def test_context_errors_and_plan_names():
         check_shardable(load_config(None, MICRO + ["model.attention=cudnn"]), make_mesh(context=2))
     with pytest.raises(ShardlmError, match="cuDNN's fused kernel refuses sequence sharding"):
         attention_impl("cudnn", jnp.bfloat16, 64, seq_split=2)  # the model's own check, under the rules
-    assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2) == "xla"
+    assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2) == "ring"
+    assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2, context="all_gather") == "xla"
+    assert attention_impl("auto", jnp.float32, 64, length=1024, block=512) == "flash"  # on the CPU
+    assert attention_impl("auto", jnp.float32, 64, length=512, block=512) == "xla"
     assert parse_strategy("fsdp2+cp2+tp2", 8) == Strategy(1, 2, 2, 2)
     assert parse_strategy("context", 8) == Strategy(1, 1, 1, 8)
     assert parse_strategy("1x2x2x2", 8) == parse_strategy("fsdp2+cp2+tp2", 8)

@@ -45,12 +45,14 @@ def test_the_gpu_defaults_resolve_for_an_h100_target_on_a_cpu_host():
     with compiling_for(H100.accelerator):
         assert resolve_dtype("auto") == "bfloat16"
         assert attention_impl("auto", jnp.bfloat16, 64) == "cudnn"
-        assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2) == "xla"  # cuDNN refuses a split sequence
+        assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2) == "ring"  # cuDNN refuses a split sequence
         assert attention_impl("auto", jnp.float32, 64) == "xla"
+        assert attention_impl("auto", jnp.float32, 64, length=8192) == "flash"  # cuDNN takes 16-bit inputs only
     with compiling_for(targets.get("a100-80gb").accelerator):
         assert attention_impl("auto", jnp.bfloat16, 128) == "cudnn"
     with compiling_for(V5E.accelerator):
         assert resolve_dtype("auto") == "bfloat16" and attention_impl("auto", jnp.bfloat16, 64) == "xla"
+        assert attention_impl("auto", jnp.bfloat16, 64, length=8192) == "flash"  # no [T, T] on a TPU either
     cfg = gpt2_small(H100)
     assert (cfg.model.dtype, cfg.model.param_dtype) == ("bfloat16", "float32")
     assert load_config(None, ["model=gpt2-small"]).model.dtype == "float32"  # this CPU host's own default
@@ -106,11 +108,16 @@ def test_fsdp8_on_h100s_overlaps_async_gathers_and_reduce_scatters():
 
 
 def test_the_context_axis_and_the_decode_step_compile_for_h100s():
-    cfg = config_for(H100, "model=llama-tiny", "model.vocab_size=512", "model.seq_len=256", "mesh.context=2",
-                     "train.batch_size=2")
+    """The ring on the context axis, compiled by XLA:GPU: keys and values permuted around it, no buffer pairing two
+    sequence-sized dimensions (320 positions, 160 per device, blocks of 80); and the KV-cache decode step."""
+    from test_context import _sequence_pairs
+
+    cfg = config_for(H100, "model=llama-tiny", "model.vocab_size=512", "model.seq_len=320", "mesh.context=2",
+                     "train.batch_size=2", "model.attention_block=80")
     r = compile_train_step(cfg, target=H100, n_devices=2)
-    assert r.fits and "__cudnn$fmha" not in r.step.hlo_text  # cuDNN refuses a split sequence: XLA's attention
-    assert any(c.kind == "all-gather" for c in r.step.collectives)  # keys and values gathered over context
+    assert r.fits and "__cudnn$fmha" not in r.step.hlo_text  # cuDNN refuses a split sequence: the ring's kernel
+    assert any(c.kind == "collective-permute" for c in r.step.collectives)  # keys and values around the ring
+    assert _sequence_pairs(r.step.hlo_text, {160, 320}) == []
 
     import jax
 

@@ -72,9 +72,14 @@ class ModelConfig:
     # The training loss's head runs over the vocabulary in this many chunks per device (0 = automatic: each
     # chunk's float32 logits under 128 MiB per device; `shardlm.models.head`)
     loss_chunks: int = 0
-    # jax.nn.dot_product_attention implementation: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes, else XLA) | xla
-    # | cudnn
+    # Attention's kernel: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes; elsewhere XLA's for sequences up to
+    # attention_block, the blockwise kernel beyond) | xla | cudnn | flash (`shardlm.kernels.flash`, never [T, T])
     attention: str = "auto"
+    # With the sequence split over mesh.context: ring (keys and values travel the ring, zigzag layout,
+    # `shardlm.kernels.ring`) | all_gather (every device gathers every key and value; XLA's attention)
+    context_attention: str = "ring"
+    # Queries and keys per block of the blockwise kernel (flash and the ring's), at most
+    attention_block: int = 512
     # A model from a Python file (`model=py:FILE:FUNCTION`) only: how to run it when it is not model(tokens) ->
     # logits, a function NAME in the same file (or py:FILE:NAME) called as call(model, tokens[, train]).
     call: str = ""
@@ -143,6 +148,8 @@ def _check_kinds(m: ModelConfig) -> None:
         raise ShardlmError(f"model.loss_chunks must be >= 0 (0 = automatic), got {m.loss_chunks}")
     check_policy(m.remat, m.remat_offload)
     check_one_of("model.attention", m.attention, ATTENTION_IMPLS)
+    check_one_of("model.context_attention", m.context_attention, ("ring", "all_gather"))
+    check_positive("model.attention_block", m.attention_block)
     check_positive("model.rope_theta", m.rope_theta)
     kv = m.n_kv_heads or m.n_heads
     if m.n_kv_heads < 0 or m.n_heads % kv:

@@ -39,23 +39,27 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from shardlm.accelerator import current, resolve_dtype
 from shardlm.errors import ShardlmError
 from shardlm.kernels.attention import cudnn_attention, xla_attention
+from shardlm.kernels.flash import blockwise_attention
+from shardlm.kernels.ring import from_zigzag, ring_attention, to_zigzag, zigzag_order
 from shardlm.models import remat
 from shardlm.models.head import head_loss
 from shardlm.models.pipeline import row_order, run_pipeline
 from shardlm.models.precision import CAST_WHERE_READ, READ_IN_FLOAT32, add_bias, compute_view, matmul
 from shardlm.models.stack import LAYERS, LayerCache, build_blocks, layer_rngs, run_blocks
-from shardlm.sharding import active_degree, constrain, sharded_lookup
+from shardlm.sharding import active_degree, active_mesh, active_spec, constrain, sharded_lookup
+from shardlm.sharding.rules import as_axes
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
 CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")  # one layer's keys or values
 STACKED_CACHE_AXES = (LAYERS, *CACHE_AXES)  # the model's cache, every layer's
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bfloat16 on GPUs and TPUs, float32 on a CPU (`shardlm.accelerator`)
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "flash")
 
 
 def compute_dtype(name: str):
@@ -99,10 +103,13 @@ def use(p: nnx.Param, dtype) -> jax.Array:
 class Context(NamedTuple):
     """What a forward pass computes once and every block reads, and the index of the block reading it."""
 
-    impl: str  # "xla" or "cudnn", resolved for this trace
-    mask: jax.Array | None  # [1, 1, T, T] causal mask for the XLA attention path; None for cuDNN and decoding
+    impl: str  # "xla", "cudnn", "flash" or "ring", resolved for this trace
+    mask: jax.Array | None  # [1, 1, T, T] causal mask for the XLA attention path; None for the others and decoding
     rope: tuple[jax.Array, jax.Array] | None  # (sin, cos) [rows or 1, T, head_dim / 2], rotary families only
     pos: jax.Array | None  # decoding: each row's position [batch]
+    positions: jax.Array | None = None  # flash and ring: each row's place in the sequence [T] (ring: zigzag)
+    block: int = 512  # flash and ring: queries and keys per block
+    zigzag: int = 0  # ring: the context degree whose zigzag layout the rows are in (dropout draws in order)
     layer: jax.Array | int = 0  # the block's index: its slice of the stacked KV cache
 
 
@@ -114,19 +121,51 @@ def check_attention(requested: str, seq_split: int) -> None:
                            "(cuDNN's fused kernel refuses sequence sharding); use model.attention=auto or xla")
 
 
-def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1) -> str:
-    """"auto": cuDNN's fused kernel where it applies (NVIDIA GPUs of compute capability 8.0 or newer, 16-bit
-    inputs, head_dim a multiple of 8 up to 128, a sequence not split over devices), else XLA's attention. The GPU
-    is the one being compiled for (`shardlm.accelerator.current`), so a compile for an H100 from a CPU host picks
-    what a run on the H100 would."""
+def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, length: int = 0,
+                   block: int = 512, context: str = "ring") -> str:
+    """The kernel for a training or evaluation pass over `length` positions. A sequence split over devices: the
+    ring (`context="ring"`, for "auto" and "flash") or XLA's attention over all-gathered keys and values. Else
+    "auto" is cuDNN's fused kernel where it applies (NVIDIA GPUs of compute capability 8.0 or newer, 16-bit inputs,
+    head_dim a multiple of 8 up to 128), the blockwise kernel for sequences longer than a `block`, XLA's attention
+    for shorter ones (whose [T, T] is small and which XLA fuses). The GPU is the one being compiled for
+    (`shardlm.accelerator.current`), so a compile for an H100 from a CPU host picks what a run on the H100 would."""
     check_attention(requested, seq_split)
+    if seq_split > 1:
+        return "ring" if context == "ring" and requested in ("auto", "flash") else "xla"
     if requested != "auto":
         return requested
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     target = current()
-    if seq_split > 1 or target.platform != "gpu" or not sixteen_bit or target.compute_capability is None:
-        return "xla"
-    return "cudnn" if target.compute_capability >= 8.0 and head_dim % 8 == 0 and head_dim <= 128 else "xla"
+    if (target.platform == "gpu" and sixteen_bit and target.compute_capability is not None
+            and target.compute_capability >= 8.0 and head_dim % 8 == 0 and head_dim <= 128):
+        return "cudnn"
+    return "flash" if length > block else "xla"
+
+
+def attention_summary(m, seq_split: int) -> str:
+    """Which kernel a training step of model config `m` compiles with, for the target being compiled for, and why
+    (a report's line)."""
+    from shardlm.accelerator import resolve_dtype as resolve
+
+    dtype = DTYPES[resolve(m.dtype)]
+    impl = attention_impl(m.attention, dtype, m.d_model // m.n_heads, seq_split, length=m.seq_len,
+                          block=m.attention_block, context=m.context_attention)
+    if impl == "ring":
+        return (f"ring over context={seq_split} (zigzag layout), the blockwise kernel on each chunk of keys: never "
+                "[T, T]")
+    if impl == "cudnn":
+        return "cuDNN's fused kernel (an NVIDIA GPU, 16-bit inputs)"
+    if impl == "flash":
+        why = "model.attention=flash" if m.attention == "flash" else (
+            f"{m.seq_len} positions, more than model.attention_block={m.attention_block}")
+        return f"the blockwise kernel, never [T, T] ({why})"
+    if seq_split > 1:
+        return (f"XLA's, over keys and values all-gathered over context={seq_split}: [T/{seq_split}, T] scores per "
+                "head (" + ("model.context_attention=all_gather)" if m.context_attention != "ring" else
+                            f"model.attention={m.attention})"))
+    why = f"model.attention={m.attention}" if m.attention != "auto" else (
+        f"{m.seq_len} positions, at most model.attention_block={m.attention_block}")
+    return f"XLA's, [T, T] scores per head ({why})"
 
 
 def causal_mask(t: int) -> jax.Array:
@@ -162,12 +201,18 @@ def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
         # Every key and value position, as each query block needs: an all-gather over context when the sequence
         # is split (and a reduce-scatter of their gradients), nothing otherwise. The cache keeps its own layout.
         # Named once gathered: a policy that keeps them (`kv_gathered`) spares the backward pass their gather.
-        k_all, v_all = (remat.named(constrain(t, "batch", "kv_seq", "act_kv_heads", "head_dim"), remat.KV_GATHERED)
-                        for t in (k, v))
-        if ctx.impl == "cudnn":
-            y = cudnn_attention(q, k_all, v_all, residual_name=remat.ATTENTION)
+        if ctx.impl == "ring":
+            y = remat.named(_context_ring(q, k, v, ctx.positions, ctx.block), remat.ATTENTION)
+        elif ctx.impl == "flash":
+            out = blockwise_attention(q, k, v, ctx.positions, ctx.positions, block_q=ctx.block, block_k=ctx.block)
+            y = remat.named(out[0].astype(q.dtype), remat.ATTENTION)
         else:
-            y = xla_attention(q, k_all, v_all, ctx.mask, residual_name=remat.ATTENTION)
+            k_all, v_all = (remat.named(constrain(t, "batch", "kv_seq", "act_kv_heads", "head_dim"),
+                                        remat.KV_GATHERED) for t in (k, v))
+            if ctx.impl == "cudnn":
+                y = cudnn_attention(q, k_all, v_all, residual_name=remat.ATTENTION)
+            else:
+                y = xla_attention(q, k_all, v_all, ctx.mask, residual_name=remat.ATTENTION)
         if cache is not None:
             t = q.shape[1]
             cache = LayerCache(*(constrain(c.at[ctx.layer, :, :, :t].set(n.transpose(0, 2, 1, 3).astype(c.dtype)),
@@ -181,6 +226,24 @@ def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
                                        *STACKED_CACHE_AXES) for c, n in zip(cache, (k, v))))
         y = _attend_to_cache(q, LayerCache(cache.k[ctx.layer], cache.v[ctx.layer]), ctx.pos)
     return constrain(y, "batch", "seq", "act_heads", "head_dim"), cache
+
+
+def _context_ring(q, k, v, positions, block: int) -> jax.Array:
+    """Causal attention with the sequence split over the context axes: `shardlm.kernels.ring` on each device's
+    rows (in the zigzag layout, `positions` saying where each row sits), inside a `shard_map` over the whole mesh
+    that keeps batch and heads split as the rules split them. (Manual over every axis: a pipeline's `vmap` over
+    its stages adds the stage axis to the specs, which must then be manual too.)"""
+    mesh = active_mesh()
+    live = lambda spec: P(*(tuple(a for a in as_axes(e) if mesh.shape[a] > 1) or None for e in spec))  # noqa: E731
+    q_spec = live(active_spec("batch", "seq", "act_heads", "head_dim", shape=q.shape))
+    kv_spec = live(active_spec("batch", "seq", "act_kv_heads", "head_dim", shape=k.shape))
+    axes = tuple(a for a in as_axes(active_spec("seq")[0]) if mesh.shape[a] > 1)
+    run = lambda q, k, v, p: ring_attention(q, k, v, p, p, axis=axes, devices=active_degree("seq"),  # noqa: E731
+                                            block=block)[0].astype(q.dtype)
+    # check_vma=False: under the pipeline's vmap the rows vary over the stages and the positions do not, which
+    # the check refuses to combine; the ring's only collective is a permute, the same either way
+    return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(axes)), out_specs=q_spec,
+                         check_vma=False)(q, k, v, positions)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -257,15 +320,22 @@ class PreNormBlock(nnx.Module):
         """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens"} for a sparse block, {} for a dense one."""
         x = remat.named(x, remat.BLOCK_INPUT)
         a, cache = self.attn(self.ln1(x), cache, ctx)
-        x = x + self.dropout(a, deterministic=rngs is None, rngs=rngs)
+        x = x + self._dropout(a, rngs, ctx)
         x = constrain(x, "batch", "seq", "act_embed")
         h, stats = self.mlp(self.ln2(x)), {}
         if self.sparse:
             h, moe = h
             stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens}
         h = remat.named(h, remat.MLP_OUT)
-        x = x + self.dropout(h, deterministic=rngs is None, rngs=rngs)
+        x = x + self._dropout(h, rngs, ctx)
         return constrain(x, "batch", "seq", "act_embed"), cache, stats
+
+    def _dropout(self, x, rngs, ctx: Context):
+        """Dropout on a residual branch. In the ring's zigzag layout the mask is drawn in the sequence's own order
+        (and the branch moved there and back for it), so that it is the mask any other mesh draws."""
+        if rngs is None or not ctx.zigzag or not self.dropout.rate:
+            return self.dropout(x, deterministic=rngs is None, rngs=rngs)
+        return to_zigzag(self.dropout(from_zigzag(x, ctx.zigzag), rngs=rngs), ctx.zigzag)
 
 
 class CausalLM(nnx.Module):
@@ -290,6 +360,7 @@ class CausalLM(nnx.Module):
         self.stages, self.microbatches, self.repeats = stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
         self.pipeline_remat = cfg.pipeline_remat
         self.reduce_dtype, self.loss_chunks = reduce_dtype(cfg.grad_reduce_dtype), cfg.loss_chunks
+        self.context_attention, self.attention_block = cfg.context_attention, cfg.attention_block
         self.layer_order = row_order(cfg.n_layers, stages, cfg.pipeline_repeats)
         self.blocks = build_blocks(make_block, cfg.n_layers, rngs.params(), cfg.scan_layers, self.layer_order)
 
@@ -361,15 +432,27 @@ class CausalLM(nnx.Module):
         return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]), self.dtype)
 
     def _run(self, tokens, rngs, cache, pos, at, head, stored_blocks=None):
-        impl = attention_impl(self.attention, self.dtype, self.head_dim, active_degree("seq"))
+        seq_split, length = active_degree("seq"), tokens.shape[1]
+        impl = attention_impl(self.attention, self.dtype, self.head_dim, seq_split, length=length,
+                              block=self.attention_block, context=self.context_attention)
+        if impl in ("ring", "flash") and (cache is not None or pos is not None):
+            impl = "xla"  # a prefill writes the cache in the sequence's order; a decode step attends to it
         # One dropout key for the pass: layer i draws from it folded with i, the embedding with n_layers
         # (`stack.layer_rngs`), whichever layout the blocks are in.
         key = rngs.dropout() if rngs is not None else None
         with jax.named_scope("embed"):
             x, rope = self._embed(tokens, layer_rngs(key, self.n_layers), pos)
             x = constrain(x, "batch", "seq", "act_embed")
-        mask = causal_mask(tokens.shape[1]) if pos is None and impl == "xla" else None  # once, for every layer
-        ctx = Context(impl, mask, rope, pos)
+        mask = causal_mask(length) if pos is None and impl == "xla" else None  # once, for every layer
+        positions, zigzag = None, 0
+        if impl == "ring":  # the blocks run in the zigzag layout (`shardlm.kernels.ring`), the rest in order
+            zigzag = seq_split
+            x = constrain(to_zigzag(x, zigzag), "batch", "seq", "act_embed")
+            rope = None if rope is None else tuple(to_zigzag(t, zigzag) for t in rope)
+            positions = constrain(jnp.asarray(zigzag_order(length, zigzag), jnp.int32), "seq")
+        elif impl == "flash":
+            positions = jnp.arange(length, dtype=jnp.int32)
+        ctx = Context(impl, mask, rope, pos, positions, self.attention_block, zigzag)
         policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
         step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
         stages = active_degree(LAYERS)
@@ -385,6 +468,8 @@ class CausalLM(nnx.Module):
             x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, step, x, dropout_key=key,
                                          cache=cache, policy=policy, order=self.layer_order,
                                          stats=self._stats_zeros())
+        if zigzag:
+            x = constrain(from_zigzag(x, zigzag), "batch", "seq", "act_embed")
         if at is not None:  # one position per row reaches the head
             x = jnp.take_along_axis(x, at[:, None, None], axis=1)
         with jax.named_scope("head"):

@@ -18,7 +18,9 @@ import dataclasses
 
 from shardlm.config import Config, describe
 from shardlm.flops import jaxpr_matmul_flops, mfu
+from shardlm.foreign.modules import is_py
 from shardlm.mesh import describe_mesh, mesh_from_config
+from shardlm.models.layers import attention_summary
 from shardlm.perf import hlo
 from shardlm.perf.compiled import CompiledStep, compile_step
 from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak
@@ -43,6 +45,7 @@ class CompileReport:
     optimizer: int
     model_flops: float  # per step, all devices
     est: Estimate  # shardlm's cost model
+    attention: str = ""  # the kernel the step compiled with, and why (`models.layers.attention_summary`)
 
     @property
     def fits(self) -> bool:
@@ -60,7 +63,7 @@ class CompileReport:
                 "collectives": hlo.summarize(s.collectives), "flops_per_device": s.flops_per_device,
                 "model_flops": self.model_flops, "compiler_step_s": s.compiler_s,
                 "compiler_mfu": self.mfu(s.compiler_s), "est_step_s": self.est.step_s,
-                "est_mfu": self.mfu(self.est.step_s), "compile_s": s.compile_s}
+                "est_mfu": self.mfu(self.est.step_s), "compile_s": s.compile_s, "attention": self.attention}
 
 
 def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: int | None = None,
@@ -79,6 +82,7 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
         traced = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).trace(
             abstract, batch_struct(cfg, mesh))
         lowered = traced.lower()
+        attention = "" if is_py(cfg.model.preset) else attention_summary(cfg.model, mesh.shape["context"])
     n = mesh.devices.size
     platform = target.platform if target else devices[0].platform
     log(f"compiling the train step for {n} {target.label if target else platform} device(s)")
@@ -87,7 +91,7 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
                 else Hardware(peak_flops=h100_peak(cfg.model.dtype)))
     return CompileReport(cfg, describe_mesh(mesh), n, target, hardware, step, shard_bytes(abstract["model"]),
                          shard_bytes(abstract["optimizer"]), model_flops_per_step(cfg, vocab, mesh.shape["tensor"]),
-                         estimate(step.flops_per_device, step.collectives, n, hardware))
+                         estimate(step.flops_per_device, step.collectives, n, hardware), attention)
 
 
 def _seconds(s: float | None) -> str:
@@ -107,6 +111,8 @@ def format_report(r: CompileReport) -> str:
     lines = [f"compile-only: {describe(r.cfg)}; global batch {r.cfg.train.batch_size} x {r.cfg.model.seq_len}",
              f"mesh {r.mesh} on {where} device(s); compiled by {compiler} in {s.compile_s:.1f} s"
              + (" (abstract devices: nothing ran)" if r.target else "")]
+    if r.attention:
+        lines.append(f"attention: {r.attention}")
     if s.refusal:
         lines.append(f"memory per device: the train step refused by the compiler: {s.refusal}")
         lines.append(f"fits: NO (the target has {fmt_bytes(hw.memory_bytes)} per device)")

@@ -212,7 +212,7 @@ class OwnModel:
         return t.batch_size // t.grad_accum // (mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"])
 
     def _context_note(self, mesh) -> str | None:
-        """The tokens each device holds, and the keys and values each layer all-gathers for attention."""
+        """The tokens each device holds, and the keys and values each layer sends around the ring or all-gathers."""
         cp = mesh.shape.get("context", 1)
         if cp == 1:
             return None
@@ -220,8 +220,12 @@ class OwnModel:
         kv_heads = (m.n_kv_heads or m.n_heads) // mesh.shape["tensor"]
         gathered = 2 * self._rows_per_device(mesh) * m.seq_len * kv_heads * (m.d_model // m.n_heads) \
             * (2 if m.dtype == "bfloat16" else 4)
-        return (f"sequence split over context={cp}: each device holds {m.seq_len // cp} of every {m.seq_len} "
-                f"tokens; attention all-gathers keys and values over context, {fmt_bytes(gathered)} per layer per "
+        held = f"sequence split over context={cp}: each device holds {m.seq_len // cp} of every {m.seq_len} tokens"
+        if m.context_attention == "ring" and m.attention in ("auto", "flash"):
+            return (held + f" (zigzag: chunks i and {2 * cp - 1}-i of {2 * cp}); ring attention passes keys and "
+                    f"values around the context axis, {fmt_bytes(gathered * (cp - 1) // cp)} per layer per device in "
+                    f"{cp - 1} hop(s), overlapped with the blockwise kernel (their gradients travel back the same way)")
+        return (held + f"; attention all-gathers keys and values over context, {fmt_bytes(gathered)} per layer per "
                 "device (reduce-scattered back as gradients)")
 
     def _expert_note(self, mesh) -> str | None:

@@ -1,0 +1,184 @@
+"""Causal attention in blocks, in plain JAX, that never holds a [T, T] score matrix: the flash-attention algorithm
+(Dao et al. 2022) written with `lax` loops, for the backends without a fused kernel (XLA:CPU; XLA:GPU and XLA:TPU
+inside the context ring until their own kernels take over) and as the ring's per-chunk kernel.
+
+Design choices:
+- Causality is by position, not by index: `q_pos` [tq] and `kv_pos` [tk] give each row's place in the whole
+  sequence, and key j is visible to query i when kv_pos[j] <= q_pos[i]. One kernel then serves a whole sequence
+  (positions 0..T-1), a context-parallel device's chunk against another device's chunk, and the zigzag layout
+  (`shardlm.kernels.ring`), where a device's rows are two separate stretches of the sequence.
+- Blocks of `block_q` queries against `block_k` keys: the forward pass keeps, per query, a running max, sum of
+  exponentials and weighted sum of values (the online softmax), in float32; it saves q, k, v, the output and the
+  log-sum-exp per query and head, nothing of size [T, T]. A block with no visible key (above the diagonal) is
+  skipped with `lax.cond`, so the causal half costs nothing.
+- The output is returned in float32 with its log-sum-exp: partial results over different keys (the ring's steps)
+  merge exactly by their log-sum-exps (`merge`) before the one cast to the compute dtype. A row that sees no key
+  has log-sum-exp -inf and output 0, and merges as nothing.
+- The backward pass (a `custom_vjp`) recomputes each block's probabilities from q, k and the saved log-sum-exp, as
+  flash attention's does; the log-sum-exp's own cotangent (from a merge) enters through D = rowsum(dO * O) - dlse.
+  Matmul operands are in the inputs' dtype with float32 accumulation, as a fused kernel's.
+- Grouped-query heads as `jax.nn.dot_product_attention` reads them: query head n uses kv head n // (heads / kv_heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 512  # rows of queries and of keys per block, at most (the largest divisor of the length up to this)
+
+
+def block_size(length: int, most: int) -> int:
+    """The largest divisor of `length` that is at most `most`."""
+    for size in range(min(length, most), 0, -1):
+        if length % size == 0:
+            return size
+    return 1
+
+
+def blockwise_attention(q, k, v, q_pos, kv_pos, *, block_q: int = BLOCK, block_k: int = BLOCK):
+    """q [b, tq, heads, d], k and v [b, tk, kv_heads, d], q_pos [tq] and kv_pos [tk] int32 -> (out [b, tq, heads, d]
+    float32, lse [b, tq, heads] float32). Causal by position; see the module docstring."""
+    bq, bk = block_size(q.shape[1], block_q), block_size(k.shape[1], block_k)
+
+    @jax.custom_vjp
+    def attend(q, k, v, q_pos, kv_pos):
+        return _forward(q, k, v, q_pos, kv_pos, bq, bk)
+
+    def attend_forward(q, k, v, q_pos, kv_pos):
+        out, lse = _forward(q, k, v, q_pos, kv_pos, bq, bk)
+        return (out, lse), (q, k, v, q_pos, kv_pos, out, lse)
+
+    def attend_backward(saved, cotangents):
+        q, k, v, q_pos, kv_pos, out, lse = saved
+        dq, dk, dv = _backward(q, k, v, q_pos, kv_pos, out, lse, *cotangents, bq, bk)
+        return dq, dk, dv, None, None
+
+    attend.defvjp(attend_forward, attend_backward)
+    return attend(q, k, v, q_pos, kv_pos)
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Two partial attentions of the same queries over disjoint keys -> the attention over both (float32)."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    wa, wb = jnp.exp(lse_a - safe)[..., None], jnp.exp(lse_b - safe)[..., None]
+    return out_a * wa + out_b * wb, lse
+
+
+def _varying_like(x, *refs):
+    """`x` typed as varying over every mesh axis any of `refs` varies over (inside `shard_map`: a loop carry that
+    will take their values; outside, `x` as it is)."""
+    axes = tuple(sorted(set().union(*(_varying_axes(r) for r in refs))))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _varying_axes(x) -> frozenset:
+    """The mesh axes `x` varies over inside `shard_map` (JAX 0.10's `manual_axis_type.varying`; `vma` before)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _split(q, k, v, bq, bk):
+    """Blocks first: q [nq, b, bq, kv_heads, group, d], k and v [nk, b, bk, kv_heads, d]."""
+    b, tq, h, d = q.shape
+    tk, kvh = k.shape[1], k.shape[2]
+    qb = q.reshape(b, tq // bq, bq, kvh, h // kvh, d).swapaxes(0, 1)
+    kb, vb = (t.reshape(b, tk // bk, bk, kvh, d).swapaxes(0, 1) for t in (k, v))
+    return qb, kb, vb
+
+
+def _scores(qi, kj, qp, kp):
+    """A block's float32 scores [b, kv_heads, group, bq, bk], -inf where the key is not visible."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32) / math.sqrt(qi.shape[-1])
+    return jnp.where(kp[None, :] <= qp[:, None], s, -jnp.inf)
+
+
+def _visible(qp, kp):
+    """Whether any key of the block is visible to any of its queries."""
+    return kp.min() <= qp.max()
+
+
+def _forward(q, k, v, q_pos, kv_pos, bq, bk):
+    b, tq, h, d = q.shape
+    qb, kb, vb = _split(q, k, v, bq, bk)
+    qpb, kpb = q_pos.reshape(-1, bq), kv_pos.reshape(-1, bk)
+    stat_shape = (b, k.shape[2], h // k.shape[2], bq)
+
+    def query_block(args):
+        qi, qp = args
+
+        def key_block(carry, args):
+            kj, vj, kp = args
+
+            def update(carry):
+                m, l, acc = carry
+                s = _scores(qi, kj, qp, kp)
+                m_new = jnp.maximum(m, s.max(-1))
+                base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - base[..., None])
+                correction = jnp.exp(m - base)
+                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+                return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
+
+            return jax.lax.cond(_visible(qp, kp), update, lambda c: c, carry), None
+
+        init = tuple(_varying_like(t, q, k, v) for t in (
+            jnp.full(stat_shape, -jnp.inf), jnp.zeros(stat_shape), jnp.zeros((*stat_shape, d))))
+        (m, l, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpb))
+        seen = l > 0
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        return acc / jnp.where(seen, l, 1.0)[..., None], lse
+
+    out, lse = jax.lax.map(query_block, (qb, qpb))  # [nq, b, kvh, g, bq, (d)]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tq, h, d)
+    lse = lse.transpose(1, 0, 4, 2, 3).reshape(b, tq, h)
+    return out, lse
+
+
+def _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, bq, bk):
+    b, tq, h, d = q.shape
+    tk, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    qb, kb, vb = _split(q, k, v, bq, bk)
+    qpb, kpb = q_pos.reshape(-1, bq), kv_pos.reshape(-1, bk)
+    # per query and head: D = rowsum(dO * O) - dlse, and the log-sum-exp (+inf where no key was seen: p = 0)
+    delta = (d_out * out).sum(-1) - d_lse
+    per_block = lambda t: t.reshape(b, tq // bq, bq, kvh, g).transpose(1, 0, 3, 4, 2)  # noqa: E731
+    lse_b, delta_b = per_block(jnp.where(jnp.isfinite(lse), lse, jnp.inf)), per_block(delta)
+    do_b = d_out.astype(q.dtype).reshape(b, tq // bq, bq, kvh, g, d).swapaxes(0, 1)
+    scale = 1.0 / math.sqrt(d)
+
+    def query_block(carry, args):
+        dk, dv = carry  # [nk, b, bk, kvh, d] float32
+        qi, qp, lse_i, delta_i, do_i = args
+
+        def key_block(state, args):
+            j, kj, vj, kp = args
+
+            def update(state):
+                dq_i, dk, dv = state
+                p = jnp.exp(_scores(qi, kj, qp, kp) - lse_i[..., None])
+                dp = jnp.einsum("bqkgd,bskd->bkgqs", do_i, vj, preferred_element_type=jnp.float32)
+                ds = (p * (dp - delta_i[..., None]) * scale).astype(q.dtype)
+                dq_i = dq_i + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=jnp.float32)
+                dk = dk.at[j].add(jnp.einsum("bkgqs,bqkgd->bskd", ds, qi, preferred_element_type=jnp.float32))
+                dv = dv.at[j].add(jnp.einsum("bkgqs,bqkgd->bskd", p.astype(q.dtype), do_i,
+                                             preferred_element_type=jnp.float32))
+                return dq_i, dk, dv
+
+            return jax.lax.cond(_visible(qp, kp), update, lambda s: s, state), None
+
+        # the inner loop carries this query block's dq and the keys' running dk, dv
+        state = (_varying_like(jnp.zeros(qi.shape, jnp.float32), q, k, v, d_out), dk, dv)
+        (dq_i, dk, dv), _ = jax.lax.scan(key_block, state, (jnp.arange(tk // bk), kb, vb, kpb))
+        return (dk, dv), dq_i
+
+    zeros = _varying_like(jnp.zeros((tk // bk, b, bk, kvh, d), jnp.float32), q, k, v, d_out)
+    (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), (qb, qpb, lse_b, delta_b, do_b))
+    dq = dq.swapaxes(0, 1).reshape(b, tq, h, d).astype(q.dtype)
+    dk, dv = (t.swapaxes(0, 1).reshape(b, tk, kvh, d).astype(k.dtype) for t in (dk, dv))
+    return dq, dk, dv
