@@ -1,11 +1,12 @@
 """Long sequences: memory per device and XLA:GPU's estimate of the step against sequence length and context degree.
 
-Llama 3.1 8B's shape (`targets.LLAMA_8B`), one sequence per step, `model.remat=full`, on 8 H100s: for each sequence
-length (8k to 128k tokens) and context degree C (the rest of the 8 devices FSDP), the real train step is compiled
+Llama 3.1 8B's shape (`targets.LLAMA_8B`), `model.remat=full`, on 8 H100s: for each sequence length (8k to 128k
+tokens) and context degree C (the other 8 / C ways FSDP, one sequence per FSDP group, so each GPU holds T / C of
+a sequence's tokens), the real train step is compiled
 by XLA:GPU from this CPU host (`shardlm.perf.compile_only`; nothing runs) and its peak bytes per device, whether
 it fits 80 GiB, the attention it compiled with, XLA:GPU's estimate of the step and the tokens per second per GPU
-that estimate implies are printed. With C = 1 the sequence is whole on every device (the blockwise kernel: cuDNN
-refuses sequences this long only for memory, not by rule; see the attention column); with C > 1 it is the ring.
+that estimate implies are printed. With C = 1 the sequence is whole on every device (cuDNN's kernel); with C > 1
+it is the ring, over the blockwise kernel.
 
     python benchmarks/long_context.py                              # 8k, 32k, 128k x C = 1, 2, 8
     python benchmarks/long_context.py --seq 8192,131072 --contexts 8
@@ -38,14 +39,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for seq in (int(s) for s in args.seq.split(",")):
         for cp in (int(c) for c in args.contexts.split(",")):
-            overrides = LLAMA_8B + [f"model.seq_len={seq}", "train.batch_size=1", "model.remat=full",
+            overrides = LLAMA_8B + [f"model.seq_len={seq}", f"train.batch_size={8 // cp}", "model.remat=full",
                                     f"mesh.context={cp}", f"mesh.fsdp={8 // cp}"]
             print(f"compiling {seq} tokens, fsdp {8 // cp} x context {cp} ...", file=sys.stderr, flush=True)
             with compiling_for(h100.accelerator):
                 cfg = load_config(None, overrides)
             r = compile_train_step(cfg, target=h100, n_devices=8)
             s = r.step
-            rate = f"{seq / s.compiler_s / 8:,.0f}" if s.compiler_s else "-"
+            rate = f"{seq / cp / s.compiler_s:,.0f}" if s.compiler_s else "-"  # each GPU: T / C tokens a step
             estimate = f"{s.compiler_s:.2f} s" if s.compiler_s else "-"
             print(f"| {seq:,} | fsdp {8 // cp} x context {cp} | {r.attention} | {fmt_bytes(s.peak)} | "
                   f"{'yes' if r.fits else 'NO'} | {s.compile_s:.0f} s | {estimate} | {rate} |", flush=True)

@@ -4,6 +4,7 @@ temporaries falling with the context degree, the one-line errors, and a run that
 samples, and generates the same tokens on one device."""
 
 import json
+import math
 import re
 
 import jax
@@ -59,8 +60,9 @@ def test_context_split_matches_one_device(trajectories, split):
 
 def test_context_composes_with_remat_grad_accumulation_and_stages():
     """Llama with GQA, remat full and 2 microbatches: fsdp 2 x context 2 x tensor 2 (dropout on), and context 2 x
-    pipeline stages 2 (dropout off: a pipeline draws its masks per microbatch), each against one device; and the
-    blockwise kernel alone on one device, in blocks of 8 of the 32 positions, against XLA's attention."""
+    pipeline stages 2 (dropout off: a pipeline draws its masks per microbatch), each against one device; the
+    blockwise kernel alone on one device, in blocks of 8 of the 32 positions, against XLA's attention; and splash
+    attention under FSDP and tensor parallelism."""
     overrides = LLAMA_GQA + ["model.remat=full", "train.grad_accum=2"]
     for dropout, degrees in (("0.1", {"fsdp": 2, "context": 2, "tensor": 2}), ("0", {"stage": 2, "context": 2})):
         with_dropout = overrides + [f"model.dropout={dropout}"]
@@ -70,6 +72,12 @@ def test_context_composes_with_remat_grad_accumulation_and_stages():
     blockwise = np.array(run_steps(with_dropout + ["model.attention=flash", "model.attention_block=8"], (1, 1, 1),
                                    steps=10)[0])
     assert np.all(np.abs(blockwise - want) / want < 1e-5), (blockwise, want)
+    # Pallas splash attention (the TPU kernel; interpreted here), in blocks of 128 of 256 positions, on fsdp 2 x
+    # tensor 2 against XLA's attention on one device
+    long = LLAMA_GQA + ["model.seq_len=256", "train.batch_size=4", "model.attention_block=128"]
+    want = np.array(run_steps(long + ["model.attention=xla"], (1, 1, 1), steps=4)[0])
+    splash = np.array(run_steps(long + ["model.attention=splash"], {"fsdp": 2, "tensor": 2}, steps=4)[0])
+    assert np.all(np.abs(splash - want) / want < 1e-5), (splash, want)
 
 
 def _compiled_step(overrides, degrees):
@@ -88,6 +96,13 @@ def _axis_groups(mesh, axis):
     return sorted(sorted(g) for g in np.moveaxis(positions, k, -1).reshape(-1, mesh.shape[axis]).tolist())
 
 
+def _largest_array_bytes(hlo_text: str) -> int:
+    """The bytes of the largest array shape a compiled program names."""
+    sizes = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "pred": 1}
+    return max(sizes[t] * math.prod(int(d) for d in dims.split(","))
+               for t, dims in re.findall(r"\b(f32|s32|u32|bf16|pred)\[([0-9]+(?:,[0-9]+)*)\]", hlo_text))
+
+
 def _sequence_pairs(hlo_text: str, sizes: set[int]) -> list[str]:
     """Every array shape in a compiled program with two dimensions whose sizes are both in `sizes`."""
     shapes = re.findall(r"[a-z]+[0-9]*\[([0-9,]+)\]", hlo_text)
@@ -100,7 +115,7 @@ def test_the_ring_passes_keys_and_values_around_context_and_never_holds_t_by_t()
     collective-permute and are never all-gathered; queries are never gathered; and no buffer of the compiled step
     pairs two sequence-sized dimensions (96 or 192), where the all-gather variant holds [96, 192] scores per
     head."""
-    overrides = LLAMA_GQA + ["model.seq_len=192", "model.d_mlp=160", "model.attention_block=48"]
+    overrides = LLAMA_GQA + ["model.seq_len=192", "model.d_mlp=160", "model.attention_block=48", "model.loss_chunks=2"]
     compiled, mesh = _compiled_step(overrides, {"fsdp": 2, "context": 2, "tensor": 2})
     text = compiled.as_text()
     ops = hlo.collectives(text, 8)
@@ -113,6 +128,9 @@ def test_the_ring_passes_keys_and_values_around_context_and_never_holds_t_by_t()
     assert not [op for op in gathered if sorted(sorted(g) for g in op.groups or []) == context_groups], gathered
     assert q_bytes not in [op.bytes for op in gathered]
     assert _sequence_pairs(text, {96, 192}) == []
+    # nor, stacked over blocks, a buffer as large as one ring step's [T/2, T/2] float32 scores (8 rows x 2 heads;
+    # JAX once hoisted every block's mask and scores out of the scanned layers as such a residual)
+    assert _largest_array_bytes(text) < 8 * 2 * 96 * 96 * 4
     gathered_variant, _ = _compiled_step(overrides + ["model.context_attention=all_gather"],
                                          {"fsdp": 2, "context": 2, "tensor": 2})
     assert any("96,192" in shape for shape in _sequence_pairs(gathered_variant.as_text(), {96, 192}))

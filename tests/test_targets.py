@@ -52,7 +52,8 @@ def test_the_gpu_defaults_resolve_for_an_h100_target_on_a_cpu_host():
         assert attention_impl("auto", jnp.bfloat16, 128) == "cudnn"
     with compiling_for(V5E.accelerator):
         assert resolve_dtype("auto") == "bfloat16" and attention_impl("auto", jnp.bfloat16, 64) == "xla"
-        assert attention_impl("auto", jnp.bfloat16, 64, length=8192) == "flash"  # no [T, T] on a TPU either
+        assert attention_impl("auto", jnp.bfloat16, 64, length=8192) == "splash"  # Pallas's TPU kernel
+        assert attention_impl("auto", jnp.bfloat16, 64, length=1000) == "xla"  # not a multiple of 128
     cfg = gpt2_small(H100)
     assert (cfg.model.dtype, cfg.model.param_dtype) == ("bfloat16", "float32")
     assert load_config(None, ["model=gpt2-small"]).model.dtype == "float32"  # this CPU host's own default
@@ -139,7 +140,7 @@ def test_the_context_axis_and_the_decode_step_compile_for_h100s():
 def test_the_step_compiles_for_a_tpu_v5e_slice_with_activations_offloaded(devices):
     """FSDP 4 on a v5e slice, the MLP's hidden activations offloaded to the host (`model.remat_offload`): XLA:TPU
     places them in host memory (memory space S(5) in the compiled program, host temporaries in its memory
-    analysis), and the report says so beside the device bytes."""
+    analysis), and the report says so beside the device bytes; attention is Pallas splash attention."""
     cfg = gpt2_small(V5E, f"mesh.fsdp={devices}", "model.n_layers=2", "model.seq_len=256", "train.batch_size=8",
                      "model.remat_offload=mlp_hidden")
     r = compile_train_step(cfg, target=V5E, n_devices=devices)
@@ -153,6 +154,8 @@ def test_the_step_compiles_for_a_tpu_v5e_slice_with_activations_offloaded(device
     assert r.step.host_temp_bytes >= 2 * 2 * 256 * 3072 * 2 and "S(5)" in r.step.hlo_text
     text = format_report(r)
     assert "compiled by XLA:TPU" in text and "in host memory" in text
+    # attention=auto on a TPU: Pallas splash attention, the kernel's calls in the program (forward, dq, dkv)
+    assert "attention: Pallas splash attention" in text and r.step.hlo_text.count('custom_call_target="tpu_custom_call"') >= 3
 
 
 def test_a_layer_keeps_what_its_remat_policy_names_compiled_for_h100s():

@@ -44,6 +44,8 @@ def jaxpr_matmul_flops(jaxpr) -> float:
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
         elif name == "ragged_dot_general":  # a mixture's experts: each row by its group's matrix, [M, K] -> [M, N]
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * eqn.invars[0].aval.shape[-1]
+        elif name == "pallas_call" and "splash" in str(eqn.params.get("name") or eqn.params.get("name_and_src_info")):
+            total += _splash_flops(eqn)
         elif name == "scan":
             total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"])
         elif name == "cond":
@@ -55,6 +57,18 @@ def jaxpr_matmul_flops(jaxpr) -> float:
         else:
             total += sum(jaxpr_matmul_flops(v) for v in eqn.params.values() if _is_jaxpr(v))
     return total
+
+
+def _splash_flops(eqn) -> float:
+    """A splash attention kernel call (forward, dq or dkv; opaque to the count above), counted as attention's
+    matmuls are: 4 B H T^2 D each, not halved for the causal mask. The largest floating array it reads or writes
+    is query-shaped, [..., heads, T, D]."""
+    shapes = [v.aval.shape for v in (*eqn.invars, *eqn.outvars)
+              if hasattr(v.aval, "shape") and len(v.aval.shape) >= 3 and jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    if not shapes:
+        return 0.0
+    shape = max(shapes, key=math.prod)
+    return 4.0 * math.prod(shape) * shape[-2]
 
 
 def _is_jaxpr(value) -> bool:

@@ -42,6 +42,11 @@ def blockwise_attention(q, k, v, q_pos, kv_pos, *, block_q: int = BLOCK, block_k
     """q [b, tq, heads, d], k and v [b, tk, kv_heads, d], q_pos [tq] and kv_pos [tk] int32 -> (out [b, tq, heads, d]
     float32, lse [b, tq, heads] float32). Causal by position; see the module docstring."""
     bq, bk = block_size(q.shape[1], block_q), block_size(k.shape[1], block_k)
+    # Positions are usually constants (the same for every layer). Under a differentiated loop (the scanned layers)
+    # JAX hoists whatever depends on constants alone out of it as residuals: every block's causal mask, and the
+    # scores it selects, [T, T] in all (1.5 GiB at 8,192 positions, measured). Tying the positions to q through a
+    # barrier makes them a value of the iteration, so nothing of the kernel is hoisted.
+    q, q_pos, kv_pos = jax.lax.optimization_barrier((q, q_pos, kv_pos))
 
     @jax.custom_vjp
     def attend(q, k, v, q_pos, kv_pos):

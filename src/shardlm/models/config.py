@@ -72,8 +72,9 @@ class ModelConfig:
     # The training loss's head runs over the vocabulary in this many chunks per device (0 = automatic: each
     # chunk's float32 logits under 128 MiB per device; `shardlm.models.head`)
     loss_chunks: int = 0
-    # Attention's kernel: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes; elsewhere XLA's for sequences up to
-    # attention_block, the blockwise kernel beyond) | xla | cudnn | flash (`shardlm.kernels.flash`, never [T, T])
+    # Attention's kernel: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes, Pallas splash on TPUs; elsewhere XLA's for
+    # sequences up to attention_block, the blockwise kernel beyond) | xla | cudnn | flash (`shardlm.kernels.flash`,
+    # never [T, T]) | splash (`shardlm.kernels.splash`)
     attention: str = "auto"
     # With the sequence split over mesh.context: ring (keys and values travel the ring, zigzag layout,
     # `shardlm.kernels.ring`) | all_gather (every device gathers every key and value; XLA's attention)

@@ -46,6 +46,7 @@ from shardlm.errors import ShardlmError
 from shardlm.kernels.attention import cudnn_attention, xla_attention
 from shardlm.kernels.flash import blockwise_attention
 from shardlm.kernels.ring import from_zigzag, ring_attention, to_zigzag, zigzag_order
+from shardlm.kernels.splash import splash_attention
 from shardlm.models import remat
 from shardlm.models.head import head_loss
 from shardlm.models.pipeline import row_order, run_pipeline
@@ -59,7 +60,7 @@ CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")  # one layer's keys or
 STACKED_CACHE_AXES = (LAYERS, *CACHE_AXES)  # the model's cache, every layer's
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bfloat16 on GPUs and TPUs, float32 on a CPU (`shardlm.accelerator`)
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "flash")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "flash", "splash")
 
 
 def compute_dtype(name: str):
@@ -103,7 +104,7 @@ def use(p: nnx.Param, dtype) -> jax.Array:
 class Context(NamedTuple):
     """What a forward pass computes once and every block reads, and the index of the block reading it."""
 
-    impl: str  # "xla", "cudnn", "flash" or "ring", resolved for this trace
+    impl: str  # "xla", "cudnn", "flash", "splash" or "ring", resolved for this trace
     mask: jax.Array | None  # [1, 1, T, T] causal mask for the XLA attention path; None for the others and decoding
     rope: tuple[jax.Array, jax.Array] | None  # (sin, cos) [rows or 1, T, head_dim / 2], rotary families only
     pos: jax.Array | None  # decoding: each row's position [batch]
@@ -131,7 +132,10 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
     (`shardlm.accelerator.current`), so a compile for an H100 from a CPU host picks what a run on the H100 would."""
     check_attention(requested, seq_split)
     if seq_split > 1:
-        return "ring" if context == "ring" and requested in ("auto", "flash") else "xla"
+        return "ring" if context == "ring" and requested in ("auto", "flash", "splash") else "xla"
+    if requested == "splash" and length % 128:
+        raise ShardlmError(f"model.attention=splash needs a sequence that is a multiple of 128 positions (the TPU "
+                           f"kernel's lane width), got {length}; use model.attention=auto or a multiple of 128")
     if requested != "auto":
         return requested
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -139,6 +143,8 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
     if (target.platform == "gpu" and sixteen_bit and target.compute_capability is not None
             and target.compute_capability >= 8.0 and head_dim % 8 == 0 and head_dim <= 128):
         return "cudnn"
+    if target.platform == "tpu" and length % 128 == 0 and head_dim in (64, 128) and length >= 128:
+        return "splash"
     return "flash" if length > block else "xla"
 
 
@@ -155,6 +161,8 @@ def attention_summary(m, seq_split: int) -> str:
                 "[T, T]")
     if impl == "cudnn":
         return "cuDNN's fused kernel (an NVIDIA GPU, 16-bit inputs)"
+    if impl == "splash":
+        return "Pallas splash attention (a TPU" + (")" if m.attention == "auto" else "; model.attention=splash)")
     if impl == "flash":
         why = "model.attention=flash" if m.attention == "flash" else (
             f"{m.seq_len} positions, more than model.attention_block={m.attention_block}")
@@ -203,6 +211,8 @@ def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
         # Named once gathered: a policy that keeps them (`kv_gathered`) spares the backward pass their gather.
         if ctx.impl == "ring":
             y = remat.named(_context_ring(q, k, v, ctx.positions, ctx.block), remat.ATTENTION)
+        elif ctx.impl == "splash":
+            y = _per_device_splash(q, k, v, ctx.block)
         elif ctx.impl == "flash":
             out = blockwise_attention(q, k, v, ctx.positions, ctx.positions, block_q=ctx.block, block_k=ctx.block)
             y = remat.named(out[0].astype(q.dtype), remat.ATTENTION)
@@ -244,6 +254,21 @@ def _context_ring(q, k, v, positions, block: int) -> jax.Array:
     # the check refuses to combine; the ring's only collective is a permute, the same either way
     return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(axes)), out_specs=q_spec,
                          check_vma=False)(q, k, v, positions)
+
+
+def _per_device_splash(q, k, v, block: int) -> jax.Array:
+    """Splash attention (`shardlm.kernels.splash`) on each device's rows and heads, inside a `shard_map` over the
+    whole mesh (a Pallas kernel is not partitioned by XLA); interpreted off a TPU, as in the CPU tests."""
+    mesh = active_mesh()
+    attend = lambda q, k, v: splash_attention(q, k, v, block=block, interpret=current().platform != "tpu",  # noqa: E731
+                                              residual_name=remat.ATTENTION)
+    if mesh is None:
+        return attend(q, k, v)
+    live = lambda spec: P(*(tuple(a for a in as_axes(e) if mesh.shape[a] > 1) or None for e in spec))  # noqa: E731
+    q_spec = live(active_spec("batch", "seq", "act_heads", "head_dim", shape=q.shape))
+    kv_spec = live(active_spec("batch", "seq", "act_kv_heads", "head_dim", shape=k.shape))
+    return jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -435,7 +460,7 @@ class CausalLM(nnx.Module):
         seq_split, length = active_degree("seq"), tokens.shape[1]
         impl = attention_impl(self.attention, self.dtype, self.head_dim, seq_split, length=length,
                               block=self.attention_block, context=self.context_attention)
-        if impl in ("ring", "flash") and (cache is not None or pos is not None):
+        if impl in ("ring", "flash", "splash") and (cache is not None or pos is not None):
             impl = "xla"  # a prefill writes the cache in the sequence's order; a decode step attends to it
         # One dropout key for the pass: layer i draws from it folded with i, the embedding with n_layers
         # (`stack.layer_rngs`), whichever layout the blocks are in.
