@@ -132,7 +132,7 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
     (`shardlm.accelerator.current`), so a compile for an H100 from a CPU host picks what a run on the H100 would."""
     check_attention(requested, seq_split)
     if seq_split > 1:
-        return "ring" if context == "ring" and requested in ("auto", "flash", "splash") else "xla"
+        return "ring" if uses_ring(requested, context) else "xla"
     if requested == "splash" and length % 128:
         raise ShardlmError(f"model.attention=splash needs a sequence that is a multiple of 128 positions (the TPU "
                            f"kernel's lane width), got {length}; use model.attention=auto or a multiple of 128")
@@ -148,12 +148,15 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
     return "flash" if length > block else "xla"
 
 
+def uses_ring(requested: str, context: str) -> bool:
+    """Whether a sequence split over devices runs ring attention (else XLA's over all-gathered keys and values)."""
+    return context == "ring" and requested in ("auto", "flash", "splash")
+
+
 def attention_summary(m, seq_split: int) -> str:
     """Which kernel a training step of model config `m` compiles with, for the target being compiled for, and why
     (a report's line)."""
-    from shardlm.accelerator import resolve_dtype as resolve
-
-    dtype = DTYPES[resolve(m.dtype)]
+    dtype = DTYPES[resolve_dtype(m.dtype)]
     impl = attention_impl(m.attention, dtype, m.d_model // m.n_heads, seq_split, length=m.seq_len,
                           block=m.attention_block, context=m.context_attention)
     if impl == "ring":
@@ -238,15 +241,21 @@ def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
     return constrain(y, "batch", "seq", "act_heads", "head_dim"), cache
 
 
+def _per_device_specs(mesh, q, k) -> tuple[P, P]:
+    """The `shard_map` specs of queries and of keys/values as the active rules split them, without the mesh's
+    size-1 axes (which split nothing)."""
+    live = lambda spec: P(*(tuple(a for a in as_axes(e) if mesh.shape[a] > 1) or None for e in spec))  # noqa: E731
+    return (live(active_spec("batch", "seq", "act_heads", "head_dim", shape=q.shape)),
+            live(active_spec("batch", "seq", "act_kv_heads", "head_dim", shape=k.shape)))
+
+
 def _context_ring(q, k, v, positions, block: int) -> jax.Array:
     """Causal attention with the sequence split over the context axes: `shardlm.kernels.ring` on each device's
     rows (in the zigzag layout, `positions` saying where each row sits), inside a `shard_map` over the whole mesh
     that keeps batch and heads split as the rules split them. (Manual over every axis: a pipeline's `vmap` over
     its stages adds the stage axis to the specs, which must then be manual too.)"""
     mesh = active_mesh()
-    live = lambda spec: P(*(tuple(a for a in as_axes(e) if mesh.shape[a] > 1) or None for e in spec))  # noqa: E731
-    q_spec = live(active_spec("batch", "seq", "act_heads", "head_dim", shape=q.shape))
-    kv_spec = live(active_spec("batch", "seq", "act_kv_heads", "head_dim", shape=k.shape))
+    q_spec, kv_spec = _per_device_specs(mesh, q, k)
     axes = tuple(a for a in as_axes(active_spec("seq")[0]) if mesh.shape[a] > 1)
     run = lambda q, k, v, p: ring_attention(q, k, v, p, p, axis=axes, devices=active_degree("seq"),  # noqa: E731
                                             block=block)[0].astype(q.dtype)
@@ -264,9 +273,7 @@ def _per_device_splash(q, k, v, block: int) -> jax.Array:
                                               residual_name=remat.ATTENTION)
     if mesh is None:
         return attend(q, k, v)
-    live = lambda spec: P(*(tuple(a for a in as_axes(e) if mesh.shape[a] > 1) or None for e in spec))  # noqa: E731
-    q_spec = live(active_spec("batch", "seq", "act_heads", "head_dim", shape=q.shape))
-    kv_spec = live(active_spec("batch", "seq", "act_kv_heads", "head_dim", shape=k.shape))
+    q_spec, kv_spec = _per_device_specs(mesh, q, k)
     return jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
                          check_vma=False)(q, k, v)
 

@@ -53,7 +53,7 @@ from shardlm.foreign.placement import opt_state_shardings, resolve_layout
 from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
-from shardlm.models.layers import check_attention
+from shardlm.models.layers import check_attention, uses_ring
 from shardlm.models.pipeline import (
     bubble_fraction,
     check_pipeline,
@@ -221,7 +221,7 @@ class OwnModel:
         gathered = 2 * self._rows_per_device(mesh) * m.seq_len * kv_heads * (m.d_model // m.n_heads) \
             * (2 if m.dtype == "bfloat16" else 4)
         held = f"sequence split over context={cp}: each device holds {m.seq_len // cp} of every {m.seq_len} tokens"
-        if m.context_attention == "ring" and m.attention in ("auto", "flash"):
+        if uses_ring(m.attention, m.context_attention):
             return (held + f" (zigzag: chunks i and {2 * cp - 1}-i of {2 * cp}); ring attention passes keys and "
                     f"values around the context axis, {fmt_bytes(gathered * (cp - 1) // cp)} per layer per device in "
                     f"{cp - 1} hop(s), overlapped with the blockwise kernel (their gradients travel back the same way)")
