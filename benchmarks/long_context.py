@@ -6,7 +6,7 @@ a sequence's tokens), the real train step is compiled
 by XLA:GPU from this CPU host (`shardlm.perf.compile_only`; nothing runs) and its peak bytes per device, whether
 it fits 80 GiB, the attention it compiled with, XLA:GPU's estimate of the step and the tokens per second per GPU
 that estimate implies are printed. With C = 1 the sequence is whole on every device (cuDNN's kernel); with C > 1
-it is the ring, over the blockwise kernel.
+it is the ring, with cuDNN's fused kernel on each chunk of keys.
 
     python benchmarks/long_context.py                              # 8k, 32k, 128k x C = 1, 2, 8
     python benchmarks/long_context.py --seq 8192,131072 --contexts 8

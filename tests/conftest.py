@@ -60,8 +60,9 @@ def structured_tokens(n: int, vocab: int, seed: int = 0) -> np.ndarray:
     return np.concatenate(out)[:n].astype(np.int32)
 
 
-def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None):
-    """Train with the real state/step/loader code on a synthetic stream; returns (losses, final TrainState, mesh)."""
+def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None, grad_norms: list | None = None):
+    """Train with the real state/step/loader code on a synthetic stream; returns (losses, final TrainState, mesh).
+    Each step's gradient norm is appended to `grad_norms` if given."""
     import jax
 
     from shardlm.config import load_config
@@ -84,6 +85,8 @@ def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None):
     for i in range(steps or cfg.train.steps):
         ts.state, metrics = step(ts.state, loader.get(i))
         losses.append(float(metrics["loss"]))
+        if grad_norms is not None:
+            grad_norms.append(float(metrics["grad_norm"]))
     return losses, ts, mesh
 
 

@@ -16,7 +16,7 @@ from conftest import MICRO, run_steps
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh
-from shardlm.models.layers import attention_impl
+from shardlm.models.layers import attention_impl, ring_chunk
 from shardlm.perf import hlo
 from shardlm.perf.strategies import Strategy, all_strategies, parse_strategy, wants_context_splits
 from shardlm.train.state import TrainState, abstract_train_state, check_shardable, split_notes
@@ -35,11 +35,13 @@ SPLITS = {
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def trajectories(request):
-    """20 steps of each family on one device and on every context split: (family, {split: (losses, state)})."""
+    """20 steps of each family on one device and on every context split: (family, {split: (losses, state, gradient
+    norms)})."""
     overrides = FAMILIES[request.param]
-    runs = {"1 device": run_steps(overrides, (1, 1, 1), steps=20)[:2]}
-    for name, degrees in SPLITS.items():
-        runs[name] = run_steps(overrides, degrees, steps=20)[:2]
+    runs = {}
+    for name, degrees in {"1 device": (1, 1, 1), **SPLITS}.items():
+        norms = []
+        runs[name] = (*run_steps(overrides, degrees, steps=20, grad_norms=norms)[:2], norms)
     return request.param, runs
 
 
@@ -49,6 +51,8 @@ def test_context_split_matches_one_device(trajectories, split):
     want, got = np.array(runs["1 device"][0]), np.array(runs[split][0])
     assert want[-1] < want[0] - 0.5, f"{family} did not learn: {want[0]} -> {want[-1]}"
     assert abs(got[0] - want[0]) / want[0] < 1e-5, (family, split, got[0], want[0])
+    want_norm, got_norm = runs["1 device"][2][0], runs[split][2][0]
+    assert abs(got_norm - want_norm) / want_norm < 1e-5, (family, split, got_norm, want_norm)
     assert abs(got[-1] - want[-1]) / want[-1] < 1e-3, (family, split, got[-1], want[-1])
     # Read back from the arrays: the context devices hold FSDP shards of the weights (embed over fsdp x context).
     wq = runs[split][1].state["model"]["blocks"]["attn"]["wq"][...]  # stacked over the layers
@@ -155,10 +159,15 @@ def test_context_errors_and_plan_names():
     cfg = load_config(None, MICRO + ["model.seq_len=36"])
     with pytest.raises(ShardlmError, match=r"model.seq_len=36 is split over mesh.context=8, which does not divide"):
         check_shardable(cfg, make_mesh(context=8))
+    # cuDNN's kernel takes a split sequence one chunk at a time in the ring, not all-gathered
+    gathered = MICRO + ["model.attention=cudnn", "model.context_attention=all_gather"]
     with pytest.raises(ShardlmError, match="cuDNN's fused kernel refuses sequence sharding"):
-        check_shardable(load_config(None, MICRO + ["model.attention=cudnn"]), make_mesh(context=2))
+        check_shardable(load_config(None, gathered), make_mesh(context=2))
     with pytest.raises(ShardlmError, match="cuDNN's fused kernel refuses sequence sharding"):
-        attention_impl("cudnn", jnp.bfloat16, 64, seq_split=2)  # the model's own check, under the rules
+        attention_impl("cudnn", jnp.bfloat16, 64, seq_split=2, context="all_gather")  # the model's own check
+    assert attention_impl("cudnn", jnp.bfloat16, 64, seq_split=2) == "ring"
+    with pytest.raises(ShardlmError, match=r"chunks of a multiple of 128 positions, got 1024 / \(2 x context 8\)"):
+        ring_chunk("splash", jnp.bfloat16, 64, 1024, 8)
     assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2) == "ring"
     assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2, context="all_gather") == "xla"
     assert attention_impl("auto", jnp.float32, 64, length=1024, block=512) == "flash"  # on the CPU

@@ -44,35 +44,63 @@ def _cudnn_rules():
         return None
 
 
+def _cudnn_static(fa, q, causal: bool = True) -> tuple:
+    """The kernel's static arguments: (scale, seed, dropout rate, (has bias, has bias gradient), mask, layout,
+    sliding window, cuDNN version, return_residual), as `jax._src.cudnn.fused_attention_stablehlo.
+    dot_product_attention` passes them."""
+    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    return (1.0 / math.sqrt(q.shape[-1]), 0, 0.0, (False, False), mask, fa._normalize_layout("BTNH").value, None,
+            fa.check_cudnn_version(), False)
+
+
+def _unused(dtype) -> tuple:
+    """The kernel's unused operands (bias, sequence lengths, offsets, page tables), made in each trace."""
+    return (jnp.zeros(0, dtype),) * 7
+
+
 def cudnn_attention(q, k, v, *, residual_name: str | None = None):
     """cuDNN's fused causal attention, its output and softmax statistics named `residual_name`."""
     rules = _cudnn_rules()
     if rules is None or residual_name is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     fa, fwd_rule, bwd_rule = rules
-    dtype = q.dtype
-
-    def unused():  # the kernel's unused operands (bias, sequence lengths, offsets, page tables), made in each trace
-        return (jnp.zeros(0, dtype),) * 7
-
-    # (scale, seed, dropout rate, (has bias, has bias gradient), mask, layout, sliding window, cuDNN version,
-    # return_residual), as `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` passes them
-    static = (1.0 / math.sqrt(q.shape[-1]), 0, 0.0, (False, False), fa.MaskType.CAUSAL,
-              fa._normalize_layout("BTNH").value, None, fa.check_cudnn_version(), False)
+    static = _cudnn_static(fa, q)
 
     @jax.custom_vjp
     def attend(q, k, v):
-        return fwd_rule(q, k, v, *unused(), *static)[0]
+        return fwd_rule(q, k, v, *_unused(q.dtype), *static)[0]
 
     def forward(q, k, v):
-        out, res = fwd_rule(q, k, v, *unused(), *static)
+        out, res = fwd_rule(q, k, v, *_unused(q.dtype), *static)
         stats, out = checkpoint_name(res[-2], residual_name), checkpoint_name(out, residual_name)
         return out, (q, k, v, stats, out)
 
     def backward(saved, g):
         q, k, v, stats, out = saved
-        grads = bwd_rule(*static, (q, k, v, *unused(), stats, out), g)
+        grads = bwd_rule(*static, (q, k, v, *_unused(q.dtype), stats, out), g)
         return tuple(grads[:3])
 
     attend.defvjp(forward, backward)
     return attend(q, k, v)
+
+
+def cudnn_available() -> bool:
+    """Whether this JAX has the cuDNN kernel's rules that the ring's per-chunk use needs."""
+    return _cudnn_rules() is not None
+
+
+def cudnn_chunk_forward(q, k, v, causal: bool):
+    """cuDNN's kernel as the ring's per-chunk kernel (`shardlm.kernels.ring`), forward: q [b, tq, heads, d]
+    against k, v [b, tk, kv_heads, d], causal or every key visible -> (out float32, lse [b, tq, heads] float32).
+    cuDNN's softmax statistics are the log-sum-exp per query and head ([b, heads, tq])."""
+    fa, fwd_rule, _ = _cudnn_rules()
+    out, res = fwd_rule(q, k, v, *_unused(q.dtype), *_cudnn_static(fa, q, causal))
+    return out.astype(jnp.float32), res[-2].transpose(0, 2, 1)
+
+
+def cudnn_chunk_backward(q, k, v, out, lse, d_out, causal: bool):
+    """cuDNN's backward kernel given the whole row's output and log-sum-exp (see `kernels.flash.chunk_backward`)
+    -> (dq, dk, dv)."""
+    fa, _, bwd_rule = _cudnn_rules()
+    saved = (q, k, v, *_unused(q.dtype), lse.transpose(0, 2, 1), out.astype(q.dtype))
+    return tuple(bwd_rule(*_cudnn_static(fa, q, causal), saved, d_out.astype(q.dtype))[:3])

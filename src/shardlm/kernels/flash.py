@@ -65,6 +65,30 @@ def blockwise_attention(q, k, v, q_pos, kv_pos, *, block_q: int = BLOCK, block_k
     return attend(q, k, v, q_pos, kv_pos)
 
 
+def chunk_forward(q, k, v, causal: bool, *, block: int = BLOCK):
+    """The ring's per-chunk kernel, forward: q [b, tq, heads, d] against k, v [b, tk, kv_heads, d], causal within
+    the chunk (tq == tk) or every key visible -> (out float32, lse [b, tq, heads] float32)."""
+    q, q_pos, kv_pos = _chunk_positions(q, k, causal)
+    return _forward(q, k, v, q_pos, kv_pos, block_size(q.shape[1], block), block_size(k.shape[1], block))
+
+
+def chunk_backward(q, k, v, out, lse, d_out, causal: bool, *, block: int = BLOCK):
+    """The ring's per-chunk kernel, backward, given the whole row's output and log-sum-exp (over every chunk of
+    keys, not this one's alone: then each chunk's probabilities are already normalised, and dq, dk, dv of the
+    chunks add up to the whole attention's) -> (dq, dk, dv) in the inputs' dtype."""
+    q, q_pos, kv_pos = _chunk_positions(q, k, causal)
+    return _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, jnp.zeros(lse.shape, jnp.float32),
+                     block_size(q.shape[1], block), block_size(k.shape[1], block))
+
+
+def _chunk_positions(q, k, causal: bool):
+    """Positions that make a chunk causal (the same positions for queries and keys) or wholly visible (every query
+    after every key), tied to q by a barrier (see `blockwise_attention`)."""
+    kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+    q_pos = kv_pos if causal else jnp.full(q.shape[1], k.shape[1], jnp.int32)
+    return jax.lax.optimization_barrier((q, q_pos, kv_pos))
+
+
 def merge(out_a, lse_a, out_b, lse_b):
     """Two partial attentions of the same queries over disjoint keys -> the attention over both (float32)."""
     lse = jnp.logaddexp(lse_a, lse_b)

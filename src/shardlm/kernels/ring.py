@@ -8,23 +8,37 @@ Design choices:
   scheduler overlaps the two). N devices take N steps and N - 1 permutes; no device ever holds more than two
   chunks of keys and values, nor any [T / N, T] buffer.
 - Partial results merge by their log-sum-exps (`flash.merge`), in float32, and are cast once at the end.
-- The per-chunk kernel is causal by position (`flash.blockwise_attention`), so a chunk wholly after the queries
-  costs nothing, and the layout decides the balance. Contiguous chunks would leave device 0 with one chunk of
-  work and device N - 1 with N. In the zigzag layout the sequence is cut into 2N chunks and device i holds chunks
-  i and 2N - 1 - i: every device then has the same work at every step. `zigzag_order` is that permutation of the
-  positions; the model permutes its tokens by it once, before the blocks, and back after them.
-- The backward pass is the forward's transpose: JAX differentiates the ring, so the cotangents of keys and values
-  travel the ring the other way, and each step's kernel runs its own backward pass (flash's, recomputing the
-  probabilities). Under a remat policy that keeps none of it, the ring runs again in the backward pass.
+- The zigzag layout balances the causal work. Contiguous chunks would leave device 0 with one chunk of work and
+  device N - 1 with N. Here the sequence is cut into 2N chunks and device i holds chunks i and 2N - 1 - i
+  (`zigzag_order`; the model permutes its tokens by it once, before the blocks, and back after them). Then every
+  step but the first is half a chunk-pair of work on every device: when the keys come from a device j < i, all of
+  device i's queries see the first half of them (chunk j) and none the second (2N - 1 - j); when j > i, only the
+  second half of the queries (chunk 2N - 1 - i) sees them, all of them. The first step (its own keys) is causal.
+  A `lax.cond` on the device's index picks the case, so no step computes a masked-out block.
+- The per-chunk kernel is the platform's fused one, behind one interface (`ChunkKernel`): forward gives the output
+  and log-sum-exp of queries against a chunk of keys, causal or all visible; backward gives dq, dk, dv given the
+  whole row's output and log-sum-exp. cuDNN's (`kernels.attention`) on NVIDIA GPUs, splash's (`kernels.splash`)
+  on TPUs, the blockwise kernel in plain JAX (`kernels.flash`) on the CPU and wherever neither applies.
+- The backward pass is a ring of its own (a `custom_vjp`; the fused kernels' derivatives do not see the
+  log-sum-exp the merge needs). Every step's probabilities are normalised by the whole row's log-sum-exp, so each
+  chunk's dq, dk, dv are exact parts of the whole's, and add up. Keys and values travel the ring again, with their
+  float32 dk and dv accumulating as they go; after N steps one more permute brings dk and dv home. The saved
+  residuals are q, k, v, the output and the log-sum-exp (named for remat policies), nothing of [T / N, T].
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
-from shardlm.kernels.flash import BLOCK, blockwise_attention, merge
+from shardlm.kernels.attention import cudnn_available, cudnn_chunk_backward, cudnn_chunk_forward
+from shardlm.kernels.flash import chunk_backward, chunk_forward, merge
+from shardlm.kernels.splash import splash_chunk_backward, splash_chunk_forward
 
 
 def zigzag_order(length: int, devices: int) -> np.ndarray:
@@ -53,15 +67,109 @@ def from_zigzag(x: jax.Array, devices: int, axis: int = 1) -> jax.Array:
     return jnp.stack([first, second], axis).reshape(shape)
 
 
-def ring_attention(q, k, v, q_pos, kv_pos, *, axis, devices: int, block: int = BLOCK):
-    """One device's part: q [b, t, heads, d], k and v [b, t, kv_heads, d], their positions in the whole sequence
-    [t] -> (out [b, t, heads, d] float32, lse [b, t, heads]). `axis` names the mesh axes the sequence is split
-    over (`devices` in all), inside `shard_map`."""
-    shift = [(i, (i + 1) % devices) for i in range(devices)]
-    out = lse = None
-    for step in range(devices):
-        o, s = blockwise_attention(q, k, v, q_pos, kv_pos, block_q=block, block_k=block)
-        out, lse = (o, s) if out is None else merge(out, lse, o, s)
-        if step < devices - 1:
-            k, v, kv_pos = (jax.lax.ppermute(t, axis, shift) for t in (k, v, kv_pos))
-    return out, lse
+class ChunkKernel(NamedTuple):
+    """Attention of queries [b, tq, heads, d] against one chunk of keys and values [b, tk, kv_heads, d].
+    forward(q, k, v, causal) -> (out float32, lse [b, tq, heads] float32); backward(q, k, v, out, lse, d_out,
+    causal) -> (dq, dk, dv), where out and lse are the whole row's (every chunk's, merged). `causal`: within the
+    chunk (tq == tk, the same positions); else every key is visible to every query."""
+
+    forward: Callable
+    backward: Callable
+
+
+CHUNK_KERNEL_NAMES = {"cudnn": "cuDNN's fused kernel", "splash": "Pallas splash attention",
+                      "flash": "the blockwise kernel"}
+
+
+def chunk_kernel(name: str, *, block: int = 512, interpret: bool = False) -> ChunkKernel:
+    """The per-chunk kernel called `name` (a key of `CHUNK_KERNEL_NAMES`): cuDNN's needs JAX's cuDNN rules, and
+    falls back to the blockwise kernel without them; splash is interpreted when `interpret` (off a TPU)."""
+    if name == "cudnn" and cudnn_available():
+        return ChunkKernel(cudnn_chunk_forward, cudnn_chunk_backward)
+    if name == "splash":
+        return ChunkKernel(partial(splash_chunk_forward, block=block, interpret=interpret),
+                           partial(splash_chunk_backward, block=block, interpret=interpret))
+    return ChunkKernel(partial(chunk_forward, block=block), partial(chunk_backward, block=block))
+
+
+def ring_attention(q, k, v, *, axis, devices: int, kernel: ChunkKernel,
+                   residual_name: str | None = None):
+    """One device's part: q [b, t, heads, d], k and v [b, t, kv_heads, d], its rows in the zigzag layout ->
+    out [b, t, heads, d] in q's dtype. `axis` names the mesh axes the sequence is split over (`devices` in all),
+    inside `shard_map`. The output and log-sum-exp the backward pass keeps are named `residual_name`."""
+    ring = _Ring(axis, devices, kernel, q.shape[1] // 2)
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return ring.forward(q, k, v)[0].astype(q.dtype)
+
+    def attend_forward(q, k, v):
+        out, lse = ring.forward(q, k, v)
+        out = out.astype(q.dtype)
+        if residual_name:
+            out, lse = checkpoint_name(out, residual_name), checkpoint_name(lse, residual_name)
+        return out, (q, k, v, out, lse)
+
+    def attend_backward(saved, d_out):
+        return ring.backward(*saved, d_out)
+
+    attend.defvjp(attend_forward, attend_backward)
+    return attend(q, k, v)
+
+
+class _Ring(NamedTuple):
+    axis: object
+    devices: int
+    kernel: ChunkKernel
+    half: int  # rows per chunk: a device holds two
+
+    def _pass(self, *xs):
+        """Each array to the next device of the ring."""
+        shift = [(i, (i + 1) % self.devices) for i in range(self.devices)]
+        return tuple(jax.lax.ppermute(x, self.axis, shift) for x in xs)
+
+    def _earlier(self, step) -> jax.Array:
+        """Whether the keys at this step came from a device before this one (else after it)."""
+        me = jax.lax.axis_index(self.axis)
+        return (me - step) % self.devices < me
+
+    def forward(self, q, k, v):
+        c, f32 = self.half, jnp.float32
+        out, lse = self.kernel.forward(q, k, v, True)
+        for step in range(1, self.devices):
+            k, v = self._pass(k, v)
+
+            def earlier(q, k, v):  # every query sees the first half of the keys
+                return self.kernel.forward(q, k[:, :c], v[:, :c], False)
+
+            def later(q, k, v):  # the second half of the queries sees every key
+                o, s = self.kernel.forward(q[:, c:], k, v, False)
+                return (jnp.concatenate([jnp.zeros_like(o), o], 1),
+                        jnp.concatenate([jnp.full(s.shape, -jnp.inf, f32), s], 1))
+
+            o, s = jax.lax.cond(self._earlier(step), earlier, later, q, k, v)
+            out, lse = merge(out, lse, o.astype(f32), s)
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, d_out):
+        c, f32 = self.half, jnp.float32
+        grads = self.kernel.backward(q, k, v, out, lse, d_out, True)
+        dq, dk, dv = (g.astype(f32) for g in grads)
+        for step in range(1, self.devices):
+            k, v, dk, dv = self._pass(k, v, dk, dv)
+
+            def earlier(q, k, v, out, lse, d_out):
+                dq, dk, dv = (g.astype(f32) for g in self.kernel.backward(
+                    q, k[:, :c], v[:, :c], out, lse, d_out, False))
+                return dq, *(jnp.concatenate([g, jnp.zeros_like(g)], 1) for g in (dk, dv))
+
+            def later(q, k, v, out, lse, d_out):
+                dq, dk, dv = (g.astype(f32) for g in self.kernel.backward(
+                    q[:, c:], k, v, out[:, c:], lse[:, c:], d_out[:, c:], False))
+                return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
+
+            parts = jax.lax.cond(self._earlier(step), earlier, later, q, k, v, out, lse, d_out)
+            dq, dk, dv = dq + parts[0], dk + parts[1], dv + parts[2]
+        if self.devices > 1:
+            dk, dv = self._pass(dk, dv)  # home: the chunk that started on the next device
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

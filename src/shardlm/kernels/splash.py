@@ -20,22 +20,80 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from shardlm.kernels.flash import block_size
 
 
-def splash_attention(q, k, v, *, block: int = 512, interpret: bool = False, residual_name: str | None = None):
-    """Causal attention of one device's rows: q [b, T, heads, d], k and v [b, T, kv_heads, d] -> [b, T, heads, d]."""
+def _modules():
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
+    return kernels, masks
+
+
+def _kernel(tq: int, tk: int, heads: int, causal: bool, block: int, interpret: bool, **options):
+    """The splash kernel for one sequence's heads: q [tq] rows against k [tk], causal (tq == tk) or every key
+    visible, blocks of the largest divisors of tq and tk up to `block`, for the forward and both backward kernels."""
+    kernels, masks = _modules()
+    bq, bk = block_size(tq, block), block_size(tk, block)
+    sizes = kernels.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                               block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
+    mask = masks.CausalMask((tq, tk)) if causal else masks.FullMask((tq, tk))
+    return kernels.make_splash_mha(masks.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1,
+                                   q_seq_shards=1, interpret=interpret, **options)
+
+
+def _heads_major(x):
+    """[b, T, heads, d] <-> [b, heads, T, d] (the kernel's layout per sequence)."""
+    return x.transpose(0, 2, 1, 3)
+
+
+def splash_attention(q, k, v, *, block: int = 512, interpret: bool = False, residual_name: str | None = None):
+    """Causal attention of one device's rows: q [b, T, heads, d], k and v [b, T, kv_heads, d] -> [b, T, heads, d]."""
     _, t, heads, d = q.shape
-    size = block_size(t, block)
-    sizes = kernels.BlockSizes(block_q=size, block_kv=size, block_kv_compute=size, block_q_dkv=size,
-                               block_kv_dkv=size, block_kv_dkv_compute=size, block_q_dq=size, block_kv_dq=size)
-    mask = masks.MultiHeadMask([masks.CausalMask((t, t)) for _ in range(heads)])
-    kernel = kernels.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
-                                     residual_checkpoint_name=residual_name)
-    heads_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
-    out = jax.vmap(kernel)(heads_major(q * (1.0 / math.sqrt(d))), heads_major(k), heads_major(v))
-    return heads_major(out)
+    kernel = _kernel(t, t, heads, True, block, interpret, residual_checkpoint_name=residual_name)
+    out = jax.vmap(kernel)(_heads_major(q * (1.0 / math.sqrt(d))), _heads_major(k), _heads_major(v))
+    return _heads_major(out)
+
+
+def splash_chunk_forward(q, k, v, causal: bool, *, block: int = 512, interpret: bool = False):
+    """Splash as the ring's per-chunk kernel (`shardlm.kernels.ring`), forward: q [b, tq, heads, d] against k, v
+    [b, tk, kv_heads, d] -> (out float32, lse [b, tq, heads] float32), the kernel's own residuals."""
+    _, tq, heads, d = q.shape
+    kernel = _kernel(tq, k.shape[1], heads, causal, block, interpret, save_residuals=True)
+    out, (lse,) = jax.vmap(kernel)(_heads_major(q * (1.0 / math.sqrt(d))), _heads_major(k), _heads_major(v))
+    return _heads_major(out).astype(jnp.float32), lse.transpose(0, 2, 1)
+
+
+def splash_chunk_backward(q, k, v, out, lse, d_out, causal: bool, *, block: int = 512, interpret: bool = False):
+    """Splash's backward kernels given the whole row's output and log-sum-exp (see `kernels.flash.chunk_backward`)
+    -> (dq, dk, dv). The kernel's own backward rule (`_splash_attention_bwd`, a JAX internal) called with those
+    residuals in place of the chunk's."""
+    kernels, _ = _modules()
+    _, tq, heads, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    kernel = _kernel(tq, k.shape[1], heads, causal, block, interpret)
+    options = kernel.kwargs
+    infos = [_collapsed(info) for info in (kernel.dq_mask_info, kernel.dkv_mask_info)]
+
+    def one_sequence(q, k, v, out, lse, d_out):
+        saved = (q, k, v, None, None, out, lse, *infos)
+        grads = kernels._splash_attention_bwd(
+            False, options["mask_value"], options["is_mqa"], options["block_sizes"], None,
+            options["mask_function"], options["attn_logits_soft_cap"], interpret, saved, d_out)
+        return grads[3:6]
+
+    dq, dk, dv = jax.vmap(one_sequence)(_heads_major(q * scale), _heads_major(k), _heads_major(v),
+                                        _heads_major(out.astype(q.dtype)), lse.transpose(0, 2, 1),
+                                        _heads_major(d_out.astype(q.dtype)))
+    return _heads_major(dq) * scale, _heads_major(dk), _heads_major(dv)
+
+
+def _collapsed(info):
+    """A mask table as `splash_attention_kernel._splash_attention` hands it to the kernels: partial mask blocks
+    [n, block_q, block_kv]."""
+    if info is None or info.partial_mask_blocks is None:
+        return info
+    return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
+        -1, *info.partial_mask_blocks.shape[-2:]))

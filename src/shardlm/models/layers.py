@@ -43,9 +43,9 @@ from jax.sharding import PartitionSpec as P
 
 from shardlm.accelerator import current, resolve_dtype
 from shardlm.errors import ShardlmError
-from shardlm.kernels.attention import cudnn_attention, xla_attention
+from shardlm.kernels.attention import cudnn_attention, cudnn_available, xla_attention
 from shardlm.kernels.flash import blockwise_attention
-from shardlm.kernels.ring import from_zigzag, ring_attention, to_zigzag, zigzag_order
+from shardlm.kernels.ring import CHUNK_KERNEL_NAMES, chunk_kernel, from_zigzag, ring_attention, to_zigzag
 from shardlm.kernels.splash import splash_attention
 from shardlm.models import remat
 from shardlm.models.head import head_loss
@@ -105,21 +105,23 @@ class Context(NamedTuple):
     """What a forward pass computes once and every block reads, and the index of the block reading it."""
 
     impl: str  # "xla", "cudnn", "flash", "splash" or "ring", resolved for this trace
+    chunk: str  # ring: each chunk's kernel ("cudnn", "splash" or "flash")
     mask: jax.Array | None  # [1, 1, T, T] causal mask for the XLA attention path; None for the others and decoding
     rope: tuple[jax.Array, jax.Array] | None  # (sin, cos) [rows or 1, T, head_dim / 2], rotary families only
     pos: jax.Array | None  # decoding: each row's position [batch]
-    positions: jax.Array | None = None  # flash and ring: each row's place in the sequence [T] (ring: zigzag)
+    positions: jax.Array | None = None  # flash: each row's place in the sequence [T]
     block: int = 512  # flash and ring: queries and keys per block
     zigzag: int = 0  # ring: the context degree whose zigzag layout the rows are in (dropout draws in order)
     layer: jax.Array | int = 0  # the block's index: its slice of the stacked KV cache
 
 
-def check_attention(requested: str, seq_split: int) -> None:
-    """cuDNN's fused kernel refuses a sequence split over devices: said when the mesh is known (before compiling)
-    and again when the model is traced under the rules."""
-    if requested == "cudnn" and seq_split > 1:
+def check_attention(requested: str, seq_split: int, context: str = "ring") -> None:
+    """cuDNN's fused kernel refuses a sequence split over devices unless the ring hands it one chunk at a time:
+    said when the mesh is known (before compiling) and again when the model is traced under the rules."""
+    if requested == "cudnn" and seq_split > 1 and context != "ring":
         raise ShardlmError(f"model.attention=cudnn cannot take a sequence split {seq_split} ways over mesh.context "
-                           "(cuDNN's fused kernel refuses sequence sharding); use model.attention=auto or xla")
+                           "with model.context_attention=all_gather (cuDNN's fused kernel refuses sequence "
+                           "sharding); use model.context_attention=ring, or model.attention=auto or xla")
 
 
 def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, length: int = 0,
@@ -130,7 +132,7 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
     head_dim a multiple of 8 up to 128), the blockwise kernel for sequences longer than a `block`, XLA's attention
     for shorter ones (whose [T, T] is small and which XLA fuses). The GPU is the one being compiled for
     (`shardlm.accelerator.current`), so a compile for an H100 from a CPU host picks what a run on the H100 would."""
-    check_attention(requested, seq_split)
+    check_attention(requested, seq_split, context)
     if seq_split > 1:
         return "ring" if uses_ring(requested, context) else "xla"
     if requested == "splash" and length % 128:
@@ -138,19 +140,46 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
                            f"kernel's lane width), got {length}; use model.attention=auto or a multiple of 128")
     if requested != "auto":
         return requested
-    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    target = current()
-    if (target.platform == "gpu" and sixteen_bit and target.compute_capability is not None
-            and target.compute_capability >= 8.0 and head_dim % 8 == 0 and head_dim <= 128):
+    if _cudnn_applies(dtype, head_dim):
         return "cudnn"
-    if target.platform == "tpu" and length % 128 == 0 and head_dim in (64, 128) and length >= 128:
+    if _splash_applies(length, head_dim):
         return "splash"
     return "flash" if length > block else "xla"
 
 
+def _cudnn_applies(dtype, head_dim: int) -> bool:
+    """cuDNN's fused kernel takes it: an NVIDIA GPU of compute capability 8.0 or newer (the one being compiled
+    for), 16-bit inputs, head_dim a multiple of 8 up to 128."""
+    target = current()
+    return (target.platform == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and target.compute_capability is not None and target.compute_capability >= 8.0
+            and head_dim % 8 == 0 and head_dim <= 128)
+
+
+def _splash_applies(length: int, head_dim: int) -> bool:
+    """Splash takes it: a TPU, a multiple of 128 positions (its lane width), head_dim 64 or 128."""
+    return current().platform == "tpu" and length % 128 == 0 and length >= 128 and head_dim in (64, 128)
+
+
+def ring_chunk(requested: str, dtype, head_dim: int, length: int, seq_split: int) -> str:
+    """The ring's per-chunk kernel (`kernels.ring.chunk_kernel`) for a sequence of `length` split `seq_split` ways:
+    each chunk is length / (2 seq_split) positions. "auto": cuDNN's where it applies, splash on a TPU, the
+    blockwise kernel elsewhere; a kernel asked for by name is that one."""
+    chunk = length // (2 * seq_split)
+    if requested == "splash" and chunk % 128:
+        raise ShardlmError(f"model.attention=splash in the ring needs chunks of a multiple of 128 positions, got "
+                           f"{length} / (2 x context {seq_split}) = {chunk}; use model.attention=auto, or a "
+                           f"seq_len that is a multiple of {256 * seq_split}")
+    if requested in ("cudnn", "splash", "flash"):
+        return requested
+    if _cudnn_applies(dtype, head_dim) and cudnn_available():
+        return "cudnn"
+    return "splash" if _splash_applies(chunk, head_dim) else "flash"
+
+
 def uses_ring(requested: str, context: str) -> bool:
     """Whether a sequence split over devices runs ring attention (else XLA's over all-gathered keys and values)."""
-    return context == "ring" and requested in ("auto", "flash", "splash")
+    return context == "ring" and requested in ("auto", "flash", "splash", "cudnn")
 
 
 def attention_summary(m, seq_split: int) -> str:
@@ -160,8 +189,9 @@ def attention_summary(m, seq_split: int) -> str:
     impl = attention_impl(m.attention, dtype, m.d_model // m.n_heads, seq_split, length=m.seq_len,
                           block=m.attention_block, context=m.context_attention)
     if impl == "ring":
-        return (f"ring over context={seq_split} (zigzag layout), the blockwise kernel on each chunk of keys: never "
-                "[T, T]")
+        chunk = ring_chunk(m.attention, dtype, m.d_model // m.n_heads, m.seq_len, seq_split)
+        return (f"ring over context={seq_split} (zigzag layout), {CHUNK_KERNEL_NAMES[chunk]} on each chunk of keys: "
+                "never [T, T]")
     if impl == "cudnn":
         return "cuDNN's fused kernel (an NVIDIA GPU, 16-bit inputs)"
     if impl == "splash":
@@ -213,7 +243,7 @@ def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
         # is split (and a reduce-scatter of their gradients), nothing otherwise. The cache keeps its own layout.
         # Named once gathered: a policy that keeps them (`kv_gathered`) spares the backward pass their gather.
         if ctx.impl == "ring":
-            y = remat.named(_context_ring(q, k, v, ctx.positions, ctx.block), remat.ATTENTION)
+            y = _context_ring(q, k, v, ctx)
         elif ctx.impl == "splash":
             y = _per_device_splash(q, k, v, ctx.block)
         elif ctx.impl == "flash":
@@ -249,20 +279,21 @@ def _per_device_specs(mesh, q, k) -> tuple[P, P]:
             live(active_spec("batch", "seq", "act_kv_heads", "head_dim", shape=k.shape)))
 
 
-def _context_ring(q, k, v, positions, block: int) -> jax.Array:
+def _context_ring(q, k, v, ctx: Context) -> jax.Array:
     """Causal attention with the sequence split over the context axes: `shardlm.kernels.ring` on each device's
-    rows (in the zigzag layout, `positions` saying where each row sits), inside a `shard_map` over the whole mesh
+    rows (in the zigzag layout), with `ctx.chunk`'s kernel on each chunk, inside a `shard_map` over the whole mesh
     that keeps batch and heads split as the rules split them. (Manual over every axis: a pipeline's `vmap` over
     its stages adds the stage axis to the specs, which must then be manual too.)"""
     mesh = active_mesh()
     q_spec, kv_spec = _per_device_specs(mesh, q, k)
     axes = tuple(a for a in as_axes(active_spec("seq")[0]) if mesh.shape[a] > 1)
-    run = lambda q, k, v, p: ring_attention(q, k, v, p, p, axis=axes, devices=active_degree("seq"),  # noqa: E731
-                                            block=block)[0].astype(q.dtype)
-    # check_vma=False: under the pipeline's vmap the rows vary over the stages and the positions do not, which
-    # the check refuses to combine; the ring's only collective is a permute, the same either way
-    return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(axes)), out_specs=q_spec,
-                         check_vma=False)(q, k, v, positions)
+    kernel = chunk_kernel(ctx.chunk, block=ctx.block, interpret=current().platform != "tpu")
+    run = lambda q, k, v: ring_attention(q, k, v, axis=axes, devices=active_degree("seq"),  # noqa: E731
+                                         kernel=kernel, residual_name=remat.ATTENTION)
+    # check_vma=False: under the pipeline's vmap the rows vary over the stages, which the check refuses to combine
+    # with the ring's unvarying constants; the ring's only collective is a permute, the same either way
+    return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v)
 
 
 def _per_device_splash(q, k, v, block: int) -> jax.Array:
@@ -476,15 +507,15 @@ class CausalLM(nnx.Module):
             x, rope = self._embed(tokens, layer_rngs(key, self.n_layers), pos)
             x = constrain(x, "batch", "seq", "act_embed")
         mask = causal_mask(length) if pos is None and impl == "xla" else None  # once, for every layer
-        positions, zigzag = None, 0
+        positions, zigzag, chunk = None, 0, ""
         if impl == "ring":  # the blocks run in the zigzag layout (`shardlm.kernels.ring`), the rest in order
             zigzag = seq_split
             x = constrain(to_zigzag(x, zigzag), "batch", "seq", "act_embed")
             rope = None if rope is None else tuple(to_zigzag(t, zigzag) for t in rope)
-            positions = constrain(jnp.asarray(zigzag_order(length, zigzag), jnp.int32), "seq")
+            chunk = ring_chunk(self.attention, self.dtype, self.head_dim, length, seq_split)
         elif impl == "flash":
             positions = jnp.arange(length, dtype=jnp.int32)
-        ctx = Context(impl, mask, rope, pos, positions, self.attention_block, zigzag)
+        ctx = Context(impl, chunk, mask, rope, pos, positions, self.attention_block, zigzag)
         policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
         step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
         stages = active_degree(LAYERS)

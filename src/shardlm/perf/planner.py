@@ -437,7 +437,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"note: XLA:CPU emulates {p.cfg.model.dtype} in float32, so temps and collectives above are "
                      "float32-sized (or more, with the conversions); a GPU or TPU computes it natively and needs "
                      "less: check there with `shardlm bench`")
-    lines += pipeline_lines(p) + remat_lines(p)
+    lines += attention_lines(p) + pipeline_lines(p) + remat_lines(p)
     for s, why in p.pruned:
         lines.append(f"pruned (not compiled): {s.name}: {why}")
     for s, why in p.rejected:
@@ -456,6 +456,24 @@ def cheapest_remats(p: Plan) -> dict[str, StrategyPlan | None]:
         if r.fits and out[r.strategy.name] is None:
             out[r.strategy.name] = r
     return out
+
+
+def attention_lines(p: Plan) -> list[str]:
+    """Which attention kernel the strategies' steps compiled with, and why (`models.layers.attention_summary`, for
+    the target compiled for): a line per kernel, naming its strategies."""
+    import contextlib
+
+    from shardlm.accelerator import compiling_for
+    from shardlm.foreign.modules import is_py
+    from shardlm.models.layers import attention_summary
+
+    if is_py(p.cfg.model.preset):
+        return []
+    kernels: dict[str, list[str]] = {}
+    with compiling_for(p.target.accelerator) if p.target else contextlib.nullcontext():
+        for r in p.strategies:
+            kernels.setdefault(attention_summary(p.cfg.model, r.strategy.context), []).append(r.strategy.name)
+    return [f"attention ({', '.join(dict.fromkeys(names))}): {what}" for what, names in kernels.items()]
 
 
 def remat_lines(p: Plan) -> list[str]:

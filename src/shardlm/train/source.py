@@ -178,7 +178,7 @@ class OwnModel:
         if m.seq_len % cp:
             raise ShardlmError(f"model.seq_len={m.seq_len} is split over mesh.context={cp}, which does not divide it;"
                                f" choose a mesh.context dividing {m.seq_len} or a seq_len that is a multiple of {cp}")
-        check_attention(m.attention, cp)
+        check_attention(m.attention, cp, m.context_attention)
         stages = mesh.shape.get("stage", 1)
         if stages > 1:
             if m.moe_experts:  # the experts' shard_map inside the pipeline's vmap over stages: JAX 0.10 refuses it
@@ -224,7 +224,8 @@ class OwnModel:
         if uses_ring(m.attention, m.context_attention):
             return (held + f" (zigzag: chunks i and {2 * cp - 1}-i of {2 * cp}); ring attention passes keys and "
                     f"values around the context axis, {fmt_bytes(gathered * (cp - 1) // cp)} per layer per device in "
-                    f"{cp - 1} hop(s), overlapped with the blockwise kernel (their gradients travel back the same way)")
+                    f"{cp - 1} hop(s), overlapped with each chunk's attention kernel (in the backward pass they travel again, with "
+                    "their gradients)")
         return (held + f"; attention all-gathers keys and values over context, {fmt_bytes(gathered)} per layer per "
                 "device (reduce-scattered back as gradients)")
 
