@@ -26,6 +26,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from shardlm.accelerator import GPU_COMPILER_OPTIONS, native_stderr_silenced
@@ -146,10 +147,11 @@ def fused_attention_flops(hlo_text: str) -> float:
     """FLOPs of the cuDNN fused attention calls of a compiled program (per device, loops counted out), as the
     model's FLOPs count attention (`shardlm.flops`): QK^T and AV, 4 B H Tq Tk D forward, twice that backward, not
     halved for the causal mask. Shapes come from each call's layout constraints: queries [B, Tq, H, D] first,
-    keys [B, Tk, Hkv, D] second."""
+    keys [B, Tk, Hkv, D] second. A conditional runs one branch: its costliest is counted (as `flops.
+    jaxpr_matmul_flops` counts a `cond`; the ring's two are equal halves of a chunk pair)."""
     instructions = hlo._parse(hlo_text)
     times = hlo._trip_counts(instructions)
-    total = 0.0
+    own: dict[str, float] = defaultdict(float)  # each computation's calls, per execution of it
     for ins in instructions:
         target = re.search(r'custom_call_target="__cudnn\$fmha(\w*)"', ins.attrs)
         operands = re.search(r"operand_layout_constraints=\{(.*?\})\}", ins.attrs)  # {shape{layout}, ...}
@@ -160,8 +162,15 @@ def fused_attention_flops(hlo_text: str) -> float:
             continue
         (b, tq, h, d), tk = shapes[0], shapes[1][1]
         passes = 2 if "Backward" in target.group(1) else 1
-        total += 4.0 * b * h * tq * tk * d * passes * times.get(ins.computation, 1)
-    return total
+        own[ins.computation] += 4.0 * b * h * tq * tk * d * passes
+    for ins in instructions:
+        if ins.opcode == "conditional":
+            arms = hlo.branches(ins)
+            costliest = max(arms, key=lambda arm: own.get(arm, 0.0))
+            for arm in arms:
+                if arm != costliest:
+                    own[arm] = 0.0
+    return sum(flops * times.get(comp, 1) for comp, flops in own.items())
 
 
 _BYTES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

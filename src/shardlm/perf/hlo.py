@@ -147,10 +147,20 @@ def _op_name(ins: _Instruction) -> str:
     return m.group(1) if m else ""
 
 
+def branches(ins: _Instruction) -> list[str]:
+    """The branch computations of a `conditional` (either spelling: `branch_computations={...}` or
+    `true_computation=`/`false_computation=`)."""
+    listed = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+    if listed:
+        return re.findall(r"%([\w.\-]+)", listed.group(1))
+    return re.findall(r"(?:true|false)_computation=%([\w.\-]+)", ins.attrs)
+
+
 def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
     """Executions per call of the program of each computation: a `while` body runs its known trip count times
     per execution of the computation holding the loop; fused and called computations run once per execution of
-    their caller. (Reducers, `to_apply` of reduce and all-reduce, are not executions of their own.)"""
+    their caller, and each branch of a conditional at most once (counting them all counts every branch).
+    (Reducers, `to_apply` of reduce and all-reduce, are not executions of their own.)"""
     parent: dict[str, tuple[str, int]] = {}
     for ins in instructions:
         if ins.opcode == "while":
@@ -162,6 +172,9 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
             called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", ins.attrs)
             if called:
                 parent.setdefault(called.group(1), (ins.computation, 1))
+        elif ins.opcode == "conditional":  # each branch at most once per execution of the caller
+            for branch in branches(ins):
+                parent.setdefault(branch, (ins.computation, 1))
 
     def times(comp: str, seen=()) -> int:
         if comp not in parent or comp in seen:
