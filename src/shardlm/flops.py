@@ -30,7 +30,8 @@ def jaxpr_matmul_flops(jaxpr) -> float:
     """The FLOPs of every matrix multiply in a jaxpr (2 per multiply-add of each `dot_general`, and of each
     `ragged_dot_general` row by its group's matrix: the rows of an expert-parallel exchange buffer, padding
     included, count, so a mixture's count can exceed its active FLOPs), a scan's body
-    counted once per iteration, a conditional's costliest branch, a while loop's body once (its trip count is not
+    counted once per iteration, a conditional's costliest branch, fused attention kernels (splash, cuDNN) by their
+    shapes, a while loop's body once (its trip count is not
     known), a `shard_map`'s per-device body once per device, nested calls (jit, remat, custom derivatives'
     primal) followed. For a forward pass this is what the
     6N + 12LTd convention counts for shardlm's models, 3 x (2N + 4LTd): the weights' matmuls and attention's."""
@@ -45,7 +46,9 @@ def jaxpr_matmul_flops(jaxpr) -> float:
         elif name == "ragged_dot_general":  # a mixture's experts: each row by its group's matrix, [M, K] -> [M, N]
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * eqn.invars[0].aval.shape[-1]
         elif name == "pallas_call" and "splash" in str(eqn.params.get("name") or eqn.params.get("name_and_src_info")):
-            total += _splash_flops(eqn)
+            total += _attention_call_flops(eqn)
+        elif name in _CUDNN_ATTENTION:
+            total += _CUDNN_ATTENTION[name] * _attention_call_flops(eqn)
         elif name == "scan":
             total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"])
         elif name == "cond":
@@ -59,16 +62,24 @@ def jaxpr_matmul_flops(jaxpr) -> float:
     return total
 
 
-def _splash_flops(eqn) -> float:
-    """A splash attention kernel call (forward, dq or dkv; opaque to the count above), counted as attention's
-    matmuls are: 4 B H T^2 D each, not halved for the causal mask. The largest floating array it reads or writes
-    is query-shaped, [..., heads, T, D]."""
-    shapes = [v.aval.shape for v in (*eqn.invars, *eqn.outvars)
+# cuDNN's fused attention primitives (JAX's), and the passes of attention's matmuls each runs: the forward QK^T
+# and AV, the backward twice that.
+_CUDNN_ATTENTION = {"dot_product_attention_fwd_wrapper": 1, "dot_product_attention_fwd": 1,
+                    "dot_product_attention_bwd_wrapper": 2, "dot_product_attention_bwd": 2}
+
+
+def _attention_call_flops(eqn) -> float:
+    """A fused attention kernel call (splash's forward, dq or dkv; cuDNN's forward; opaque to the count above),
+    counted as attention's matmuls are: 4 B H Tq Tk D, not halved for a causal mask. Its first two floating
+    operands of rank 3 or more are the queries and the keys, with their positions second to last (splash's [...,
+    heads, T, D]) or third to last (cuDNN's [B, T, heads, D]): the queries' whole shape times the keys' length."""
+    arrays = [v.aval.shape for v in eqn.invars
               if hasattr(v.aval, "shape") and len(v.aval.shape) >= 3 and jnp.issubdtype(v.aval.dtype, jnp.floating)]
-    if not shapes:
+    if len(arrays) < 2:
         return 0.0
-    shape = max(shapes, key=math.prod)
-    return 4.0 * math.prod(shape) * shape[-2]
+    q, k = arrays[:2]
+    keys = k[-3] if eqn.primitive.name in _CUDNN_ATTENTION else k[-2]
+    return 4.0 * math.prod(q) * keys
 
 
 def _is_jaxpr(value) -> bool:

@@ -14,8 +14,9 @@ What each compiler gives:
 FLOPs inside loops: XLA's cost analyses count a `while` body once, and the blocks of a scanned model, the
 microbatches of gradient accumulation and a pipeline's iterations are all loops. XLA:CPU's are counted from its
 compiled program (`hlo.compiled_flops`: each loop's matmuls times its trip count). For a GPU or TPU the caller
-counts the program's matmuls from its jaxpr (`flops.jaxpr_matmul_flops`, loops by their trip counts), spread
-over the devices, plus on a GPU cuDNN's fused attention, counted from its calls in the compiled program.
+counts the program's matmuls from its jaxpr (`flops.jaxpr_matmul_flops`, loops by their trip counts, fused
+attention kernels by their shapes), spread over the devices: the compiled program's loops do not all carry
+their trip counts (XLA:GPU's gradient-accumulation loop does not).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import re
 import shutil
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from shardlm.accelerator import GPU_COMPILER_OPTIONS, native_stderr_silenced
@@ -138,39 +138,9 @@ def _compile_gpu(lowered, n_devices: int, matmul_flops: float, keep_hlo: bool) -
     mem = compiled.memory_analysis()
     return CompiledStep(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
                         mem.temp_size_in_bytes, hlo.collectives(text, n_devices),
-                        matmul_flops / n_devices + fused_attention_flops(text), compile_s, "gpu",
+                        matmul_flops / n_devices, compile_s, "gpu",
                         schedule.step_s if schedule else None, schedule, text if keep_hlo else "",
                         host_temp_bytes=host_temps(mem))
-
-
-def fused_attention_flops(hlo_text: str) -> float:
-    """FLOPs of the cuDNN fused attention calls of a compiled program (per device, loops counted out), as the
-    model's FLOPs count attention (`shardlm.flops`): QK^T and AV, 4 B H Tq Tk D forward, twice that backward, not
-    halved for the causal mask. Shapes come from each call's layout constraints: queries [B, Tq, H, D] first,
-    keys [B, Tk, Hkv, D] second. A conditional runs one branch: its costliest is counted (as `flops.
-    jaxpr_matmul_flops` counts a `cond`; the ring's two are equal halves of a chunk pair)."""
-    instructions = hlo._parse(hlo_text)
-    times = hlo._trip_counts(instructions)
-    own: dict[str, float] = defaultdict(float)  # each computation's calls, per execution of it
-    for ins in instructions:
-        target = re.search(r'custom_call_target="__cudnn\$fmha(\w*)"', ins.attrs)
-        operands = re.search(r"operand_layout_constraints=\{(.*?\})\}", ins.attrs)  # {shape{layout}, ...}
-        if ins.opcode != "custom-call" or not target or not operands:
-            continue
-        shapes = [[int(x) for x in dims.split(",")] for _, dims in hlo._ARRAY.findall(operands.group(1))]
-        if len(shapes) < 2 or len(shapes[0]) != 4:
-            continue
-        (b, tq, h, d), tk = shapes[0], shapes[1][1]
-        passes = 2 if "Backward" in target.group(1) else 1
-        own[ins.computation] += 4.0 * b * h * tq * tk * d * passes
-    for ins in instructions:
-        if ins.opcode == "conditional":
-            arms = hlo.branches(ins)
-            costliest = max(arms, key=lambda arm: own.get(arm, 0.0))
-            for arm in arms:
-                if arm != costliest:
-                    own[arm] = 0.0
-    return sum(flops * times.get(comp, 1) for comp, flops in own.items())
 
 
 _BYTES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
