@@ -124,7 +124,8 @@ class _Ring(NamedTuple):
     half: int  # rows per chunk: a device holds two
 
     def _pass(self, *xs):
-        """Each array to the next device of the ring."""
+        """Each array to the next device of the ring. Keys and values are sent for one step ahead, before the
+        kernel of the step at hand, so that nothing orders the permute after it."""
         shift = [(i, (i + 1) % self.devices) for i in range(self.devices)]
         return tuple(jax.lax.ppermute(x, self.axis, shift) for x in xs)
 
@@ -135,9 +136,12 @@ class _Ring(NamedTuple):
 
     def forward(self, q, k, v):
         c, f32 = self.half, jnp.float32
+        incoming = self._pass(k, v)  # sent for before this step's kernel runs, which it does not wait on
         out, lse = self.kernel.forward(q, k, v, True)
         for step in range(1, self.devices):
-            k, v = self._pass(k, v)
+            k, v = incoming
+            if step < self.devices - 1:
+                incoming = self._pass(k, v)
 
             def earlier(q, k, v):  # every query sees the first half of the keys
                 return self.kernel.forward(q, k[:, :c], v[:, :c], False)
@@ -153,10 +157,14 @@ class _Ring(NamedTuple):
 
     def backward(self, q, k, v, out, lse, d_out):
         c, f32 = self.half, jnp.float32
+        incoming = self._pass(k, v)
         grads = self.kernel.backward(q, k, v, out, lse, d_out, True)
         dq, dk, dv = (g.astype(f32) for g in grads)
         for step in range(1, self.devices):
-            k, v, dk, dv = self._pass(k, v, dk, dv)
+            k, v = incoming
+            if step < self.devices - 1:
+                incoming = self._pass(k, v)
+            dk, dv = self._pass(dk, dv)  # the received chunk's gradients so far, from the device that had it
 
             def earlier(q, k, v, out, lse, d_out):
                 dq, dk, dv = (g.astype(f32) for g in self.kernel.backward(

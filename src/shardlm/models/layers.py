@@ -105,13 +105,13 @@ class Context(NamedTuple):
     """What a forward pass computes once and every block reads, and the index of the block reading it."""
 
     impl: str  # "xla", "cudnn", "flash", "splash" or "ring", resolved for this trace
-    chunk: str  # ring: each chunk's kernel ("cudnn", "splash" or "flash")
     mask: jax.Array | None  # [1, 1, T, T] causal mask for the XLA attention path; None for the others and decoding
     rope: tuple[jax.Array, jax.Array] | None  # (sin, cos) [rows or 1, T, head_dim / 2], rotary families only
     pos: jax.Array | None  # decoding: each row's position [batch]
     positions: jax.Array | None = None  # flash: each row's place in the sequence [T]
     block: int = 512  # flash and ring: queries and keys per block
     zigzag: int = 0  # ring: the context degree whose zigzag layout the rows are in (dropout draws in order)
+    chunk: str = "flash"  # ring: each chunk's kernel ("cudnn", "splash" or "flash")
     layer: jax.Array | int = 0  # the block's index: its slice of the stacked KV cache
 
 
@@ -507,7 +507,7 @@ class CausalLM(nnx.Module):
             x, rope = self._embed(tokens, layer_rngs(key, self.n_layers), pos)
             x = constrain(x, "batch", "seq", "act_embed")
         mask = causal_mask(length) if pos is None and impl == "xla" else None  # once, for every layer
-        positions, zigzag, chunk = None, 0, ""
+        positions, zigzag, chunk = None, 0, "flash"
         if impl == "ring":  # the blocks run in the zigzag layout (`shardlm.kernels.ring`), the rest in order
             zigzag = seq_split
             x = constrain(to_zigzag(x, zigzag), "batch", "seq", "act_embed")
@@ -515,7 +515,7 @@ class CausalLM(nnx.Module):
             chunk = ring_chunk(self.attention, self.dtype, self.head_dim, length, seq_split)
         elif impl == "flash":
             positions = jnp.arange(length, dtype=jnp.int32)
-        ctx = Context(impl, chunk, mask, rope, pos, positions, self.attention_block, zigzag)
+        ctx = Context(impl, mask, rope, pos, positions, self.attention_block, zigzag, chunk)
         policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
         step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
         stages = active_degree(LAYERS)
