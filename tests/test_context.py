@@ -155,7 +155,7 @@ def test_temporaries_fall_with_the_context_degree():
     assert temps[4] < 0.35 * temps[1], temps
 
 
-def test_context_errors_and_plan_names():
+def test_context_errors_and_plan_names(monkeypatch):
     cfg = load_config(None, MICRO + ["model.seq_len=36"])
     with pytest.raises(ShardlmError, match=r"model.seq_len=36 is split over mesh.context=8, which does not divide"):
         check_shardable(cfg, make_mesh(context=8))
@@ -168,6 +168,11 @@ def test_context_errors_and_plan_names():
     assert attention_impl("cudnn", jnp.bfloat16, 64, seq_split=2) == "ring"
     with pytest.raises(ShardlmError, match=r"chunks of a multiple of 128 positions, got 1024 / \(2 x context 8\)"):
         ring_chunk("splash", jnp.bfloat16, 64, 1024, 8)
+    # a JAX whose kernel internals moved: said, not a trace-time AttributeError; auto takes the blockwise kernel
+    monkeypatch.setattr("shardlm.models.layers.chunk_kernel_available", lambda name: name == "flash")
+    with pytest.raises(ShardlmError, match="model.attention=splash in the ring needs JAX internals"):
+        ring_chunk("splash", jnp.bfloat16, 64, 4096, 2)
+    assert ring_chunk("auto", jnp.bfloat16, 64, 4096, 2) == "flash"
     assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2) == "ring"
     assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2, context="all_gather") == "xla"
     assert attention_impl("auto", jnp.float32, 64, length=1024, block=512) == "flash"  # on the CPU

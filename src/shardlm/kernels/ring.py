@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardlm.kernels.attention import cudnn_available, cudnn_chunk_backward, cudnn_chunk_forward
 from shardlm.kernels.flash import chunk_backward, chunk_forward, merge
-from shardlm.kernels.splash import splash_chunk_backward, splash_chunk_forward
+from shardlm.kernels.splash import splash_chunk_available, splash_chunk_backward, splash_chunk_forward
 
 
 def zigzag_order(length: int, devices: int) -> np.ndarray:
@@ -81,10 +81,19 @@ CHUNK_KERNEL_NAMES = {"cudnn": "cuDNN's fused kernel", "splash": "Pallas splash 
                       "flash": "the blockwise kernel"}
 
 
+def chunk_kernel_available(name: str) -> bool:
+    """Whether this JAX has the internals the per-chunk use of kernel `name` calls (cuDNN's rules, splash's
+    backward rule); the blockwise kernel is shardlm's own."""
+    return {"cudnn": cudnn_available, "splash": splash_chunk_available}.get(name, lambda: True)()
+
+
 def chunk_kernel(name: str, *, block: int = 512, interpret: bool = False) -> ChunkKernel:
-    """The per-chunk kernel called `name` (a key of `CHUNK_KERNEL_NAMES`): cuDNN's needs JAX's cuDNN rules, and
-    falls back to the blockwise kernel without them; splash is interpreted when `interpret` (off a TPU)."""
-    if name == "cudnn" and cudnn_available():
+    """The per-chunk kernel called `name` (a key of `CHUNK_KERNEL_NAMES`; `chunk_kernel_available` says whether
+    this JAX can run it, else the blockwise kernel stands in); splash is interpreted when `interpret` (off a
+    TPU)."""
+    if not chunk_kernel_available(name):
+        name = "flash"
+    if name == "cudnn":
         return ChunkKernel(cudnn_chunk_forward, cudnn_chunk_backward)
     if name == "splash":
         return ChunkKernel(partial(splash_chunk_forward, block=block, interpret=interpret),

@@ -57,6 +57,15 @@ def splash_attention(q, k, v, *, block: int = 512, interpret: bool = False, resi
     return _heads_major(out)
 
 
+def splash_chunk_available() -> bool:
+    """Whether this JAX has splash's backward rule under the name the ring's per-chunk use calls (a JAX
+    internal)."""
+    try:
+        return hasattr(_modules()[0], "_splash_attention_bwd")
+    except ImportError:
+        return False
+
+
 def splash_chunk_forward(q, k, v, causal: bool, *, block: int = 512, interpret: bool = False):
     """Splash as the ring's per-chunk kernel (`shardlm.kernels.ring`), forward: q [b, tq, heads, d] against k, v
     [b, tk, kv_heads, d] -> (out float32, lse [b, tq, heads] float32), the kernel's own residuals."""

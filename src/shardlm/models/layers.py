@@ -43,9 +43,10 @@ from jax.sharding import PartitionSpec as P
 
 from shardlm.accelerator import current, resolve_dtype
 from shardlm.errors import ShardlmError
-from shardlm.kernels.attention import cudnn_attention, cudnn_available, xla_attention
+from shardlm.kernels.attention import cudnn_attention, xla_attention
 from shardlm.kernels.flash import blockwise_attention
-from shardlm.kernels.ring import CHUNK_KERNEL_NAMES, chunk_kernel, from_zigzag, ring_attention, to_zigzag
+from shardlm.kernels.ring import (CHUNK_KERNEL_NAMES, chunk_kernel, chunk_kernel_available, from_zigzag,
+                                  ring_attention, to_zigzag)
 from shardlm.kernels.splash import splash_attention
 from shardlm.models import remat
 from shardlm.models.head import head_loss
@@ -170,11 +171,15 @@ def ring_chunk(requested: str, dtype, head_dim: int, length: int, seq_split: int
         raise ShardlmError(f"model.attention=splash in the ring needs chunks of a multiple of 128 positions, got "
                            f"{length} / (2 x context {seq_split}) = {chunk}; use model.attention=auto, or a "
                            f"seq_len that is a multiple of {256 * seq_split}")
+    if requested in ("cudnn", "splash") and not chunk_kernel_available(requested):
+        raise ShardlmError(f"model.attention={requested} in the ring needs JAX internals this JAX does not have "
+                           f"({CHUNK_KERNEL_NAMES[requested]}'s rules under their 0.10 names); use "
+                           "model.attention=auto or flash")
     if requested in ("cudnn", "splash", "flash"):
         return requested
-    if _cudnn_applies(dtype, head_dim) and cudnn_available():
+    if _cudnn_applies(dtype, head_dim) and chunk_kernel_available("cudnn"):
         return "cudnn"
-    return "splash" if _splash_applies(chunk, head_dim) else "flash"
+    return "splash" if _splash_applies(chunk, head_dim) and chunk_kernel_available("splash") else "flash"
 
 
 def uses_ring(requested: str, context: str) -> bool:
