@@ -243,6 +243,50 @@ def test_plan_and_compile_only_take_a_target(capsys):
     assert re.search(r"\nattention \((fsdp2, dp2|dp2, fsdp2)\): cuDNN's fused kernel \(an NVIDIA GPU", out)
 
 
+def test_a_compiler_failure_is_one_line_naming_the_strategy(capsys, monkeypatch):
+    """A compiler that fails (here XLA:CPU, made to fail as XLA:GPU fails when ptxas does) on one strategy of a
+    plan: that strategy's line says so and the others rank, as text and as JSON; on every strategy, or under
+    `--compile-only`: one line and a failing exit, no traceback."""
+    import json
+    import threading
+
+    import jax
+
+    compile_for_real, lock, fail = jax.stages.Lowered.compile, threading.Lock(), {"first": True, "all": False}
+    said = "INTERNAL: ptxas exited with non-zero error code 65280, output: ptxas fatal"
+
+    def compile_or_fail(self, *args, **kwargs):
+        with lock:
+            failing, fail["first"] = fail["all"] or fail["first"], False
+        if failing:
+            raise jax.errors.JaxRuntimeError(said + "\n\n*** Begin stack trace ***\n\tabsl::Status ...\n")
+        return compile_for_real(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_or_fail)
+    plan = ["plan", "--devices", "2", "--strategies", "fsdp2,dp2", "model=tiny", "model.vocab_size=512"]
+    code, out, err = run_cli(capsys, *plan)
+    failed = [line for line in out.splitlines() if line.startswith("failed to compile: ")]
+    assert code == 0 and len(failed) == 1, (out, err)
+    assert failed[0].endswith(f": XLA:CPU failed to compile the step: {said}") and "Traceback" not in out + err
+    other = "dp2" if "fsdp2" in failed[0] else "fsdp2"
+    assert re.search(rf"\n\s+1\s+{other}\s", out) and "recommended: " + other in out
+    fail["first"] = True
+    code, out, err = run_cli(capsys, *plan, "--json")
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert code == 0 and [row["failed"] for row in rows.values() if "failed" in row] == [
+        f"XLA:CPU failed to compile the step: {said}"]
+    fail["all"] = True
+    for argv in (plan + ["--json"], ["train", "--compile-only", "model=tiny", "model.vocab_size=512",
+                                     "mesh.fsdp=2"]):
+        code, out, err = run_cli(capsys, *argv)
+        # beside the progress lines ("[1/2] fsdp2: ...", "compiling the train step ..."), one line: the error
+        (line,) = [line for line in err.splitlines() if line.startswith("shardlm: error: ")]
+        assert code == 2 and out == "" and "Traceback" not in err, (argv, out, err)
+        assert "XLA:CPU failed to compile the step: INTERNAL: ptxas exited" in line
+        assert ("no strategy compiled: fsdp2: " in line) if argv[0] == "plan" else line.endswith(
+            f"{said} (mesh stage=1 x data=1 x fsdp=2 x expert=1 x context=1 x tensor=1)")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--target", "h999"], "unknown target 'h999'; known targets: h100, h200, a100-80gb, tpu-v4"),
     (["train", "--target", "h100"], "add --compile-only"),

@@ -22,7 +22,7 @@ from shardlm.foreign.modules import is_py
 from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.models.layers import attention_summary
 from shardlm.perf import hlo
-from shardlm.perf.compiled import CompiledStep, compile_step
+from shardlm.perf.compiled import CompiledStep, CompileFailed, compile_step
 from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak
 from shardlm.perf.planner import shard_bytes
 from shardlm.perf.targets import Target, topology, tracing_for
@@ -86,7 +86,11 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
     n = mesh.devices.size
     platform = target.platform if target else devices[0].platform
     log(f"compiling the train step for {n} {target.label if target else platform} device(s)")
-    step = compile_step(lowered, n, platform=platform, matmul_flops=jaxpr_matmul_flops(traced.jaxpr), keep_hlo=True)
+    try:
+        step = compile_step(lowered, n, platform=platform, matmul_flops=jaxpr_matmul_flops(traced.jaxpr),
+                            keep_hlo=True)
+    except CompileFailed as e:  # one line, naming the strategy
+        raise CompileFailed(f"{e} (mesh {describe_mesh(mesh)})") from e
     hardware = (target.hardware(cfg.model.dtype, n, hosts) if target
                 else Hardware(peak_flops=h100_peak(cfg.model.dtype)))
     return CompileReport(cfg, describe_mesh(mesh), n, target, hardware, step, shard_bytes(abstract["model"]),

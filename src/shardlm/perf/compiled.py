@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from shardlm.accelerator import GPU_COMPILER_OPTIONS, native_stderr_silenced
+from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
 from shardlm.perf.schedule import Schedule, read_schedule
 
@@ -64,12 +65,25 @@ def _first(cost) -> dict:
     return dict(cost or {})
 
 
+class CompileFailed(ShardlmError):
+    """The compiler failed on a step (not a refusal for memory, which is reported): what it said, in one line."""
+
+
+def _failure(platform: str, error: Exception) -> CompileFailed:
+    """`error` from a compiler as one line: the compiler and the first line of what it said (XLA's errors run to
+    pages: a C++ stack, the module, the flags)."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    compiler = {"gpu": "XLA:GPU", "tpu": "XLA:TPU"}.get(platform, "XLA:CPU")
+    return CompileFailed(f"{compiler} failed to compile the step: {first[:400]}")
+
+
 def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops: float = 0.0,
                  keep_hlo: bool = False) -> CompiledStep:
     """Compile `lowered` (a `jax.stages.Lowered`) and read it. `platform` is what it was lowered for.
     `matmul_flops`: the whole program's matrix-multiply FLOPs, counted from its jaxpr with every loop's trip count
     (`shardlm.flops.jaxpr_matmul_flops`): a GPU's or TPU's FLOPs per device, which their compiled programs do not
-    show (cuBLAS and fusions hide the matmuls, and cost analysis counts a loop's body once)."""
+    show (cuBLAS and fusions hide the matmuls, and cost analysis counts a loop's body once). A compiler's failure
+    is raised as `CompileFailed`, one line."""
     if platform == "gpu":
         with native_stderr_silenced():  # XLA:GPU's C++ warnings (e.g. rematerialisation falling short): the
             return _compile_gpu(lowered, n_devices, matmul_flops, keep_hlo)  # report says what they say
@@ -80,7 +94,7 @@ def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops
     except Exception as e:  # XLA:TPU refuses a program larger than HBM (XlaRuntimeError, RESOURCE_EXHAUSTED)
         refusal = out_of_memory(str(e)) if platform == "tpu" else None
         if refusal is None:
-            raise
+            raise _failure(platform, e) from e
         return _refused(n_devices, platform, refusal, time.perf_counter() - t0, matmul_flops)
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
@@ -123,12 +137,15 @@ def _compile_gpu(lowered, n_devices: int, matmul_flops: float, keep_hlo: bool) -
     dump = Path(tempfile.mkdtemp(prefix="shardlm-xla-gpu-"))
     try:
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options={
-            **GPU_COMPILER_OPTIONS,  # as a run on GPUs compiles (`shardlm.accelerator`)
-            **DEVICELESS_GPU_OPTIONS,
-            "xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True,
-            # Only the schedule is read: no IR, PTX or pass-by-pass HLO written beside it.
-            "xla_dump_hlo_pass_re": "^$", "xla_dump_hlo_as_text": False})
+        try:
+            compiled = lowered.compile(compiler_options={
+                **GPU_COMPILER_OPTIONS,  # as a run on GPUs compiles (`shardlm.accelerator`)
+                **DEVICELESS_GPU_OPTIONS,
+                "xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True,
+                # Only the schedule is read: no IR, PTX or pass-by-pass HLO written beside it.
+                "xla_dump_hlo_pass_re": "^$", "xla_dump_hlo_as_text": False})
+        except Exception as e:
+            raise _failure("gpu", e) from e
         compile_s = time.perf_counter() - t0
         text = compiled.as_text()
         files = sorted(dump.glob("*.schedule.txt"))

@@ -39,7 +39,7 @@ from shardlm.config import Config, describe
 from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
 from shardlm.perf.bounds import lower_bound
-from shardlm.perf.compiled import CompiledStep, compile_step
+from shardlm.perf.compiled import CompiledStep, CompileFailed, compile_step
 from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak, issued, split_traffic
 from shardlm.perf.strategies import (
     Strategy,
@@ -151,6 +151,7 @@ class Plan:
     platform: str = "cpu"  # what it was compiled for
     target: Target | None = None
     pruned: list[tuple["Candidate", str]] = dataclasses.field(default_factory=list)  # not compiled: cannot win
+    failed: list[tuple["Candidate", str]] = dataclasses.field(default_factory=list)  # the compiler failed: why
 
     @property
     def best(self) -> StrategyPlan | None:
@@ -161,7 +162,10 @@ class Plan:
         return -(-self.n_devices // self.hardware.devices_per_node)
 
     def to_list(self) -> list[dict]:
-        return [s.to_dict(self.hardware) for s in self.strategies]
+        """One object per strategy, ranked; then one per strategy the compiler failed on (`failed`: its words)."""
+        return [s.to_dict(self.hardware) for s in self.strategies] + [
+            {"rank": None, "name": c.strategy.name, "remat": c.remat or None, "mesh": c.strategy.mesh,
+             "fits": False, "failed": why} for c, why in self.failed]
 
     def rerank(self, hardware: Hardware) -> "Plan":
         """The same compiled facts estimated and ranked for other hardware (no compiling)."""
@@ -291,13 +295,19 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     compiled_as = {r: _with_remat(cfg, r) for r in remats or [""]}
     candidates = [Candidate(s, r) for s in candidates for r in compiled_as]
     pruned: list[tuple[Candidate, str]] = []
+    failed: list[tuple[Candidate, str]] = []
     best: list = [None]  # (estimated step time, strategy) of the fastest fitting strategy compiled so far
 
     def compile_one(lowered, matmul_flops, devices_used):
         return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops)
 
     def read(c, p_bytes, o_bytes, future):
-        step: CompiledStep = future.result()
+        try:
+            step: CompiledStep = future.result()
+        except CompileFailed as e:  # said in the plan beside the others, not raised: the rest may compile
+            failed.append((c, str(e)))
+            log(f"[{len(results) + len(failed)}/{len(candidates) - len(pruned)}] {c.name}: {e}")
+            return
         s = c.strategy
         r = StrategyPlan(s, p_bytes, o_bytes, p_bytes, step.temp_bytes, step.peak, step.collectives,
                          step.flops_per_device, model_flops_per_step(cfg, vocab, s.tensor), None, False,
@@ -308,7 +318,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
         if r.fits and (best[0] is None or r.est.step_s < best[0][0]):
             best[0] = (r.est.step_s, c)
         results.append(r)
-        log(f"[{len(results)}/{len(candidates) - len(pruned)}] {c.name}: compiled in {step.compile_s:.1f} s"
+        log(f"[{len(results) + len(failed)}/{len(candidates) - len(pruned)}] {c.name}: compiled in "
+            f"{step.compile_s:.1f} s"
             + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
 
     # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering. Results are
@@ -334,8 +345,10 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
             del lowered
         while pending:  # drop each executable once read: 64 devices' worth of programs add up
             read(*pending.pop(0))
+    if failed and not results:
+        raise ShardlmError("no strategy compiled: " + "; ".join(f"{c.name}: {why}" for c, why in failed))
     return Plan(cfg, n, hardware, rank_strategies(results, hardware), rejected, param_count,
-                time.perf_counter() - t0, platform, target, pruned)
+                time.perf_counter() - t0, platform, target, pruned, failed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,6 +453,8 @@ def format_plan(p: Plan) -> str:
     lines += attention_lines(p) + pipeline_lines(p) + remat_lines(p)
     for s, why in p.pruned:
         lines.append(f"pruned (not compiled): {s.name}: {why}")
+    for c, why in p.failed:
+        lines.append(f"failed to compile: {c.name}: {why}")
     for s, why in p.rejected:
         lines.append(f"not possible: {s.name}: {why}")
     lines.append("")
