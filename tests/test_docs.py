@@ -1,6 +1,7 @@
 """The README and docs/ as users read them: every `shardlm` command they show parses and names real options and
 config keys, every link resolves, the "Sharding your own model" example runs as written and its plan file applies,
-and the README stays the front door (its two commands, .ci/run's test command, its length)."""
+and the README stays the front door (its two commands, .ci/run's test command, its length); the accelerator
+extras it names pin the JAX the tests compile with."""
 
 import os
 import re
@@ -113,6 +114,19 @@ def test_the_readme_is_the_front_door():
     assert (ROOT / ".ci" / "run").read_text().strip().endswith(tests)  # CI runs exactly the README's test command
     for page in sorted((ROOT / "docs").glob("*.md")):  # every page is reachable from the front door
         assert f"(docs/{page.name})" in text, page.name
+
+
+def test_the_accelerator_extras_pin_the_jax_the_targets_compile_with():
+    """`.[gpu]` and `.[tpu]` (docs/accelerators.md) install the JAX whose XLA:GPU plugin and libtpu the `targets`
+    extra compiles with, and the one these tests run: what was compiled for is what runs."""
+    import tomllib
+
+    import jax
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (version,) = [pin.split("==")[1] for pin in extras["targets"] if pin.startswith("jaxlib==")]
+    assert extras["gpu"] == [f"jax[cuda12]=={version}"] and extras["tpu"] == [f"jax[tpu]=={version}"]
+    assert f"jax[tpu]=={version}" in extras["targets"] and jax.__version__ == version
 
 
 def test_shard_your_own_model_example_runs_and_its_plan_file_applies(tmp_path):
