@@ -263,12 +263,13 @@ def test_a_compiler_failure_is_one_line_naming_the_strategy(capsys, monkeypatch)
         return compile_for_real(self, *args, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile_or_fail)
-    plan = ["plan", "--devices", "2", "--strategies", "fsdp2,dp2", "model=tiny", "model.vocab_size=512"]
+    # the 8 devices every test process sees (conftest): JAX may already be running with them
+    plan = ["plan", "--devices", "8", "--strategies", "fsdp8,dp8", "model=tiny", "model.vocab_size=512"]
     code, out, err = run_cli(capsys, *plan)
     failed = [line for line in out.splitlines() if line.startswith("failed to compile: ")]
     assert code == 0 and len(failed) == 1, (out, err)
     assert failed[0].endswith(f": XLA:CPU failed to compile the step: {said}") and "Traceback" not in out + err
-    other = "dp2" if "fsdp2" in failed[0] else "fsdp2"
+    other = "dp8" if "fsdp8" in failed[0] else "fsdp8"
     assert re.search(rf"\n\s+1\s+{other}\s", out) and "recommended: " + other in out
     fail["first"] = True
     code, out, err = run_cli(capsys, *plan, "--json")
@@ -277,14 +278,14 @@ def test_a_compiler_failure_is_one_line_naming_the_strategy(capsys, monkeypatch)
         f"XLA:CPU failed to compile the step: {said}"]
     fail["all"] = True
     for argv in (plan + ["--json"], ["train", "--compile-only", "model=tiny", "model.vocab_size=512",
-                                     "mesh.fsdp=2"]):
+                                     "mesh.fsdp=8"]):
         code, out, err = run_cli(capsys, *argv)
         # beside the progress lines ("[1/2] fsdp2: ...", "compiling the train step ..."), one line: the error
         (line,) = [line for line in err.splitlines() if line.startswith("shardlm: error: ")]
         assert code == 2 and out == "" and "Traceback" not in err, (argv, out, err)
         assert "XLA:CPU failed to compile the step: INTERNAL: ptxas exited" in line
-        assert ("no strategy compiled: fsdp2: " in line) if argv[0] == "plan" else line.endswith(
-            f"{said} (mesh stage=1 x data=1 x fsdp=2 x expert=1 x context=1 x tensor=1)")
+        assert ("no strategy compiled: fsdp8: " in line) if argv[0] == "plan" else line.endswith(
+            f"{said} (mesh stage=1 x data=1 x fsdp=8 x expert=1 x context=1 x tensor=1)")
 
 
 @pytest.mark.parametrize("argv, message", [
