@@ -21,14 +21,6 @@ import tempfile  # noqa: E402
 
 os.environ["SHARDLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardlm-test-cache-")
 atexit.register(shutil.rmtree, os.environ["SHARDLM_CACHE_DIR"], True)
-# JAX's persistent compilation cache, one per session (made by the first process, inherited by pytest-xdist's
-# workers and the CLI subprocesses): a step the tests compile again in another test or process (a run and its
-# resumption, each process of a multi-process run) is loaded, not compiled. Every entry, however quick to compile.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardlm-test-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
