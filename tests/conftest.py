@@ -8,9 +8,11 @@ import os
 # (--xla_cpu_enable_concurrency_optimized_scheduler=false): programs that run collectives inside loops (scanned
 # blocks) intermittently deadlock under it in XLA:CPU's runtime (2 of 3 runs of test_cli's hybrid command, a
 # collective's rendezvous waiting on a device that is in another); plans only compile, so they keep it.
+# And one thread per simulated device, as `--cpu-devices` runs get (`shardlm.mesh.SINGLE_THREADED_DEVICES_FLAG`:
+# collectives and Eigen's matmuls otherwise share one thread pool, and wait on each other until XLA aborts).
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_multi_thread_eigen=false"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Data prepared on the fly (the built-in corpus, test text) goes to a per-session cache, shared with the CLI

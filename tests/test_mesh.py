@@ -1,3 +1,5 @@
+import os
+
 import jax
 import pytest
 from jax.sharding import AxisType
@@ -47,3 +49,16 @@ def test_make_mesh_has_named_auto_axes():
     assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     assert mesh.devices.size == jax.device_count() == 8
+
+
+def test_simulated_devices_compute_one_thread_each_unless_the_user_says_otherwise(monkeypatch):
+    from shardlm.mesh import SINGLE_THREADED_DEVICES_FLAG, simulate_cpu_devices
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    simulate_cpu_devices(8)  # JAX is up with 8 already: only the flags are (re)written
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8",
+                                               SINGLE_THREADED_DEVICES_FLAG]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+    simulate_cpu_devices(8)
+    assert "--xla_cpu_multi_thread_eigen=true" in os.environ["XLA_FLAGS"]
+    assert SINGLE_THREADED_DEVICES_FLAG not in os.environ["XLA_FLAGS"]
