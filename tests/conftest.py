@@ -8,8 +8,7 @@ import os
 # (--xla_cpu_enable_concurrency_optimized_scheduler=false): programs that run collectives inside loops (scanned
 # blocks) intermittently deadlock under it in XLA:CPU's runtime (2 of 3 runs of test_cli's hybrid command, a
 # collective's rendezvous waiting on a device that is in another); plans only compile, so they keep it.
-# And one thread per simulated device, as `--cpu-devices` runs get (`shardlm.mesh.SINGLE_THREADED_DEVICES_FLAG`:
-# collectives and Eigen's matmuls otherwise share one thread pool, and wait on each other until XLA aborts).
+# And one thread per simulated device, as `--cpu-devices` runs get (`shardlm.mesh.SINGLE_THREADED_DEVICES_FLAG`).
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_multi_thread_eigen=false"
@@ -23,6 +22,14 @@ import tempfile  # noqa: E402
 
 os.environ["SHARDLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardlm-test-cache-")
 atexit.register(shutil.rmtree, os.environ["SHARDLM_CACHE_DIR"], True)
+# JAX's persistent compilation cache, one per session (made by the first process, inherited by pytest-xdist's
+# workers and the CLI subprocesses): a step the tests compile again in another test or process (a run and its
+# resumption, each process of a multi-process run) is loaded, not compiled. Every entry, however quick to compile.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardlm-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -43,6 +50,15 @@ PARITY_STRATEGIES = {
     "FSDP 4 x TP 2": (1, 4, 2),
     "DP 2 x FSDP 2 x TP 2": (2, 2, 2),
 }
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_sessions_flags(monkeypatch):
+    """Whatever a test runs in-process (`shardlm plan --devices N` sets the planning flags: `planning_flags`), the
+    flags go back afterwards: the CLI subprocesses of later tests inherit this process's environment, and a
+    training run under plan's memory-minimising scheduler is one XLA:CPU may deadlock (see the top)."""
+    for key in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(key, os.environ[key])
 
 
 @pytest.fixture

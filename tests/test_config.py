@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from shardlm.config import load_config
@@ -76,3 +78,20 @@ def test_text_values_stay_verbatim():
 def test_out_of_range_numbers(override):
     with pytest.raises(ShardlmError, match=f"^{override.split('=')[0]} must be"):
         load_config(None, [override])
+
+
+def test_mesh_auto_and_remat_auto_are_the_planners_to_resolve():
+    from shardlm.config import MeshConfig, check_resolved
+
+    cfg = load_config(None, ["mesh=auto", "model.remat=auto"])
+    assert cfg.mesh == MeshConfig(auto=True) and cfg.model.remat == "auto"
+    with pytest.raises(ShardlmError, match=r"^mesh=auto is chosen by the planner when `shardlm train` starts"):
+        check_resolved(cfg)
+    for overrides, fragment in [
+        (["mesh=auto", "mesh.tensor=2"], "mesh=auto chooses every degree, and mesh.tensor=2 sets one"),
+        (["mesh.tensor=2", "mesh=auto"], "mesh=auto chooses every degree, and mesh.tensor=2 sets one"),
+        (["mesh=fsdp"], "mesh=fsdp: set the mesh's degrees as mesh.<axis>=N, or mesh=auto"),
+        (["model.remat=auto", "model.remat_offload=mlp_hidden"], "model.remat=auto chooses among policies"),
+    ]:
+        with pytest.raises(ShardlmError, match=re.escape(fragment)):
+            load_config(None, overrides)

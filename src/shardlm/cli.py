@@ -474,8 +474,8 @@ def _compile_only(args: argparse.Namespace) -> int:
     from shardlm.perf.compile_only import compile_train_step, format_report
 
     target = _target(args)
-    report = compile_train_step(_load_for(target, args), target=target, n_devices=args.devices, hosts=args.hosts,
-                                log=_to_stderr)
+    cfg = _decided(_load_for(target, args), target=target, n_devices=args.devices, hosts=args.hosts)
+    report = compile_train_step(cfg, target=target, n_devices=args.devices, hosts=args.hosts, log=_to_stderr)
     print(format_report(report))
     return 0 if report.fits else 1
 
@@ -492,7 +492,19 @@ def _train(args: argparse.Namespace) -> int | None:
 
     _target(args)  # --devices or --hosts without a target
     cfg, run_dir = run_config(args.config, args.overrides, args.run_dir, args.overwrite)
-    train(cfg, run_dir, overwrite=args.overwrite, progress=not args.no_progress, explain=args.explain)
+    train(_decided(cfg), run_dir, overwrite=args.overwrite, progress=not args.no_progress, explain=args.explain)
+
+
+def _decided(cfg, **where):
+    """`cfg` with mesh=auto and model.remat=auto resolved by the planner (`shardlm.perf.auto`), saying what it
+    chose and why."""
+    from shardlm.perf.auto import decide, wants_plan
+
+    if not wants_plan(cfg):
+        return cfg
+    decision = decide(cfg, log=_to_stderr, **where)
+    print(decision.text, flush=True)
+    return decision.cfg
 
 
 def _explain(args: argparse.Namespace) -> None:

@@ -51,6 +51,9 @@ class MeshConfig:
     # Splits each sequence of the activations (context parallelism): for sequences too long for one device.
     context: int = 1
     tensor: int = 1
+    # `mesh=auto`: the planner chooses every degree (`shardlm.perf.auto`) when a run starts, and the run's
+    # config.yaml records the degrees it chose (auto false), so a resume keeps them.
+    auto: bool = False
 
 
 @dataclasses.dataclass
@@ -239,6 +242,12 @@ def _set(cfg: Config, key: str, value: Any) -> None:
         if key == "model":  # a preset name
             cfg.model = model_section(_coerce(key, _value_for(value, str), str))
             return
+        if key == "mesh":  # the planner's choice, or a section's fields
+            if str(value) != "auto":
+                raise ShardlmError(f"mesh={value}: set the mesh's degrees as mesh.<axis>=N, or mesh=auto to let the "
+                                   "planner choose them")
+            cfg.mesh = MeshConfig(auto=True)
+            return
         if key not in fields or key in _SECTIONS:
             allowed = [n for n in fields if n not in _SECTIONS] + ["model (a preset name)"]
             if key in _SECTIONS:
@@ -293,8 +302,11 @@ def _apply(cfg: Config, items: list[tuple[str, Any]]) -> None:
     else:
         for value in presets:
             _set(cfg, "model", value)
+    # mesh=auto replaces the whole mesh section, before its fields (which `validate` then refuses beside it)
+    for value in [v for k, v in items if k == "mesh"]:
+        _set(cfg, "mesh", value)
     for key, value in items:
-        if key not in ("model", "model.preset"):
+        if key not in ("model", "model.preset", "mesh"):
             _set(cfg, key, value)
 
 
@@ -436,6 +448,25 @@ def validate(cfg: Config) -> None:
         v = getattr(cfg.mesh, axis)
         if v is not None and v != -1 and v < 1:
             raise ShardlmError(f"mesh.{axis} must be a positive degree or -1 (the rest), got {v}")
+    if cfg.mesh.auto:
+        fixed = [f"mesh.{a}={getattr(cfg.mesh, a)}" for a in MESH_AXES
+                 if getattr(cfg.mesh, a) != getattr(MeshConfig(), a)]
+        if fixed:
+            raise ShardlmError(f"mesh=auto chooses every degree, and {fixed[0]} sets one: drop one of them")
+        if is_py(cfg.model.preset):
+            raise ShardlmError("mesh=auto plans shardlm's own models; a model from a py: file is placed by its plan "
+                               "(plan=FILE or a preset): drop mesh=auto")
+
+
+def check_resolved(cfg: Config) -> None:
+    """A one-line error if `mesh=auto` or `model.remat=auto` is still to be chosen (by `shardlm.perf.auto`)."""
+    from shardlm.mesh import UNRESOLVED
+    from shardlm.models.config import AUTO_REMAT
+
+    if cfg.mesh.auto:
+        raise ShardlmError(f"mesh=auto {UNRESOLVED} (mesh.fsdp=8, ...)")
+    if cfg.model.remat == AUTO_REMAT:
+        raise ShardlmError(f"model.remat=auto {UNRESOLVED} (model.remat=full, ...)")
 
 
 def agree_on_config(cfg: Config, **extra) -> None:

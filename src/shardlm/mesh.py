@@ -28,12 +28,11 @@ from shardlm.errors import ShardlmError
 MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 
 
-# Simulated devices share one pool of XLA:CPU threads (as many as devices, or cores if more) for both their
-# collectives, which block a thread until every peer arrives, and their matmuls, which Eigen splits over the
-# same pool. When the collectives hold every thread, a matmul a peer needs cannot start: the rendezvous times
-# out after 40 s and XLA aborts the process (intermittently, in full test runs: an 8-device data x fsdp x tensor
-# run). Each simulated device computing on its own thread removes that wait, and is faster too, as the devices
-# already keep the cores busy (that 8-device run: 4,819 against 3,444 tokens/s on 2 cores).
+# Simulated devices each compute on one thread: they already keep the host's cores busy between them, and
+# Eigen splitting every matmul over XLA:CPU's thread pool too only adds contention (an 8-device data x fsdp x
+# tensor run: 4,819 against 3,444 tokens/s on 2 cores). The pool then mostly carries the devices' programs and
+# their collectives, which block a thread until every peer arrives (a pool that wedges under multi-threaded
+# Eigen is reported upstream; this flag was the workaround there).
 SINGLE_THREADED_DEVICES_FLAG = "--xla_cpu_multi_thread_eigen=false"
 
 
@@ -148,7 +147,13 @@ def balanced_degrees(n_devices: int, n_axes: int) -> tuple[int, ...]:
     return tuple(sorted(out, reverse=True))
 
 
+UNRESOLVED = ("is chosen by the planner when `shardlm train` starts a run (or `train --compile-only`); here give "
+              "it yourself, or the --run-dir of a run that chose it")
+
+
 def mesh_from_config(mesh_cfg, devices=None):
+    if getattr(mesh_cfg, "auto", False):
+        raise ShardlmError(f"mesh=auto {UNRESOLVED} (mesh.fsdp=8, ...)")
     return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=devices, context=mesh_cfg.context,
                      stage=mesh_cfg.stage, expert=mesh_cfg.expert)
 

@@ -42,7 +42,8 @@ class ModelConfig:
     grad_reduce_dtype: str = "auto"
     # What each block keeps for the backward pass (`shardlm.models.remat`): none (every matmul output it needs,
     # elementwise work recomputed) | full (the block's input) | save_attention | save_qkv_proj | save:NAME,NAME |
-    # dots_saveable | dots_with_no_batch_dims_saveable
+    # dots_saveable | dots_with_no_batch_dims_saveable | auto (the cheapest that fits, chosen by the planner when
+    # a run starts and recorded in its config.yaml: `shardlm.perf.auto`)
     remat: str = "none"
     # Named activations kept in pinned host memory instead of on the device (comma-separated: block_input,
     # qkv_proj, attention_out, out_proj, mlp_hidden, mlp_out)
@@ -87,6 +88,7 @@ class ModelConfig:
 
 
 FAMILY_NAMES = ("gpt", "llama")
+AUTO_REMAT = "auto"  # model.remat=auto: the planner's choice
 
 
 def check_model(m: ModelConfig) -> None:
@@ -147,7 +149,13 @@ def _check_kinds(m: ModelConfig) -> None:
     check_one_of("model.grad_reduce_dtype", m.grad_reduce_dtype, ("auto", *DTYPES))
     if m.loss_chunks < 0:
         raise ShardlmError(f"model.loss_chunks must be >= 0 (0 = automatic), got {m.loss_chunks}")
-    check_policy(m.remat, m.remat_offload)
+    if m.remat == AUTO_REMAT:  # resolved by the planner before any model is built (`shardlm.perf.auto`)
+        if m.remat_offload:
+            raise ShardlmError(f"model.remat=auto chooses among policies that keep activations on the device, and "
+                               f"model.remat_offload={m.remat_offload} offloads some: name a policy, or drop the "
+                               "offload")
+    else:
+        check_policy(m.remat, m.remat_offload)
     check_one_of("model.attention", m.attention, ATTENTION_IMPLS)
     check_one_of("model.context_attention", m.context_attention, ("ring", "all_gather"))
     check_positive("model.attention_block", m.attention_block)

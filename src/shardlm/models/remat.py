@@ -77,6 +77,10 @@ def saved_names(remat: str) -> tuple[str, ...] | None:
         return PRESETS[remat]
     if remat in JAX_POLICIES:
         return None
+    if remat == "auto":
+        from shardlm.mesh import UNRESOLVED
+
+        raise ShardlmError(f"model.remat=auto {UNRESOLVED} (model.remat=full, ...)")
     if remat.startswith(CUSTOM):
         return _names(remat[len(CUSTOM):], "model.remat")
     raise ShardlmError(f"model.remat={remat!r} is not a remat policy; choose one of {', '.join(CHOICES)} (names: "

@@ -394,6 +394,31 @@ def _short_collectives(ops: list[hlo.CollectiveOp]) -> str:
     return " ".join(f"{_ABBREV[c['kind']]} {c['count']}x {fmt_bytes(c['bytes'])}" for c in hlo.summarize(ops)) or "none"
 
 
+def format_rows(p: Plan, limit: int | None = None) -> list[str]:
+    """The plan's table: a header, a rule and a row per strategy (the first `limit` of them)."""
+    hosts, target = p.hosts > 1, p.target
+    rows = p.strategies[:limit]
+    w = max([16] + [len(r.label) for r in p.strategies])
+    offloads = any(r.host_temps for r in p.strategies)
+    head = (f"{'rank':>4}  {'strategy':<{w}} {'params':>10} {'optimizer':>10} {'grads*':>10} {'temps':>10} "
+            f"{'peak':>10}  " + (f"{'host':>10}  " if offloads else "")
+            + f"{'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} " + (f"{'x-host/dev':>10} " if hosts else "")
+            + f"{'est step':>9} {'MFU':>6}  " + (f"{'compiler':>9} {'MFU':>6}  " if target else "")
+            + "collectives per step")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.rank:>4}  {r.label:<{w}} {fmt_bytes(r.params):>10} {fmt_bytes(r.optimizer):>10} "
+            f"{fmt_bytes(r.gradients):>10} {fmt_bytes(r.temporaries):>10} {fmt_bytes(r.peak):>10}  "
+            + (f"{fmt_bytes(r.host_temps):>10}  " if offloads else "")
+            + f"{'yes' if r.fits else 'NO':<4} {r.flops_per_device / 1e12:>9.3f} {fmt_bytes(r.est.traffic_bytes):>10} "
+            + (f"{fmt_bytes(r.est.inter_node_bytes):>10} " if hosts else "")
+            + f"{_format_seconds(r.est.step_s):>9} {_percent(r.mfu(r.est.step_s, p.hardware)):>6}  "
+            + (f"{_format_seconds(r.compiler_s):>9} {_percent(r.mfu(r.compiler_s, p.hardware)):>6}  " if target else "")
+            + (f"refused: {r.refusal}" if r.refusal else _short_collectives(r.collectives)))
+    return lines
+
+
 def format_plan(p: Plan) -> str:
     m, t = p.cfg.model, p.cfg.train
     hosts = p.hosts > 1
@@ -407,24 +432,9 @@ def format_plan(p: Plan) -> str:
         f"({fmt_bytes(p.hardware.memory_bytes)}) per device",
         "",
     ]
+    lines += format_rows(p)
     w = max([16] + [len(r.label) for r in p.strategies])
     offloads = any(r.host_temps for r in p.strategies)
-    head = (f"{'rank':>4}  {'strategy':<{w}} {'params':>10} {'optimizer':>10} {'grads*':>10} {'temps':>10} "
-            f"{'peak':>10}  " + (f"{'host':>10}  " if offloads else "")
-            + f"{'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} " + (f"{'x-host/dev':>10} " if hosts else "")
-            + f"{'est step':>9} {'MFU':>6}  " + (f"{'compiler':>9} {'MFU':>6}  " if target else "")
-            + "collectives per step")
-    lines += [head, "-" * len(head)]
-    for r in p.strategies:
-        lines.append(
-            f"{r.rank:>4}  {r.label:<{w}} {fmt_bytes(r.params):>10} {fmt_bytes(r.optimizer):>10} "
-            f"{fmt_bytes(r.gradients):>10} {fmt_bytes(r.temporaries):>10} {fmt_bytes(r.peak):>10}  "
-            + (f"{fmt_bytes(r.host_temps):>10}  " if offloads else "")
-            + f"{'yes' if r.fits else 'NO':<4} {r.flops_per_device / 1e12:>9.3f} {fmt_bytes(r.est.traffic_bytes):>10} "
-            + (f"{fmt_bytes(r.est.inter_node_bytes):>10} " if hosts else "")
-            + f"{_format_seconds(r.est.step_s):>9} {_percent(r.mfu(r.est.step_s, p.hardware)):>6}  "
-            + (f"{_format_seconds(r.compiler_s):>9} {_percent(r.mfu(r.compiler_s, p.hardware)):>6}  " if target else "")
-            + (f"refused: {r.refusal}" if r.refusal else _short_collectives(r.collectives)))
     lines.append("")
     if hosts:
         lines.append(f"across hosts (devices in mesh order, tensor innermost, {p.hardware.devices_per_node} to a "

@@ -36,7 +36,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from shardlm import distributed
-from shardlm.config import Config, agree_on_config, describe
+from shardlm.config import Config, agree_on_config, check_resolved, describe
 from shardlm.data.loader import BatchLoader
 from shardlm.data.prepare import PreparedData
 from shardlm.data.tokenizer import EOT
@@ -161,6 +161,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     `<run_dir>/summary.json` when the run reaches `train.steps`). `on_step(step)` is called after each step is
     dispatched (monitoring; the tests use it to send signals at a chosen step)."""
     t_start = time.perf_counter()
+    check_resolved(cfg)  # mesh=auto and model.remat=auto are the planner's to choose, before this
     cfg = with_checkpoint_defaults(cfg)  # a model imported from Hugging Face: its vocabulary and tokenizer
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     mesh = mesh_from_config(cfg.mesh, devices)

@@ -25,7 +25,17 @@ import time
 from pathlib import Path
 
 from shardlm import distributed
-from shardlm.config import Config, ModelConfig, config_from_dict, flatten, load_config, model_label, read_config_file
+from shardlm.config import (
+    Config,
+    MeshConfig,
+    ModelConfig,
+    config_from_dict,
+    flatten,
+    load_config,
+    model_label,
+    read_config_file,
+)
+from shardlm.models.config import AUTO_REMAT
 from shardlm.errors import ShardlmError
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, incomplete_steps
 
@@ -75,8 +85,18 @@ def run_config(config_file: str | None, overrides: list[str], run_dir: str | Non
         keys = [o.split("=", 1)[0].strip() for o in overrides]
         if any(k.startswith("mesh.") or k == "plan" for k in keys):
             base.pop("mesh", None)
-        cfg = load_config(config_file, overrides, base=base)
+        cfg = _keep_resolved(load_config(config_file, overrides, base=base), base)
     return cfg or load_config(config_file, overrides), run_dir
+
+
+def _keep_resolved(cfg: Config, saved: dict) -> Config:
+    """`cfg` with what mesh=auto and model.remat=auto chose when the run started (its saved config) in place of
+    another plan: a resume keeps the choice."""
+    if cfg.mesh.auto and "mesh" in saved:
+        cfg.mesh = MeshConfig(**{k: v for k, v in saved["mesh"].items() if k != "auto"})
+    if cfg.model.remat == AUTO_REMAT and "remat" in saved.get("model", {}):
+        cfg.model.remat = saved["model"]["remat"]
+    return cfg
 
 
 def check_writable(run_dir: Path) -> None:

@@ -1,0 +1,90 @@
+"""This host's CPU devices as the cost model's `Hardware`: what `mesh=auto` ranks a CPU run's strategies on.
+
+Design choices:
+- Measured, not assumed: a CPU has no datasheet the cost model could read. The peak is a float32 matmul on every
+  device at once (`shardlm.flops.measure_matmul_peak`: simulated devices share the cores); the collective
+  bandwidth is an all-gather of `PROBE_BYTES` per device over all of them (bytes one device sends with the ring
+  algorithm, over its time less the latency); the latency per collective is a one-float all-reduce's time.
+- The memory per device is the host's RAM split evenly among its devices (they share it).
+- Measured once per host and device count, and kept in the cache (`HARDWARE_FILE`): a plan ranks strategies
+  whose estimates may be close, and the same figures every time make `mesh=auto`'s choice reproducible on a
+  host. Delete the file to measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from shardlm.perf.costmodel import Hardware, traffic_factor
+
+PROBE_BYTES = 4 * 2**20  # per device, all-gathered
+HARDWARE_FILE = "host-hardware.json"
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _best_time(fn, x, repeats: int = 5) -> float:
+    fn(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(devices) -> dict:
+    """{peak_flops, bandwidth, latency_s} of `devices` (CPU devices of this process), measured now."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardlm.flops import measure_matmul_peak
+
+    n = len(devices)
+    peak = measure_matmul_peak(devices)
+    if n == 1:  # nothing to communicate with
+        return {"peak_flops": peak, "bandwidth": None, "latency_s": 0.0}
+    mesh = Mesh(np.asarray(devices), ("d",))
+    sharded = NamedSharding(mesh, P("d"))
+
+    def collective(op):
+        return jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))
+
+    one = jax.device_put(jnp.ones((n,), jnp.float32), sharded)
+    latency = _best_time(collective(lambda x: jax.lax.psum(x, "d")), one)
+    floats = PROBE_BYTES // 4
+    probe = jax.device_put(jnp.ones((n * floats,), jnp.float32), sharded)
+    gather = _best_time(collective(lambda x: jax.lax.all_gather(x, "d", tiled=True)[:floats]), probe)
+    sent = traffic_factor("all-gather", n) * n * PROBE_BYTES
+    return {"peak_flops": peak, "bandwidth": sent / max(gather - latency, 1e-9), "latency_s": latency}
+
+
+def host_hardware(devices) -> Hardware:
+    """This host's `devices` (CPU) as `Hardware`, from the cache or measured now (and cached)."""
+    from shardlm.data.prepare import cache_root
+
+    n = len(devices)
+    key = f"{n} devices, {os.cpu_count()} cores"
+    path = cache_root() / HARDWARE_FILE
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = measure(devices)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)
+    m = known[key]
+    return Hardware(name=f"this host's CPU ({n} device{'s' * (n > 1)}, measured: {path})",
+                    peak_flops=m["peak_flops"], memory_bytes=host_memory_bytes() / n,
+                    intra_node_bw=m["bandwidth"] or 1e12, inter_node_bw=m["bandwidth"] or 1e12,
+                    devices_per_node=n, latency_s=m["latency_s"])
