@@ -94,8 +94,11 @@ def test_rerunning_a_finished_run_trains_nothing(fsdp_run):
 
 def test_hybrid_mesh_command_as_spelled_in_the_issue(tmp_path):
     run_dir = tmp_path / "hybrid"
+    # as spelled, with a smaller batch and sample (the suite's budget: tiny's default batch on 8 devices of 2 cores
+    # takes a second a step)
     proc = shardlm("train", "--cpu-devices", "8", "--run-dir", str(run_dir), "model=tiny", "train.steps=20",
-                   "mesh.data=2", "mesh.fsdp=2", "--explain", "mesh.tensor=2", "train.eval_batches=2")
+                   "mesh.data=2", "mesh.fsdp=2", "--explain", "mesh.tensor=2", "train.eval_batches=2",
+                   "train.batch_size=8", "train.sample_tokens=16")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "mesh stage=1 x data=2 x fsdp=2 x expert=1 x context=1 x tensor=2" in out

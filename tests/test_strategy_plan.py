@@ -381,9 +381,12 @@ def test_bench_cli_table_json_and_chart(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["devices"] == 8 and [s["name"] for s in out["strategies"]] == ["dp8", "fsdp4+tp2"]
+    assert out["estimated_on"].startswith("this host's CPU (8 devices, measured")
     for s in out["strategies"]:
         assert s["steps"] == 2 and s["step_s"] > 0 and 0 < s["mfu"] and s["tokens_per_s"] > 0
         assert s["tokens_per_s"] == pytest.approx(16 * 32 / s["step_s"])
+        # the plan's estimate of the same compiled step, beside the measurement
+        assert s["est_step_s"] > 0 and s["measured_over_est"] == pytest.approx(s["step_s"] / s["est_step_s"])
     # the same run on two meshes: the same loss after the same steps
     a, b = (s["final_loss"] for s in out["strategies"])
     assert abs(a - b) < 1e-4 * abs(a)

@@ -98,20 +98,9 @@ def _configured(cfg: Config, n: int) -> Strategy:
 def _hardware(cfg: Config, target: Target | None, n: int, hosts: int | None):
     import jax
 
-    from shardlm.perf.costmodel import hardware_for
-    from shardlm.perf.host import host_hardware
+    from shardlm.perf.host import local_hardware
 
-    if target is not None:
-        return target.hardware(cfg.model.dtype, n, hosts)
-    devices = jax.devices()
-    if devices[0].platform == "cpu":
-        return host_hardware(devices)
-    from shardlm.flops import table_peak
-
-    peak = table_peak(devices[0].device_kind, cfg.model.dtype)
-    memory = devices[0].memory_stats().get("bytes_limit") if hasattr(devices[0], "memory_stats") else None
-    return hardware_for(n, cfg.model.dtype, memory_bytes=memory or 80e9,
-                        peak_tflops=peak / 1e12 if peak else None)
+    return target.hardware(cfg.model.dtype, n, hosts) if target else local_hardware(jax.devices(), cfg.model.dtype)
 
 
 def _seconds(s: float) -> str:

@@ -30,6 +30,7 @@ class BenchResult:
     peak_flops: float  # per device
     compile_s: float
     final_loss: float
+    est_step_s: float | None = None  # the cost model's estimate of this step (`plan`'s), on the devices at hand
 
     @property
     def step_s(self) -> float:
@@ -51,7 +52,8 @@ class BenchResult:
         return {"name": self.strategy.name, "mesh": self.strategy.mesh, "step_s": self.step_s,
                 "step_s_min": min(self.step_times), "step_s_max": max(self.step_times), "steps": len(self.step_times),
                 "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device, "mfu": self.mfu,
-                "compile_s": self.compile_s, "final_loss": self.final_loss}
+                "compile_s": self.compile_s, "final_loss": self.final_loss, "est_step_s": self.est_step_s,
+                "measured_over_est": self.step_s / self.est_step_s if self.est_step_s else None}
 
 
 @dataclasses.dataclass
@@ -60,10 +62,11 @@ class Bench:
     peak_label: str
     device_kind: str
     n_devices: int
+    hardware: str = ""  # what the estimates are costed on
 
     def to_dict(self) -> dict:
         return {"device": self.device_kind, "devices": self.n_devices, "peak_source": self.peak_label,
-                "strategies": [r.to_dict() for r in self.results]}
+                "estimated_on": self.hardware, "strategies": [r.to_dict() for r in self.results]}
 
 
 def bench(cfg: Config, strategies: list[Strategy], steps: int = 10, warmup: int = 2, log=None) -> Bench:
@@ -121,6 +124,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
     from shardlm.errors import ShardlmError
     from shardlm.flops import device_peak
     from shardlm.train.source import model_flops_per_step
+    from shardlm.perf.host import local_hardware
     from shardlm.perf.strategies import rejection
     from shardlm.train.data import tokenizer_vocab
 
@@ -132,13 +136,14 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
             raise ShardlmError(f"strategy {s.name}: {why}")
     vocab = tokenizer_vocab(cfg, log=log)
     b, t = cfg.train.batch_size, cfg.model.seq_len
+    hardware = local_hardware(devices, cfg.model.dtype)
     runs = []
     for s in strategies:
         mesh = s.make_mesh(devices)
         step, state, batches, compile_s = warmed_up_step(cfg, mesh, vocab, 4, warmup)
         log(f"{s.name}: compiled in {compile_s:.1f} s")
         runs.append({"s": s, "step": step, "state": state, "batches": batches, "times": [], "compile_s": compile_s,
-                     "loss": float("nan")})
+                     "loss": float("nan"), "est": _estimate(step, s.devices, hardware, devices[0].platform)})
     for r in range(steps):
         for k in range(len(runs)):
             run = runs[(k + r) % len(runs)]  # rotate who goes first
@@ -151,8 +156,20 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
         log(f"round {r + 1}/{steps}")
     peak, label = device_peak(devices, cfg.model.dtype)
     results = [BenchResult(run["s"], run["times"], b * t, model_flops_per_step(cfg, vocab, run["s"].tensor), peak,
-                           run["compile_s"], run["loss"]) for run in runs]
-    return Bench(results, label, devices[0].device_kind, len(devices))
+                           run["compile_s"], run["loss"], run["est"]) for run in runs]
+    return Bench(results, label, devices[0].device_kind, len(devices), hardware.describe())
+
+
+def _estimate(compiled, n_devices: int, hardware, platform: str) -> float | None:
+    """The cost model's step time for a compiled step, as `shardlm plan` estimates it (XLA:CPU's programs: their
+    FLOPs from cost analysis; a GPU's or TPU's hide their matmuls from it, so none is given there)."""
+    from shardlm.perf import hlo
+    from shardlm.perf.costmodel import estimate
+
+    if platform == "cpu":
+        return estimate(hlo.compiled_flops(compiled), hlo.collectives(compiled.as_text(), n_devices), n_devices,
+                        hardware).step_s
+    return None
 
 
 def format_bench(bench: Bench, cfg: Config) -> str:
@@ -164,15 +181,21 @@ def format_bench(bench: Bench, cfg: Config) -> str:
     lines = [f"bench on {bench.n_devices} x {bench.device_kind}: {describe(cfg)}; global batch {t.batch_size} x "
              f"{m.seq_len} tokens, "
              f"{len(bench.results[0].step_times)} interleaved steps per strategy (median)", ""]
-    head = (f"{'strategy':<16} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>7} {'vs first':>8} "
-            f"{'compile s':>9} {'loss':>8}")
+    estimated = any(r.est_step_s for r in bench.results)
+    head = (f"{'strategy':<16} {'step ms':>9} " + (f"{'est ms':>9} {'meas/est':>8} " if estimated else "")
+            + f"{'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>7} {'vs first':>8} {'compile s':>9} {'loss':>8}")
     lines += [head, "-" * len(head)]
     for r in bench.results:
-        lines.append(f"{r.strategy.name:<16} {r.step_s * 1e3:>9.1f} {r.tokens_per_s:>10.0f} "
+        est = (f"{r.est_step_s * 1e3:>9.1f} {r.step_s / r.est_step_s:>7.2f}x " if r.est_step_s
+               else f"{'-':>9} {'-':>8} ") if estimated else ""
+        lines.append(f"{r.strategy.name:<16} {r.step_s * 1e3:>9.1f} {est}{r.tokens_per_s:>10.0f} "
                      f"{r.tflops_per_device:>11.4f} {r.mfu:>7.1%} {r.tokens_per_s / base:>7.2f}x "
                      f"{r.compile_s:>9.1f} {r.final_loss:>8.4f}")
     lines += ["", f"MFU against {bench.results[0].peak_flops / 1e12:.3f} TFLOP/s per device ({bench.peak_label}); "
               f"FLOPs = {flops_convention(cfg)}"]
+    if estimated:
+        lines.append(f"est = the step time `shardlm plan` and mesh=auto rank by, costed on {bench.hardware}; "
+                     "meas/est = the measured step over it")
     if bench.device_kind.lower().startswith("cpu") and bench.n_devices > 1:
         lines.append("simulated CPU devices share the host's cores: the ratios measure sharding overhead, not "
                      "speed-up")

@@ -1,6 +1,8 @@
-"""This host's CPU devices as the cost model's `Hardware`: what `mesh=auto` ranks a CPU run's strategies on.
+"""The devices at hand as the cost model's `Hardware`: what `mesh=auto` ranks a run's strategies on, and what
+`shardlm bench` holds each measured step against (`local_hardware`).
 
-Design choices:
+On GPUs and TPUs, the datasheet's peak for the compute dtype and the device's memory (`hardware_for`). On the CPU:
+
 - Measured, not assumed: a CPU has no datasheet the cost model could read. The peak is a float32 matmul on every
   device at once (`shardlm.flops.measure_matmul_peak`: simulated devices share the cores); the collective
   bandwidth is an all-gather of `PROBE_BYTES` per device over all of them (bytes one device sends with the ring
@@ -88,3 +90,16 @@ def host_hardware(devices) -> Hardware:
                     peak_flops=m["peak_flops"], memory_bytes=host_memory_bytes() / n,
                     intra_node_bw=m["bandwidth"] or 1e12, inter_node_bw=m["bandwidth"] or 1e12,
                     devices_per_node=n, latency_s=m["latency_s"])
+
+
+def local_hardware(devices, dtype: str) -> Hardware:
+    """`devices` (the run's: CPU, GPU or TPU) as `Hardware` for the cost model."""
+    from shardlm.flops import table_peak
+    from shardlm.perf.costmodel import hardware_for
+
+    if devices[0].platform == "cpu":
+        return host_hardware(devices)
+    peak = table_peak(devices[0].device_kind, dtype)
+    stats = devices[0].memory_stats() or {}
+    return hardware_for(len(devices), dtype, memory_bytes=stats.get("bytes_limit") or 80e9,
+                        peak_tflops=peak / 1e12 if peak else None)
