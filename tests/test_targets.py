@@ -314,3 +314,37 @@ def test_a_missing_compiler_names_the_extra(capsys, monkeypatch):
     monkeypatch.setattr(targets, "_installed", lambda package: "0.9.0" if package == "jax-cuda12-pjrt" else "0.10.2")
     code, _, err = run_cli(capsys, "train", "--compile-only", "--target", "h100")
     assert code == 2 and "jax-cuda12-pjrt 0.9.0 does not match jaxlib 0.10.2" in err
+
+
+def test_silencing_native_stderr_from_several_threads_restores_it():
+    """Compiles in a plan's threads each silence XLA's C++ stderr; blocks that overlap and end out of order leave
+    descriptor 2 where it was (before, the one that began second restored /dev/null), and Python's own lines
+    written meanwhile are not lost."""
+    import os
+    import threading
+
+    from shardlm.accelerator import native_stderr_silenced
+
+    before = os.fstat(2)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with native_stderr_silenced():
+            first_in.set()
+            second_in.wait()
+        first_out.set()
+
+    def second():
+        first_in.wait()
+        with native_stderr_silenced():
+            second_in.set()
+            first_out.wait()
+            assert os.fstat(2).st_ino != before.st_ino  # still silenced: the other block ended, this one did not
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = os.fstat(2)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)

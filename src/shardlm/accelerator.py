@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,20 +118,39 @@ def native_stderr_silenced():
     """File descriptor 2 goes to /dev/null inside the block. libtpu and the CUDA plugin log from C++ when they
     load on a host without their hardware ("could not determine TPU accelerator type", "Could not find cuda
     drivers"): expected there, and nothing the user can act on. Python's errors still reach the caller as
-    exceptions."""
+    exceptions, and Python's own writes to `sys.stderr` (progress lines from other threads) still reach the
+    terminal: `sys.stderr` writes to a copy of the real descriptor meanwhile. Reentrant across threads (a plan
+    compiles in several): the first block in silences, the last one out restores, so a block ending while
+    another runs can neither restore too early nor restore /dev/null."""
     import os
     import sys
 
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
+    with _SILENCED_LOCK:
+        if _silenced["depth"] == 0:
+            sys.stderr.flush()
+            _silenced["saved"] = os.dup(2)
+            _silenced["stderr"] = sys.stderr
+            sys.stderr = os.fdopen(os.dup(_silenced["saved"]), "w", buffering=1, encoding=sys.stderr.encoding,
+                                   errors=sys.stderr.errors)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        _silenced["depth"] += 1
     try:
         yield
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+        with _SILENCED_LOCK:
+            _silenced["depth"] -= 1
+            if _silenced["depth"] == 0:
+                sys.stderr.flush()
+                sys.stderr.close()
+                sys.stderr = _silenced["stderr"]
+                os.dup2(_silenced["saved"], 2)
+                os.close(_silenced["saved"])
+
+
+_SILENCED_LOCK = threading.Lock()
+_silenced: dict = {"depth": 0, "saved": -1, "stderr": None}
 
 
 def cpu_unless_accelerator() -> bool:
