@@ -132,7 +132,7 @@ def test_train_on_a_prepared_tinystories_file(tmp_path):
     run_dir = tmp_path / "run"
     proc = shardlm("train", "--cpu-devices", "8", "--run-dir", str(run_dir), f"data.path={tmp_path / 'ts'}",
                    "mesh.data=4", "mesh.tensor=2", "model.n_layers=2", "train.steps=12", "train.eval_interval=12",
-                   "train.eval_batches=2", "train.sample_tokens=8", "--no-progress")
+                   "train.eval_batches=2", "train.sample_tokens=8", "train.batch_size=8", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bytes tokenizer, vocabulary 257" in proc.stdout + proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())

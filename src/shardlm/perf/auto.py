@@ -100,7 +100,9 @@ def _hardware(cfg: Config, target: Target | None, n: int, hosts: int | None):
 
     from shardlm.perf.host import local_hardware
 
-    return target.hardware(cfg.model.dtype, n, hosts) if target else local_hardware(jax.devices(), cfg.model.dtype)
+    # measured on this process's own devices (process 0 plans alone; a process is a host), costed as hosts of them
+    return (target.hardware(cfg.model.dtype, n, hosts) if target
+            else local_hardware(jax.local_devices(), cfg.model.dtype))
 
 
 def _seconds(s: float) -> str:

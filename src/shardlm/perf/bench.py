@@ -136,7 +136,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
             raise ShardlmError(f"strategy {s.name}: {why}")
     vocab = tokenizer_vocab(cfg, log=log)
     b, t = cfg.train.batch_size, cfg.model.seq_len
-    hardware = local_hardware(devices, cfg.model.dtype)
+    hardware = local_hardware(jax.local_devices(), cfg.model.dtype)  # measured on this process's devices
     runs = []
     for s in strategies:
         mesh = s.make_mesh(devices)
