@@ -460,13 +460,13 @@ def validate(cfg: Config) -> None:
 
 def check_resolved(cfg: Config) -> None:
     """A one-line error if `mesh=auto` or `model.remat=auto` is still to be chosen (by `shardlm.perf.auto`)."""
-    from shardlm.mesh import UNRESOLVED
+    from shardlm.mesh import unresolved
     from shardlm.models.config import AUTO_REMAT
 
     if cfg.mesh.auto:
-        raise ShardlmError(f"mesh=auto {UNRESOLVED} (mesh.fsdp=8, ...)")
+        raise unresolved("mesh=auto", "mesh.fsdp=8")
     if cfg.model.remat == AUTO_REMAT:
-        raise ShardlmError(f"model.remat=auto {UNRESOLVED} (model.remat=full, ...)")
+        raise unresolved("model.remat=auto", "model.remat=full")
 
 
 def agree_on_config(cfg: Config, **extra) -> None:

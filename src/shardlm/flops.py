@@ -141,13 +141,18 @@ def measure_matmul_peak(devices, n: int = 1024, repeats: int = 5) -> float:
     k = len(devices)
     a = jax.device_put(jnp.ones((k, n, n), jnp.float32), sharding)
     mm = jax.jit(lambda x: jnp.einsum("kij,kjl->kil", x, x), out_shardings=sharding)
-    mm(a).block_until_ready()
+    return 2 * n**3 / best_time(mm, a, repeats)
+
+
+def best_time(fn, x, repeats: int = 5) -> float:
+    """The fastest of `repeats` timed calls `fn(x)`, after one untimed call (which compiles)."""
+    fn(x).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        mm(a).block_until_ready()
+        fn(x).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return best
 
 
 def device_peak(devices, dtype: str = "float32") -> tuple[float, str]:

@@ -147,13 +147,16 @@ def balanced_degrees(n_devices: int, n_axes: int) -> tuple[int, ...]:
     return tuple(sorted(out, reverse=True))
 
 
-UNRESOLVED = ("is chosen by the planner when `shardlm train` starts a run (or `train --compile-only`); here give "
-              "it yourself, or the --run-dir of a run that chose it")
+def unresolved(setting: str, example: str) -> ShardlmError:
+    """The one-line error for `mesh=auto` or `model.remat=auto` met where the planner has not resolved it."""
+    return ShardlmError(f"{setting} is chosen by the planner when `shardlm train` starts a run (or `train "
+                        f"--compile-only`); here give it yourself ({example}, ...), or the --run-dir of a run that "
+                        "chose it")
 
 
 def mesh_from_config(mesh_cfg, devices=None):
     if getattr(mesh_cfg, "auto", False):
-        raise ShardlmError(f"mesh=auto {UNRESOLVED} (mesh.fsdp=8, ...)")
+        raise unresolved("mesh=auto", "mesh.fsdp=8")
     return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=devices, context=mesh_cfg.context,
                      stage=mesh_cfg.stage, expert=mesh_cfg.expert)
 

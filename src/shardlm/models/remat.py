@@ -30,6 +30,8 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from shardlm.errors import ShardlmError
+from shardlm.mesh import unresolved
+from shardlm.models.config import AUTO_REMAT
 
 BLOCK_INPUT = "block_input"  # the residual stream entering a block
 QKV_PROJ = "qkv_proj"  # the q, k and v projections (before rotary embeddings)
@@ -77,10 +79,8 @@ def saved_names(remat: str) -> tuple[str, ...] | None:
         return PRESETS[remat]
     if remat in JAX_POLICIES:
         return None
-    if remat == "auto":
-        from shardlm.mesh import UNRESOLVED
-
-        raise ShardlmError(f"model.remat=auto {UNRESOLVED} (model.remat=full, ...)")
+    if remat == AUTO_REMAT:
+        raise unresolved("model.remat=auto", "model.remat=full")
     if remat.startswith(CUSTOM):
         return _names(remat[len(CUSTOM):], "model.remat")
     raise ShardlmError(f"model.remat={remat!r} is not a remat policy; choose one of {', '.join(CHOICES)} (names: "

@@ -10,12 +10,12 @@ Design choices:
   (full), so that among equal estimates the one that recomputes less wins; a policy that keeps more is faster
   whenever it fits, since recomputing is work.
 - Resolved once: the run's config.yaml records the chosen degrees and policy (`mesh.auto` false), so a resume
-  never re-plans (`shardlm.train.rundir.run_config` drops `mesh=auto` and `model.remat=auto` when it resumes),
-  and the choice is reproducible: compiling and ranking are deterministic, and the CPU figures are measured once
-  per host and kept.
+  never re-plans (`shardlm.train.rundir.run_config` puts the saved choice in place of `mesh=auto` and
+  `model.remat=auto` when it resumes), and the choice is reproducible: compiling and ranking are deterministic,
+  and the CPU figures are measured once per host and kept.
 - Several processes: process 0 plans, the others take its choice (`shardlm.distributed.broadcast`).
 - This module sits above the trainer (it plans); the CLI calls it before `train`, which refuses an unresolved
-  config with a one-line error (`shardlm.mesh.UNRESOLVED`).
+  config with a one-line error (`shardlm.mesh.unresolved`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _plan_choice(cfg: Config, target: Target | None, n_devices: int | None, host
              target=target, hosts=hosts, remats=remats)
     best = p.best
     asked = " and ".join(k for k, on in (("mesh=auto", cfg.mesh.auto), ("model.remat=auto", bool(remats))) if on)
-    if best is None:
+    if best is None:  # not `planner.recommendation`'s advice: its --memory and remat hints are plan's options
         low = min(p.strategies, key=lambda r: r.peak)
         raise ShardlmError(f"{asked}: nothing fits in {fmt_bytes(p.hardware.memory_bytes)} per device; the smallest "
                            f"peak is {low.label} at {fmt_bytes(low.peak)}: lower train.batch_size or model.seq_len, "

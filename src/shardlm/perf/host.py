@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 from shardlm.perf.costmodel import Hardware, traffic_factor
 
@@ -29,16 +28,6 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _best_time(fn, x, repeats: int = 5) -> float:
-    fn(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(devices) -> dict:
     """{peak_flops, bandwidth, latency_s} of `devices` (CPU devices of this process), measured now."""
     import jax
@@ -47,7 +36,7 @@ def measure(devices) -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shardlm.flops import measure_matmul_peak
+    from shardlm.flops import best_time, measure_matmul_peak
 
     n = len(devices)
     peak = measure_matmul_peak(devices)
@@ -60,10 +49,10 @@ def measure(devices) -> dict:
         return jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))
 
     one = jax.device_put(jnp.ones((n,), jnp.float32), sharded)
-    latency = _best_time(collective(lambda x: jax.lax.psum(x, "d")), one)
+    latency = best_time(collective(lambda x: jax.lax.psum(x, "d")), one)
     floats = PROBE_BYTES // 4
     probe = jax.device_put(jnp.ones((n * floats,), jnp.float32), sharded)
-    gather = _best_time(collective(lambda x: jax.lax.all_gather(x, "d", tiled=True)[:floats]), probe)
+    gather = best_time(collective(lambda x: jax.lax.all_gather(x, "d", tiled=True)[:floats]), probe)
     sent = traffic_factor("all-gather", n) * n * PROBE_BYTES
     return {"peak_flops": peak, "bandwidth": sent / max(gather - latency, 1e-9), "latency_s": latency}
 

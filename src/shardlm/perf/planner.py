@@ -394,12 +394,21 @@ def _short_collectives(ops: list[hlo.CollectiveOp]) -> str:
     return " ".join(f"{_ABBREV[c['kind']]} {c['count']}x {fmt_bytes(c['bytes'])}" for c in hlo.summarize(ops)) or "none"
 
 
+def _label_width(p: Plan) -> int:
+    """The strategy column's width: every row's label, whichever rows are shown."""
+    return max([16] + [len(r.label) for r in p.strategies])
+
+
+def _offloads(p: Plan) -> bool:
+    """Whether any strategy keeps activations in host memory (the table then has a `host` column)."""
+    return any(r.host_temps for r in p.strategies)
+
+
 def format_rows(p: Plan, limit: int | None = None) -> list[str]:
     """The plan's table: a header, a rule and a row per strategy (the first `limit` of them)."""
     hosts, target = p.hosts > 1, p.target
     rows = p.strategies[:limit]
-    w = max([16] + [len(r.label) for r in p.strategies])
-    offloads = any(r.host_temps for r in p.strategies)
+    w, offloads = _label_width(p), _offloads(p)
     head = (f"{'rank':>4}  {'strategy':<{w}} {'params':>10} {'optimizer':>10} {'grads*':>10} {'temps':>10} "
             f"{'peak':>10}  " + (f"{'host':>10}  " if offloads else "")
             + f"{'fits':<4} {'TFLOP/dev':>9} {'comm/dev':>10} " + (f"{'x-host/dev':>10} " if hosts else "")
@@ -433,8 +442,7 @@ def format_plan(p: Plan) -> str:
         "",
     ]
     lines += format_rows(p)
-    w = max([16] + [len(r.label) for r in p.strategies])
-    offloads = any(r.host_temps for r in p.strategies)
+    w, offloads = _label_width(p), _offloads(p)
     lines.append("")
     if hosts:
         lines.append(f"across hosts (devices in mesh order, tensor innermost, {p.hardware.devices_per_node} to a "
