@@ -31,7 +31,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardlm.errors import ShardlmError
 from shardlm.mesh import unresolved
-from shardlm.models.config import AUTO_REMAT
 
 BLOCK_INPUT = "block_input"  # the residual stream entering a block
 QKV_PROJ = "qkv_proj"  # the q, k and v projections (before rotary embeddings)
@@ -79,7 +78,7 @@ def saved_names(remat: str) -> tuple[str, ...] | None:
         return PRESETS[remat]
     if remat in JAX_POLICIES:
         return None
-    if remat == AUTO_REMAT:
+    if remat == "auto":  # `models.config.AUTO_REMAT` (which imports this module to check policies)
         raise unresolved("model.remat=auto", "model.remat=full")
     if remat.startswith(CUSTOM):
         return _names(remat[len(CUSTOM):], "model.remat")
