@@ -227,7 +227,7 @@ def test_plan_only_the_named_strategies_with_the_compute_dtypes_peak(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in rows if r["mesh"]["tensor"] == 1] == ["fsdp8"] and len(rows) == 2
     for r in rows:
-        assert r["est_compute_s"] == pytest.approx(r["flops_per_device"] / 989e12)
+        assert r["est_compute_s"] >= r["flops_per_device"] / 989e12  # no kernel beats the bfloat16 peak
 
 
 def test_compute_settings_may_change_on_resume_the_weights_may_not():

@@ -161,14 +161,14 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
 
 
 def _estimate(compiled, n_devices: int, hardware, platform: str) -> float | None:
-    """The cost model's step time for a compiled step, as `shardlm plan` estimates it (XLA:CPU's programs: their
-    FLOPs from cost analysis; a GPU's or TPU's hide their matmuls from it, so none is given there)."""
-    from shardlm.perf import hlo
-    from shardlm.perf.costmodel import estimate
+    """The step time `shardlm plan` would rank this compiled step by: its kernels on a timeline, costed with this
+    host's measured figures (`shardlm.perf.timeline`). On the CPU only, where those figures are measured here."""
+    from shardlm.perf import kernels
+    from shardlm.perf.timeline import estimate
 
     if platform == "cpu":
-        return estimate(hlo.compiled_flops(compiled), hlo.collectives(compiled.as_text(), n_devices), n_devices,
-                        hardware).step_s
+        return estimate(kernels.program(compiled.as_text(), n_devices), n_devices, hardware,
+                        hardware.rates()).step_s
     return None
 
 

@@ -6,10 +6,12 @@ fits, skips every remaining one whose bound already exceeds it (`Bound.beats`); 
 with the reason. Strategies named with `--strategies` are always compiled.
 
 The bound counts only what a strategy cannot avoid, and charges it as cheaply as the hardware allows, so that it
-stays below the cost model's estimate of the compiled step (`shardlm.perf.costmodel`), which counts every
-collective the compiler emitted:
-- compute: the model's FLOPs per step (6N + 12LTd per token for shardlm's models) spread over the devices, at
-  peak; with pipeline stages, times the iterations over the useful ones (idle stages compute on zeros);
+stays below the estimate of the compiled step (`shardlm.perf.timeline`: every kernel at no more than peak, every
+collective the compiler emitted, some hidden behind compute). It is the longer of compute and traffic, since
+the schedule may hide all of the traffic:
+- compute: the model's FLOPs per step (6N + 6LTd per token for shardlm's models: 12LTd of attention with the
+  causal half a fused kernel skips taken off) spread over the devices, at peak; with pipeline stages, times the
+  iterations over the useful ones (idle stages compute on zeros);
 - per device, in the compute dtype, each sent once over the links the cost model charges it to (within a host,
   or a device's share of its host's network between hosts, for a ring laid out as the mesh is), no latency:
   - the weights' storage split (fsdp x context x expert; the experts' own, split over `expert`, over fsdp x
@@ -43,7 +45,8 @@ class Bound:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s
+        """The longer of the two: the schedule may hide every collective behind compute."""
+        return max(self.compute_s, self.comm_s)
 
     def beats(self, best_s: float) -> bool:
         """Whether a strategy with this bound could still be faster than an estimate of `best_s`."""
@@ -56,6 +59,8 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
     from shardlm.models.pipeline import microbatch_count  # imports JAX: planning_flags runs before JAX starts
 
     m, t = cfg.model, cfg.train
+    if not m.preset.startswith("py:"):  # causal attention: fused kernels skip the masked half of 12LTd per token
+        model_flops -= 6 * m.n_layers * m.seq_len * m.d_model * t.batch_size * m.seq_len
     compute = model_flops / s.devices / hw.peak_flops
     micro = microbatch_count(m.pipeline_microbatches, s.stage)
     iterations = micro * m.pipeline_repeats + s.stage - 1

@@ -23,9 +23,10 @@ from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.models.layers import attention_summary
 from shardlm.perf import hlo
 from shardlm.perf.compiled import CompiledStep, CompileFailed, compile_step
-from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak
+from shardlm.perf.costmodel import Estimate, Hardware, h100_peak
 from shardlm.perf.planner import shard_bytes
 from shardlm.perf.targets import Target, topology, tracing_for
+from shardlm.perf.timeline import step_estimate
 from shardlm.train.data import tokenizer_vocab
 from shardlm.train.source import model_flops_per_step
 from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable
@@ -95,7 +96,8 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
                 else Hardware(peak_flops=h100_peak(cfg.model.dtype)))
     return CompileReport(cfg, describe_mesh(mesh), n, target, hardware, step, shard_bytes(abstract["model"]),
                          shard_bytes(abstract["optimizer"]), model_flops_per_step(cfg, vocab, mesh.shape["tensor"]),
-                         estimate(step.flops_per_device, step.collectives, n, hardware), attention)
+                         step_estimate(step.program, step.flops_per_device, step.collectives, n, hardware),
+                         attention)
 
 
 def _seconds(s: float | None) -> str:

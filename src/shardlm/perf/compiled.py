@@ -31,7 +31,7 @@ from pathlib import Path
 
 from shardlm.accelerator import GPU_COMPILER_OPTIONS, native_stderr_silenced
 from shardlm.errors import ShardlmError
-from shardlm.perf import hlo
+from shardlm.perf import hlo, kernels
 from shardlm.perf.schedule import Schedule, read_schedule
 
 
@@ -51,6 +51,7 @@ class CompiledStep:
     refusal: str | None = None  # why the compiler refused the program (it does not fit), if it did
     reported_peak: int = 0  # the compiler's own peak (XLA:TPU's is what it checks against HBM), if it gives one
     host_temp_bytes: int = 0  # temporaries in host memory: activations a remat policy offloads (`model.remat_offload`)
+    program: kernels.Program | None = None  # its kernels and collectives in schedule order (none if refused)
 
     @property
     def peak(self) -> int:
@@ -101,12 +102,13 @@ def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops
     mem = compiled.memory_analysis()
     estimate = tpu_seconds(_first(compiled.cost_analysis()), text) if platform == "tpu" else None
     flops = hlo.compiled_flops(compiled) if platform == "cpu" else matmul_flops / n_devices
+    ops = hlo.collectives(text, n_devices)
     return CompiledStep(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                        mem.temp_size_in_bytes, hlo.collectives(text, n_devices), flops,
+                        mem.temp_size_in_bytes, ops, flops,
                         compile_s, platform, estimate, hlo_text=text if keep_hlo else "",
                         # XLA:CPU's plans keep the sum below (their numbers predate this field)
                         reported_peak=0 if platform == "cpu" else getattr(mem, "peak_memory_in_bytes", 0) or 0,
-                        host_temp_bytes=host_temps(mem))
+                        host_temp_bytes=host_temps(mem), program=kernels.program(text, n_devices, ops))
 
 
 def host_temps(memory_analysis) -> int:
@@ -153,11 +155,11 @@ def _compile_gpu(lowered, n_devices: int, matmul_flops: float, keep_hlo: bool) -
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     mem = compiled.memory_analysis()
+    ops = hlo.collectives(text, n_devices)
     return CompiledStep(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                        mem.temp_size_in_bytes, hlo.collectives(text, n_devices),
-                        matmul_flops / n_devices, compile_s, "gpu",
+                        mem.temp_size_in_bytes, ops, matmul_flops / n_devices, compile_s, "gpu",
                         schedule.step_s if schedule else None, schedule, text if keep_hlo else "",
-                        host_temp_bytes=host_temps(mem))
+                        host_temp_bytes=host_temps(mem), program=kernels.program(text, n_devices, ops))
 
 
 _BYTES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

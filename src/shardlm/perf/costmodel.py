@@ -36,6 +36,7 @@ import dataclasses
 from shardlm.errors import ShardlmError
 from shardlm.flops import table_peak
 from shardlm.perf.hlo import CollectiveOp
+from shardlm.perf.rates import Rates, from_figures, from_table
 from shardlm.units import format_rate, parse_rate
 
 
@@ -48,6 +49,15 @@ class Hardware:
     inter_node_bw: float = 50e9
     devices_per_node: int = 8
     latency_s: float = 10e-6  # per collective
+    memory_bw: float = 3.35232e12  # HBM bytes/s per device
+    efficiency: str = "h100"  # the efficiency table of `perf/efficiency/` its kernels are costed with ("": none)
+
+    def rates(self) -> Rates:
+        """What kernels reach on this hardware: its efficiency table's measurements where it has one, else the
+        peak and memory bandwidth (`shardlm.perf.rates`)."""
+        if self.efficiency:
+            return from_table(self.efficiency, self.peak_flops, self.memory_bw)
+        return from_figures(self.name, self.peak_flops, self.memory_bw, f"{self.name}: peak and memory bandwidth")
 
     @property
     def host_bw(self) -> float:
@@ -55,10 +65,13 @@ class Hardware:
         return self.inter_node_bw * self.devices_per_node
 
     def describe(self) -> str:
-        return (f"{self.name}: compute at {self.peak_flops / 1e12:g} TFLOP/s per device; collectives at "
-                f"{self.intra_node_bw / 1e9:g} GB/s within a host of {self.devices_per_node}, "
+        kernels = (f"kernels at the measured rates of perf/efficiency/{self.efficiency}.toml (peak "
+                   f"{self.peak_flops / 1e12:g} TFLOP/s, HBM {self.memory_bw / 1e12:g} TB/s)" if self.efficiency else
+                   f"kernels at {self.peak_flops / 1e12:g} TFLOP/s and {self.memory_bw / 1e9:g} GB/s of memory")
+        return (f"{self.name}: {kernels} per device; collectives at {self.intra_node_bw / 1e9:g} GB/s within a "
+                f"host of {self.devices_per_node}{' (or as measured)' if self.efficiency else ''}, "
                 f"{format_rate(self.host_bw)} per host between hosts ({self.inter_node_bw / 1e9:g} GB/s per "
-                f"device), +{self.latency_s * 1e6:g} us each; no overlap")
+                f"device), +{self.latency_s * 1e6:g} us each; overlapped as the compiler scheduled them")
 
 
 def h100_peak(dtype: str) -> float:
@@ -88,7 +101,9 @@ def hardware_for(n_devices: int, dtype: str, *, memory_bytes: float = 80e9, peak
     default = (peak, intra_node_gbs, per_device_bw, latency_us) == (h100, 450, 50e9, 10)
     return Hardware(peak_flops=peak * 1e12, memory_bytes=memory_bytes, intra_node_bw=intra_node_gbs * 1e9,
                     inter_node_bw=per_device_bw, devices_per_node=per_host, latency_s=latency_us * 1e-6,
-                    name="H100 SXM" if default else "custom")
+                    name="H100 SXM" if default else "custom",
+                    # the H100 table holds what an H100 measured: a changed peak is another chip
+                    efficiency="h100" if peak == h100 else "")
 
 
 def devices_per_host(n: int, hosts: int | None, devices_per_node: int | None) -> int:
@@ -151,9 +166,11 @@ def split_traffic(op: CollectiveOp, devices_per_node: int, n_devices: int) -> tu
 @dataclasses.dataclass
 class Estimate:
     compute_s: float
-    comm_s: float
+    comm_s: float  # collectives' time not hidden behind compute
     traffic_bytes: float  # sent by one device per step
     inter_node_bytes: float  # the part of it that crosses hosts (nodes)
+    comm_total_s: float = 0.0  # every collective's time, hidden or not (the per-kernel model's; else comm_s)
+    by_kind: dict = dataclasses.field(default_factory=dict)  # kernels' time by kind: gemm, attention, memory
 
     @property
     def step_s(self) -> float:
@@ -185,4 +202,4 @@ def estimate(flops_per_device: float, ops: list[CollectiveOp], n_devices: int, h
         traffic += (within + across) * op.times
         inter += across * op.times
     comm += hw.latency_s * issued(ops)
-    return Estimate(flops_per_device / hw.peak_flops, comm, traffic, inter)
+    return Estimate(flops_per_device / hw.peak_flops, comm, traffic, inter, comm)

@@ -167,7 +167,8 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
             body = re.search(r"body=%([\w.\-]+)", ins.attrs)
             n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
             if body:
-                parent[body.group(1)] = (ins.computation, int(n.group(1)) if n else 1)
+                parent[body.group(1)] = (ins.computation,
+                                         int(n.group(1)) if n else _counted_trips(ins, instructions) or 1)
         elif ins.opcode in ("fusion", "call"):
             called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", ins.attrs)
             if called:
@@ -183,6 +184,40 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
         return n * times(outer, seen + (comp,))
 
     return {comp: times(comp) for comp in {i.computation for i in instructions}}
+
+
+def _counted_trips(loop: _Instruction, instructions: list[_Instruction]) -> int | None:
+    """The trip count of a `while` XLA left unannotated (XLA:GPU's gradient-accumulation loop): its condition
+    compares the induction variable with a constant (`i < N`, in the condition or a fusion it calls), counting
+    from the constant the loop's initial tuple holds (0 if it is not one)."""
+    cond = re.search(r"condition=%([\w.\-]+)", loop.attrs)
+    if not cond:
+        return None
+    by_comp: dict[str, list[_Instruction]] = defaultdict(list)
+    for i in instructions:
+        by_comp[i.computation].append(i)
+    by_name = {i.name: i for i in instructions}
+
+    def constant(name: str) -> int | None:
+        c = by_name.get(name)
+        m = re.match(r"\s*(-?\d+)\s*$", c.args) if c is not None and c.opcode == "constant" else None
+        return int(m.group(1)) if m else None
+
+    comps, limit = [cond.group(1)], None
+    while comps and limit is None:
+        for i in by_comp.get(comps.pop(), []):
+            if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2:
+                limit = constant(i.operands[1])
+            elif i.opcode == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", i.attrs)):
+                comps.append(called.group(1))
+    if limit is None:
+        return None
+    start = 0
+    init = by_name.get(loop.operands[0]) if loop.operands else None
+    index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', loop.attrs)
+    if init is not None and init.opcode == "tuple" and index and int(index.group(1)) < len(init.operands):
+        start = constant(init.operands[int(index.group(1))]) or 0
+    return max(limit - start, 1)
 
 
 def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = True) -> list[CollectiveOp]:

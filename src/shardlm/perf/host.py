@@ -4,7 +4,8 @@
 On GPUs and TPUs, the datasheet's peak for the compute dtype and the device's memory (`hardware_for`). On the CPU:
 
 - Measured, not assumed: a CPU has no datasheet the cost model could read. The peak is a float32 matmul on every
-  device at once (`shardlm.flops.measure_matmul_peak`: simulated devices share the cores); the collective
+  device at once (`shardlm.flops.measure_matmul_peak`: simulated devices share the cores), the memory bandwidth
+  an elementwise pass over `MEMORY_PROBE_BYTES` per device, on every device at once; the collective
   bandwidth is an all-gather of `PROBE_BYTES` per device over all of them (bytes one device sends with the ring
   algorithm, over its time less the latency); the latency per collective is a one-float all-reduce's time.
 - The memory per device is the host's RAM split evenly among its devices (they share it).
@@ -21,6 +22,7 @@ import os
 from shardlm.perf.costmodel import Hardware, traffic_factor
 
 PROBE_BYTES = 4 * 2**20  # per device, all-gathered
+MEMORY_PROBE_BYTES = 64 * 2**20  # per device, read and written once: larger than a CPU's caches
 HARDWARE_FILE = "host-hardware.json"
 
 
@@ -40,10 +42,12 @@ def measure(devices) -> dict:
 
     n = len(devices)
     peak = measure_matmul_peak(devices)
-    if n == 1:  # nothing to communicate with
-        return {"peak_flops": peak, "bandwidth": None, "latency_s": 0.0}
     mesh = Mesh(np.asarray(devices), ("d",))
     sharded = NamedSharding(mesh, P("d"))
+    streamed = jax.device_put(jnp.ones((n * MEMORY_PROBE_BYTES // 4,), jnp.float32), sharded)
+    memory_bw = 2 * MEMORY_PROBE_BYTES / best_time(jax.jit(lambda x: x * 1.5 + 1.0), streamed)  # read + write
+    if n == 1:  # nothing to communicate with
+        return {"peak_flops": peak, "memory_bw": memory_bw, "bandwidth": None, "latency_s": 0.0}
 
     def collective(op):
         return jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))
@@ -54,7 +58,8 @@ def measure(devices) -> dict:
     probe = jax.device_put(jnp.ones((n * floats,), jnp.float32), sharded)
     gather = best_time(collective(lambda x: jax.lax.all_gather(x, "d", tiled=True)[:floats]), probe)
     sent = traffic_factor("all-gather", n) * n * PROBE_BYTES
-    return {"peak_flops": peak, "bandwidth": sent / max(gather - latency, 1e-9), "latency_s": latency}
+    return {"peak_flops": peak, "memory_bw": memory_bw, "bandwidth": sent / max(gather - latency, 1e-9),
+            "latency_s": latency}
 
 
 def host_hardware(devices) -> Hardware:
@@ -68,7 +73,7 @@ def host_hardware(devices) -> Hardware:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    if key not in known:
+    if "memory_bw" not in known.get(key, {}):  # (figures cached before memory bandwidth was measured too)
         known[key] = measure(devices)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -78,7 +83,7 @@ def host_hardware(devices) -> Hardware:
     return Hardware(name=f"this host's CPU ({n} device{'s' * (n > 1)}, measured: {path})",
                     peak_flops=m["peak_flops"], memory_bytes=host_memory_bytes() / n,
                     intra_node_bw=m["bandwidth"] or 1e12, inter_node_bw=m["bandwidth"] or 1e12,
-                    devices_per_node=n, latency_s=m["latency_s"])
+                    devices_per_node=n, latency_s=m["latency_s"], memory_bw=m["memory_bw"], efficiency="")
 
 
 def local_hardware(devices, dtype: str) -> Hardware:

@@ -40,7 +40,8 @@ from shardlm.errors import ShardlmError
 from shardlm.perf import hlo
 from shardlm.perf.bounds import lower_bound
 from shardlm.perf.compiled import CompiledStep, CompileFailed, compile_step
-from shardlm.perf.costmodel import Estimate, Hardware, estimate, h100_peak, issued, split_traffic
+from shardlm.perf.costmodel import Estimate, Hardware, h100_peak, issued, split_traffic
+from shardlm.perf.kernels import Program
 from shardlm.perf.strategies import (
     Strategy,
     all_strategies,
@@ -50,6 +51,7 @@ from shardlm.perf.strategies import (
     wants_stage_splits,
 )
 from shardlm.perf.targets import Target
+from shardlm.perf.timeline import step_estimate
 from shardlm.units import fmt_bytes
 
 
@@ -73,6 +75,7 @@ class StrategyPlan:
     hidden: dict | None = None  # XLA:GPU's schedule: fraction of each collective kind's time hidden by compute
     host_temps: int = 0  # temporaries in host memory (activations offloaded by `model.remat_offload`)
     remat: str = ""  # the remat policy it was compiled with, when the plan compares several (`--remat`)
+    program: Program | None = None  # its kernels in schedule order: what `rank_strategies` costs on any hardware
 
     @property
     def label(self) -> str:
@@ -313,7 +316,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                          step.flops_per_device, model_flops_per_step(cfg, vocab, s.tensor), None, False,
                          step.compile_s, compiler_s=step.compiler_s, refusal=step.refusal,
                          hidden=step.schedule.hidden_by_kind() if step.schedule else None,
-                         host_temps=step.host_temp_bytes, remat=c.remat)
+                         host_temps=step.host_temp_bytes, remat=c.remat, program=step.program)
         rank_strategies([r], hardware)
         if r.fits and (best[0] is None or r.est.step_s < best[0][0]):
             best[0] = (r.est.step_s, c)
@@ -378,7 +381,7 @@ def rank_strategies(results: list[StrategyPlan], hardware: Hardware) -> list[Str
     """Estimate every strategy's step on `hardware` and order them: those that fit its memory by estimated step
     time, then the rest by peak memory. Cheap: re-rank a plan for other hardware without compiling again."""
     for r in results:
-        r.est = estimate(r.flops_per_device, r.collectives, r.strategy.devices, hardware)
+        r.est = step_estimate(r.program, r.flops_per_device, r.collectives, r.strategy.devices, hardware)
         r.fits = r.peak <= hardware.memory_bytes and r.refusal is None
     ordered = sorted(results, key=lambda r: (not r.fits, r.est.step_s if r.fits else r.peak))
     for i, r in enumerate(ordered, 1):
@@ -457,8 +460,9 @@ def format_plan(p: Plan) -> str:
                  "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps"
                  + ("; host = activations offloaded to host memory (model.remat_offload), not in the peak"
                     if offloads else ""))
-    lines.append("comm/dev = what one device sends per step (ring algorithms); est step = compute at peak + "
-                 "collectives at link bandwidth + latency (`shardlm.perf.costmodel`)")
+    lines.append("comm/dev = what one device sends per step (ring algorithms); est step = the compiled step's "
+                 "kernels, each at the rate its kind and shape reach on the hardware, and its collectives, hidden "
+                 "where the schedule overlaps them with compute (`shardlm.perf.timeline`)")
     from shardlm.train.source import flops_convention  # imports JAX: planning_flags runs before JAX starts
 
     lines.append(f"MFU = model FLOPs ({flops_convention(p.cfg)}) per device per second over the peak")

@@ -52,6 +52,8 @@ class Target:
     spec: str = ""  # GPUs: the file in gpu_specs/
     tpu_version: str = ""  # TPUs: "v4", "v5e", "v5p" ("v5" to libtpu), "v6e"
     chip_config: str = "default"  # TPUs: "megacore" where two TensorCores act as one device (v4, v5p)
+    memory_bw: float = 0.0  # HBM bytes/s per device (datasheet)
+    efficiency: str = ""  # its table in perf/efficiency/ ("": kernels at the peak and memory bandwidth)
 
     @property
     def accelerator(self) -> Accelerator:
@@ -68,31 +70,38 @@ class Target:
             per_host, inter_host_bandwidth, None)
         return Hardware(name=self.label, peak_flops=self.peak_flops[dtype],
                         memory_bytes=memory_bytes or self.memory_bytes, intra_node_bw=self.link_bw,
-                        inter_node_bw=network, devices_per_node=per_host, latency_s=10e-6)
+                        inter_node_bw=network, devices_per_node=per_host, latency_s=10e-6,
+                        memory_bw=self.memory_bw, efficiency=self.efficiency)
 
 
 GiB = 2**30
 TARGETS = {t.name: t for t in (
-    # NVIDIA datasheets: H100 SXM 989 TFLOP/s dense bf16 (494.5 TF32), NVLink 4 at 900 GB/s both directions,
-    # one 400 Gb/s NIC per GPU; H200 the same chip with 141 GB of HBM3e; A100 SXM 312 TFLOP/s bf16, NVLink 3 at
-    # 600 GB/s both directions, one 200 Gb/s NIC per GPU.
+    # NVIDIA datasheets: H100 SXM 989 TFLOP/s dense bf16 (494.5 TF32), 3.35 TB/s HBM3, NVLink 4 at 900 GB/s both
+    # directions, one 400 Gb/s NIC per GPU; H200 the same chip with 141 GB of HBM3e at 4.8 TB/s (so H100's kernel
+    # tables, with its memory bandwidth); A100 SXM 312 TFLOP/s bf16, 2,039 GB/s HBM2e, NVLink 3 at 600 GB/s both
+    # directions, one 200 Gb/s NIC per GPU.
     Target("h100", "H100 SXM 80GB", "gpu", "NVIDIA H100 80GB HBM3", 80 * GiB,
-           {"bfloat16": 989e12, "float32": 494.5e12}, 450e9, 50e9, 8, 9.0, spec="h100_sxm.txtpb"),
+           {"bfloat16": 989e12, "float32": 494.5e12}, 450e9, 50e9, 8, 9.0, spec="h100_sxm.txtpb",
+           memory_bw=3.35232e12, efficiency="h100"),
     Target("h200", "H200 SXM 141GB", "gpu", "NVIDIA H200", 141e9,
-           {"bfloat16": 989e12, "float32": 494.5e12}, 450e9, 50e9, 8, 9.0, spec="h200.txtpb"),
+           {"bfloat16": 989e12, "float32": 494.5e12}, 450e9, 50e9, 8, 9.0, spec="h200.txtpb",
+           memory_bw=4.8e12, efficiency="h100"),
     Target("a100-80gb", "A100 SXM 80GB", "gpu", "NVIDIA A100-SXM4-80GB", 80 * GiB,
-           {"bfloat16": 312e12, "float32": 156e12}, 300e9, 25e9, 8, 8.0, spec="a100_sxm_80.txtpb"),
+           {"bfloat16": 312e12, "float32": 156e12}, 300e9, 25e9, 8, 8.0, spec="a100_sxm_80.txtpb",
+           memory_bw=2.039e12),
     # Google Cloud TPU system architecture pages: peak bf16 per chip, ICI bandwidth per chip (half of it counted
-    # per direction); float32 matmuls run as bf16 passes at JAX's default precision. Memory: the HBM libtpu says
+    # per direction), HBM bandwidth per chip (v4 1,200, v5e 819, v5p 2,765, v6e 1,640 GB/s); float32 matmuls run
+    # as bf16 passes at JAX's default precision. No per-shape kernel table is published for TPUs: their kernels are
+    # costed at these peaks and bandwidths (`shardlm.perf.rates`). Memory: the HBM libtpu says
     # a program may use (its out-of-memory message's "available HBM"), a little under the datasheet's.
     Target("tpu-v4", "TPU v4", "tpu", "TPU v4", 30.75 * GiB, {"bfloat16": 275e12, "float32": 275e12},
-           150e9, 150e9, 4, tpu_version="v4", chip_config="megacore"),
+           150e9, 150e9, 4, tpu_version="v4", chip_config="megacore", memory_bw=1.2e12),
     Target("tpu-v5e", "TPU v5e", "tpu", "TPU v5 lite", 15.75 * GiB, {"bfloat16": 197e12, "float32": 197e12},
-           100e9, 100e9, 4, tpu_version="v5e"),
+           100e9, 100e9, 4, tpu_version="v5e", memory_bw=8.19e11),
     Target("tpu-v5p", "TPU v5p", "tpu", "TPU v5", 95.74 * GiB, {"bfloat16": 459e12, "float32": 459e12},
-           300e9, 300e9, 4, tpu_version="v5", chip_config="megacore"),
+           300e9, 300e9, 4, tpu_version="v5", chip_config="megacore", memory_bw=2.765e12),
     Target("tpu-v6e", "TPU v6e (Trillium)", "tpu", "TPU v6 lite", 31.25 * GiB, {"bfloat16": 918e12, "float32": 918e12},
-           224e9, 224e9, 4, tpu_version="v6e"),
+           224e9, 224e9, 4, tpu_version="v6e", memory_bw=1.64e12),
 )}
 
 

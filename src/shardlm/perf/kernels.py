@@ -1,0 +1,360 @@
+"""The compiled program as the kernels one device launches, in the order the compiler scheduled them: the one op list
+the step-time model (`shardlm.perf.timeline`) costs.
+
+The source is the optimised HLO text of a compiled step (XLA:GPU's, XLA:TPU's or XLA:CPU's `as_text()`), which is
+scheduled (`is_scheduled=true`): each computation lists its instructions in the order they run. A computation is
+*executed* if the entry runs it: the entry itself, `while` bodies (times their trip count), conditional branches,
+`call`s and the computations of non-collective async ops. Every other computation belongs to one instruction
+(a fusion's body, a reducer) and is read only to cost that instruction.
+
+Design choices:
+- A `Kernel` is one top-level instruction of an executed computation that does work: a fusion, a custom call, or an
+  unfused op (copy, transpose, dot, ...). Bookkeeping (parameter, tuple, get-tuple-element, bitcast, constant) is
+  free. Its `kind` says which table costs it: `gemm` (a dot or convolution, alone or as a fusion's core: Triton
+  GEMM fusions on GPUs, convolution fusions on TPUs, cuBLAS custom calls), `attention` (cuDNN's fused attention,
+  a Pallas attention kernel), or `memory` (everything else, costed by its bytes).
+- FLOPs: 2 x the output's elements x the contracted size for each dot (convolution: per output element, the
+  kernel's elements over its output features); fused attention 4 x batch x heads x q x kv x head_dim forward, half
+  that under a causal mask (the kernel skips the masked half), 2.5x the forward backward (FlashAttention's
+  accounting: five matmuls against two); a Pallas kernel's own `cost_estimate` where it declares one.
+- Bytes: what the kernel reads and writes in HBM: its operands and results, except that a parameter of a fusion
+  read only through slices counts the slices (a scanned layer reading its weights from the stacked array), and an
+  in-place dynamic-update-slice counts the update written, not the buffer (a scan stacking residuals).
+- Collectives are `shardlm.perf.hlo.CollectiveOp`s (bytes, groups, trip counts), placed in the sequence where they
+  start and where they must be done; a synchronous one (XLA:CPU's) is both at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+from shardlm.perf import hlo
+
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",
+        "partition-id", "replica-id", "add-dependency", "domain", "iota"}
+_ATTENTION_TARGETS = ("__cudnn$fmha",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel launch per execution of its computation (`times` executions per step)."""
+
+    name: str
+    kind: str  # "gemm", "attention" or "memory"
+    flops: float
+    bytes: float
+    dtype: str = ""  # a GEMM's or attention's operand dtype ("bf16", "f32", "f8e4m3fn")
+    # gemm: (batch, m, n, k); attention: (q length, kv length, head dim, backward 0/1)
+    dims: tuple[int, ...] = ()
+    times: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One step of a computation's schedule: a kernel, a collective starting / being waited for (`op` indexes
+    `Program.collectives`), or a nested computation run `times` times per run of this one."""
+
+    what: str  # "kernel", "start", "done", "sync", "call"
+    kernel: Kernel | None = None
+    op: int = -1
+    computation: str = ""
+    times: int = 1
+
+
+@dataclasses.dataclass
+class Program:
+    """Per computation, its schedule; `entry` is where a step starts."""
+
+    entry: str
+    schedules: dict[str, list[Event]]
+    collectives: list[hlo.CollectiveOp]
+
+    def kernels(self) -> list[Kernel]:
+        """Every kernel of the step, with `times` its executions per step."""
+        return [e.kernel for events in self.schedules.values() for e in events if e.what == "kernel"]
+
+
+def _shape_dims(shape_text: str) -> tuple[str, list[int]]:
+    m = hlo._ARRAY.search(shape_text)
+    return (m.group(1), hlo._ints(m.group(2))) if m else ("", [])
+
+
+def _config(ins: hlo._Instruction) -> dict:
+    m = re.search(r"backend_config=(\{.*\})\s*$", ins.attrs) or re.search(r"backend_config=(\{.*\})", ins.attrs)
+    if not m:
+        return {}
+    text = m.group(1)
+    try:
+        return json.loads(text)
+    except ValueError:  # other attributes after it: cut at the brace that closes it
+        depth = 0
+        for i, ch in enumerate(text):
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+            if depth == 0:
+                try:
+                    return json.loads(text[:i + 1])
+                except ValueError:
+                    return {}
+    return {}
+
+
+class _Reader:
+    """Costs instructions of one parsed module."""
+
+    def __init__(self, instructions: list[hlo._Instruction]):
+        self.by_name = {i.name: i for i in instructions}
+        self.in_computation: dict[str, list[hlo._Instruction]] = {}
+        for i in instructions:
+            self.in_computation.setdefault(i.computation, []).append(i)
+        self.users: dict[str, list[hlo._Instruction]] = {}
+        for i in instructions:
+            for o in i.operands:
+                self.users.setdefault(o, []).append(i)
+
+    def shape(self, name: str) -> str:
+        ins = self.by_name.get(name)
+        return ins.shape if ins else ""
+
+    # --- FLOPs -------------------------------------------------------------------------------------------------
+    def dot(self, ins: hlo._Instruction, numbers: dict | None = None) -> tuple[float, tuple[int, ...], str]:
+        """(FLOPs, (batch, m, n, k), operand dtype) of a dot (or a cuBLAS call with `numbers`, its
+        dot_dimension_numbers)."""
+        dtype, lhs = _shape_dims(self.shape(ins.operands[0])) if ins.operands else ("", [])
+        _, rhs = _shape_dims(self.shape(ins.operands[1])) if len(ins.operands) > 1 else ("", [])
+
+        def dims(key: str) -> list[int]:
+            if numbers is not None:
+                return [int(d) for d in numbers.get(key, [])]
+            m = re.search(key.replace("_dimensions", "_dims") + r"=\{([\d,]*)\}", ins.attrs)
+            return hlo._ints(m.group(1)) if m else []
+        lc, rc = dims("lhs_contracting_dimensions"), dims("rhs_contracting_dimensions")
+        lb, rb = dims("lhs_batch_dimensions"), dims("rhs_batch_dimensions")
+        if not lhs or not rhs:
+            return 0.0, (), dtype
+        batch = math.prod(lhs[d] for d in lb if d < len(lhs))
+        k = math.prod(lhs[d] for d in lc if d < len(lhs))
+        m = math.prod(s for d, s in enumerate(lhs) if d not in lc and d not in lb)
+        n = math.prod(s for d, s in enumerate(rhs) if d not in rc and d not in rb)
+        return 2.0 * batch * m * n * k, (batch, m, n, k), dtype
+
+    def convolution(self, ins: hlo._Instruction) -> tuple[float, tuple[int, ...], str]:
+        """A convolution (how XLA:TPU writes matmuls): per output element, the kernel's elements over its output
+        features, as (1, output elements / n, n, k)."""
+        dtype, _ = _shape_dims(self.shape(ins.operands[0])) if ins.operands else ("", [])
+        _, rhs = _shape_dims(self.shape(ins.operands[1])) if len(ins.operands) > 1 else ("", [])
+        out = (hlo._array_sizes(ins.shape) or [0])[0]
+        labels = re.search(r"dim_labels=[^_]*_([^-]*)->", ins.attrs)
+        if not rhs or not out:
+            return 0.0, (), dtype
+        o = rhs[labels.group(1).index("o")] if labels and "o" in labels.group(1) else rhs[-1]
+        k = math.prod(rhs) // max(o, 1)
+        return 2.0 * out * k, (1, out // max(o, 1), o, k), dtype
+
+    def core(self, computation: str, seen=()) -> tuple[float, tuple[int, ...], str]:
+        """FLOPs of the dots and convolutions a fused computation holds (nested fusions too), with the largest
+        one's dims and dtype."""
+        flops, best = 0.0, (0.0, (), "")
+        for ins in self.in_computation.get(computation, []):
+            if ins.opcode == "dot":
+                f = self.dot(ins)
+            elif ins.opcode == "convolution":
+                f = self.convolution(ins)
+            elif ins.opcode == "fusion" and (called := _called(ins)) and called not in seen:
+                f = self.core(called, seen + (called,))
+            else:
+                continue
+            flops += f[0]
+            best = max(best, f, key=lambda x: x[0])
+        return flops, best[1], best[2]
+
+    def attention(self, ins: hlo._Instruction, config: dict) -> tuple[float, tuple[int, ...], str]:
+        """A cuDNN fused attention call: its [batch, heads, q, kv] scores (never stored) and head dim."""
+        fmha = config.get("cudnn_fmha_backend_config", {})
+        scores = [int(d) for d in fmha.get("intermediate_tensor_shape", {}).get("dimensions", [])]
+        dtype, q = _shape_dims(self.shape(ins.operands[0])) if ins.operands else ("", [])
+        if len(scores) != 4 or not q:
+            return 0.0, (), dtype
+        b, h, tq, tk = scores
+        d = q[-1]
+        backward = "Backward" in _target(ins)
+        flops = 4.0 * b * h * tq * tk * d * (0.5 if fmha.get("mask_type") == "CAUSAL" else 1.0)
+        return flops * (2.5 if backward else 1.0), (tq, tk, d, int(backward)), dtype
+
+    # --- bytes -------------------------------------------------------------------------------------------------
+    def fusion_bytes(self, ins: hlo._Instruction, computation: str) -> float:
+        """What a fusion reads and writes in HBM (see the module docstring for slices and in-place updates)."""
+        params = {p.name: p for p in self.in_computation.get(computation, []) if p.opcode == "parameter"}
+        slot = {int(m.group(1)): name for name, p in params.items()
+                if (m := re.match(r"(\d+)", p.args.strip()))}
+        total = 0.0
+        in_place = set()
+        root = next((i for i in self.in_computation.get(computation, []) if i.root), None)
+        written = self._written(root, in_place) if root else hlo.array_bytes(ins.shape)
+        for index, operand in enumerate(ins.operands):
+            param = slot.get(index)
+            total += self._read(param, hlo.array_bytes(self.shape(operand)), in_place) if param else \
+                hlo.array_bytes(self.shape(operand))
+        return total + written
+
+    def _through(self, name: str) -> list[hlo._Instruction]:
+        """The users of `name`, looking through bitcasts and reshapes."""
+        out = []
+        for u in self.users.get(name, []):
+            out.extend(self._through(u.name) if u.opcode in ("bitcast", "reshape") else [u])
+        return out
+
+    def _read(self, param: str, full: float, in_place: set) -> float:
+        users = self._through(param)
+        if not users:
+            return 0.0
+        if all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands and
+               self._source(u.operands[0]) == param for u in users):
+            return sum(hlo.array_bytes(u.shape) for u in users)
+        if any(u.name in in_place for u in users):  # the buffer a dynamic-update-slice writes into, in place
+            return 0.0
+        return full
+
+    def _source(self, name: str) -> str:
+        ins = self.by_name.get(name)
+        while ins is not None and ins.opcode in ("bitcast", "reshape") and ins.operands:
+            name = ins.operands[0]
+            ins = self.by_name.get(name)
+        return name
+
+    def _written(self, root: hlo._Instruction, in_place: set) -> float:
+        if root.opcode == "tuple":
+            return sum(self._written(self.by_name[o], in_place) if o in self.by_name else 0.0
+                       for o in root.operands)
+        if root.opcode in ("bitcast", "reshape") and root.operands and root.operands[0] in self.by_name:
+            return self._written(self.by_name[root.operands[0]], in_place)
+        if root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+            in_place.add(root.name)
+            return hlo.array_bytes(self.shape(root.operands[1]))
+        return hlo.array_bytes(root.shape)
+
+    def plain_bytes(self, ins: hlo._Instruction) -> float:
+        if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
+            return 2.0 * hlo.array_bytes(self.shape(ins.operands[1]))
+        if ins.opcode in ("dynamic-slice", "slice"):
+            return 2.0 * hlo.array_bytes(ins.shape)
+        return hlo.array_bytes(ins.shape) + sum(hlo.array_bytes(self.shape(o)) for o in ins.operands)
+
+    # --- one instruction ---------------------------------------------------------------------------------------
+    def kernel(self, ins: hlo._Instruction, times: int) -> Kernel | None:
+        if ins.opcode in FREE:
+            return None
+        if ins.opcode == "fusion":
+            called = _called(ins)
+            flops, dims, dtype = self.core(called) if called else (0.0, (), "")
+            nbytes = self.fusion_bytes(ins, called) if called else hlo.array_bytes(ins.shape)
+            return Kernel(ins.name, "gemm" if flops else "memory", flops, nbytes, dtype, dims, times)
+        if ins.opcode == "custom-call":
+            return self._custom_call(ins, times)
+        if ins.opcode == "dot":
+            flops, dims, dtype = self.dot(ins)
+            return Kernel(ins.name, "gemm", flops, self.plain_bytes(ins), dtype, dims, times)
+        if ins.opcode == "convolution":
+            flops, dims, dtype = self.convolution(ins)
+            return Kernel(ins.name, "gemm", flops, self.plain_bytes(ins), dtype, dims, times)
+        return Kernel(ins.name, "memory", 0.0, self.plain_bytes(ins), times=times)
+
+    def _custom_call(self, ins: hlo._Instruction, times: int) -> Kernel:
+        target, config = _target(ins), _config(ins)
+        nbytes = self.plain_bytes(ins)
+        if target.startswith(_ATTENTION_TARGETS):
+            flops, dims, dtype = self.attention(ins, config)
+            return Kernel(ins.name, "attention", flops, nbytes, dtype, dims, times)
+        if "gemm" in target or "matmul" in target:  # cuBLAS: __cublas$gemm, __cublas$lt$matmul(...)
+            numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+            flops, dims, dtype = self.dot(ins, numbers)
+            return Kernel(ins.name, "gemm", flops, nbytes, dtype, dims, times)
+        estimate = config.get("custom_call_config", {}).get("cost_estimate") or {}
+        if estimate:  # a Pallas kernel that says what it does (splash attention, Megablox)
+            flops = float(estimate.get("flops", 0.0))
+            nbytes = float(estimate.get("bytes_accessed", nbytes))
+            kind = "attention" if re.search(r"attention|splash|flash", hlo._op_name(ins)) else "gemm"
+            dtype, q = _shape_dims(self.shape(ins.operands[0])) if ins.operands else ("", [])
+            return Kernel(ins.name, kind if flops else "memory", flops, nbytes, dtype, (), times)
+        return Kernel(ins.name, "memory", 0.0, nbytes, times=times)
+
+
+def _called(ins: hlo._Instruction) -> str | None:
+    m = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+    return m.group(1) if m else None
+
+
+def _target(ins: hlo._Instruction) -> str:
+    m = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    return m.group(1) if m else ""
+
+
+def _wrapped_collective(reader: _Reader, ins: hlo._Instruction, op_index: dict[str, int]) -> int | None:
+    """The collective an `async-start` wraps (its called computation's), as an index of `op_index`."""
+    called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+    for inner in reader.in_computation.get(called.group(1), []) if called else []:
+        if inner.name in op_index:
+            return op_index[inner.name]
+    return None
+
+
+def program(hlo_text: str, n_devices: int, collectives: list[hlo.CollectiveOp] | None = None) -> Program:
+    """The schedule of every executed computation of a compiled program (`as_text()`), and its collectives
+    (`hlo.collectives` of the same text unless given)."""
+    instructions = hlo._parse(hlo_text)
+    ops = collectives if collectives is not None else hlo.collectives(hlo_text, n_devices)
+    reader = _Reader(instructions)
+    times = hlo._trip_counts(instructions)
+    entry = next((m.group(1) for line in hlo_text.splitlines() if (m := re.match(r"^ENTRY %([\w.\-]+)", line))),
+                 instructions[-1].computation if instructions else "")
+    op_index = {op.name: i for i, op in enumerate(ops)}
+    schedules: dict[str, list[Event]] = {}
+    started: dict[str, int] = {}
+    pending = [entry]
+    while pending:
+        comp = pending.pop()
+        if comp in schedules:
+            continue
+        events: list[Event] = []
+        for ins in reader.in_computation.get(comp, []):
+            kind = ins.opcode.removesuffix("-start")
+            if ins.name in op_index:  # a collective, sync or the start of an async one
+                events.append(Event("start" if ins.opcode.endswith("-start") else "sync", op=op_index[ins.name]))
+                continue
+            if ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in op_index:
+                events.append(Event("done", op=op_index[ins.operands[0]]))
+                continue
+            if kind in hlo.KINDS or ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
+                continue  # a collective the rewrites folded away, or the end of an async op costed at its start
+            if ins.opcode == "while":
+                body = re.search(r"body=%([\w.\-]+)", ins.attrs)
+                if body:
+                    n = times.get(body.group(1), 1) // max(times.get(comp, 1), 1)
+                    events.append(Event("call", computation=body.group(1), times=max(n, 1)))
+                    pending.append(body.group(1))
+                continue
+            if ins.opcode == "conditional":
+                for branch in hlo.branches(ins):  # each branch at most once: costed as if each ran
+                    events.append(Event("call", computation=branch))
+                    pending.append(branch)
+                continue
+            if ins.opcode == "async-start" and (wrapped := _wrapped_collective(reader, ins, op_index)) is not None:
+                started[ins.name] = wrapped  # XLA:GPU's async reduce-scatter / all-to-all
+                events.append(Event("start", op=wrapped))
+                continue
+            if ins.opcode == "async-done" and ins.operands and ins.operands[0] in started:
+                events.append(Event("done", op=started[ins.operands[0]]))
+                continue
+            if ins.opcode in ("call", "async-start"):
+                called = re.search(r"(?:to_apply|calls)=%([\w.\-]+)", ins.attrs)
+                if called:
+                    events.append(Event("call", computation=called.group(1)))
+                    pending.append(called.group(1))
+                continue
+            k = reader.kernel(ins, times.get(comp, 1))
+            if k is not None:
+                events.append(Event("kernel", kernel=k))
+        schedules[comp] = events
+    return Program(entry, schedules, ops)

@@ -1,0 +1,153 @@
+"""The per-kernel step-time model on small hand-written programs in XLA's optimised-HLO text: each kernel costed by
+its kind's table, collectives hidden where the schedule overlaps them, loops charged by their trip counts."""
+
+import math
+
+import pytest
+
+from shardlm.perf import kernels, timeline
+from shardlm.perf.rates import table
+from shardlm.perf.targets import get
+
+H100 = get("h100").hardware("bfloat16", 8)
+RATES = H100.rates()
+
+GEMM = """
+%gemm_computation (p0: bf16[4096,4096], p1: bf16[4096,4096]) -> bf16[4096,4096] {
+  %p0 = bf16[4096,4096]{1,0} parameter(0)
+  %p1 = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[4096,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+ADD = """
+%add_computation (q0: f32[8192,8192], q1: f32[8192,8192]) -> f32[8192,8192] {
+  %q0 = f32[8192,8192]{1,0} parameter(0)
+  %q1 = f32[8192,8192]{1,0} parameter(1)
+  ROOT %add.1 = f32[8192,8192]{1,0} add(%q0, %q1)
+}
+"""
+
+
+def _program(body: str, computations: str = GEMM + ADD):
+    text = "HloModule m, is_scheduled=true\n" + computations + """
+ENTRY %main (a: bf16[4096,4096], b: bf16[4096,4096], x: f32[8192,8192], w: bf16[512,4096]) -> bf16[4096,4096] {
+  %a = bf16[4096,4096]{1,0} parameter(0)
+  %b = bf16[4096,4096]{1,0} parameter(1)
+  %x = f32[8192,8192]{1,0} parameter(2)
+  %w = bf16[512,4096]{1,0} parameter(3)
+""" + body + "\n}\n"
+    return kernels.program(text, 8)
+
+
+def _step(program) -> float:
+    return timeline.estimate(program, 8, H100, RATES).step_s
+
+
+def test_a_large_gemm_on_an_h100_costs_its_flops_at_the_tables_measured_throughput():
+    p = _program("  ROOT %gemm = bf16[4096,4096]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_computation")
+    (k,) = p.kernels()
+    measured = next(bf16 for m, n, kk, bf16, f32 in table("h100")["gemm"]["gemm_points"] if (m, n, kk) == (4096,) * 3)
+    assert (k.kind, k.dims, k.dtype) == ("gemm", (1, 4096, 4096, 4096), "bf16")
+    assert k.flops == 2 * 4096**3
+    assert _step(p) == pytest.approx(2 * 4096**3 / measured, rel=1e-9)
+    assert 0.7 < measured / 989e12 < 0.85  # below the datasheet peak, as measured GEMMs are
+
+
+def test_an_elementwise_fusion_costs_its_bytes_at_hbm_bandwidth():
+    p = _program("  ROOT %sum = f32[8192,8192]{1,0} fusion(%x, %x), kind=kLoop, calls=%add_computation")
+    (k,) = p.kernels()
+    assert (k.kind, k.flops, k.bytes) == ("memory", 0.0, 3 * 8192 * 8192 * 4)  # two operands read, one written
+    assert _step(p) == pytest.approx(k.bytes / H100.memory_bw, rel=1e-9)
+
+
+def _with_gather(between: str):
+    return _program(f"""
+  %ag = (bf16[512,4096]{{1,0}}, bf16[4096,4096]{{1,0}}) all-gather-start(%w), channel_id=1, replica_groups=[1,8]<=[8], dimensions={{0}}, use_global_device_ids=true
+{between}
+  %gathered = bf16[4096,4096]{{1,0}} all-gather-done(%ag)
+  ROOT %out = bf16[4096,4096]{{1,0}} fusion(%gathered, %b), kind=kCustom, calls=%gemm_computation""")
+
+
+def test_a_collective_the_schedule_hides_behind_compute_adds_nothing():
+    hidden = _with_gather("  %busy = bf16[4096,4096]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_computation")
+    exposed = _with_gather("")
+    (op,) = hidden.collectives
+    gather_s = timeline.collective_seconds(op, H100, RATES, 8)
+    gemm_s = timeline.kernel_seconds(hidden.kernels()[0], RATES)
+    assert 0 < gather_s < gemm_s  # 32 MiB over NVLink: shorter than one 4096^3 GEMM
+    both = timeline.estimate(hidden, 8, H100, RATES)
+    assert both.comm_s == 0.0 and both.comm_total_s == pytest.approx(gather_s)
+    assert both.step_s == pytest.approx(2 * gemm_s)  # two GEMMs, the gather under the first
+    alone = timeline.estimate(exposed, 8, H100, RATES)
+    assert alone.comm_s == pytest.approx(gather_s) and alone.step_s == pytest.approx(gemm_s + gather_s)
+
+
+def test_work_inside_a_scan_is_charged_times_its_trip_count():
+    loop = GEMM + ADD + """
+%body (state: (s32[], bf16[4096,4096])) -> (s32[], bf16[4096,4096]) {
+  %state = (s32[], bf16[4096,4096]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %h = bf16[4096,4096]{1,0} get-tuple-element(%state), index=1
+  %next = bf16[4096,4096]{1,0} fusion(%h, %h), kind=kCustom, calls=%gemm_computation
+  ROOT %t = (s32[], bf16[4096,4096]{1,0}) tuple(%i, %next)
+}
+
+%cond (cstate: (s32[], bf16[4096,4096])) -> pred[] {
+  %cstate = (s32[], bf16[4096,4096]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+"""
+    p = _program("""  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4096,4096]{1,0}) tuple(%zero, %a)
+  %loop = (s32[], bf16[4096,4096]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  ROOT %last = bf16[4096,4096]{1,0} get-tuple-element(%loop), index=1""", loop)
+    (k,) = p.kernels()
+    assert k.times == 12
+    assert _step(p) == pytest.approx(12 * timeline.kernel_seconds(k, RATES))
+
+
+def test_a_scanned_layer_reading_its_slice_of_stacked_weights_counts_the_slice():
+    stacked = """
+%take (s0: f32[32,1024,1024], s1: s32[]) -> f32[1024,1024] {
+  %s0 = f32[32,1024,1024]{2,1,0} parameter(0)
+  %s1 = s32[] parameter(1)
+  %zero.1 = s32[] constant(0)
+  %slice.1 = f32[1,1024,1024]{2,1,0} dynamic-slice(%s0, %s1, %zero.1, %zero.1), dynamic_slice_sizes={1,1024,1024}
+  ROOT %r = f32[1024,1024]{1,0} bitcast(%slice.1)
+}
+"""
+    text = "HloModule m, is_scheduled=true\n" + stacked + """
+ENTRY %main (ws: f32[32,1024,1024], i: s32[]) -> f32[1024,1024] {
+  %ws = f32[32,1024,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %layer = f32[1024,1024]{1,0} fusion(%ws, %i), kind=kLoop, calls=%take
+}
+"""
+    (k,) = kernels.program(text, 1).kernels()
+    assert k.bytes == 2 * 1024 * 1024 * 4 + 4  # one layer read, one written (and the index), not all 32
+
+
+def test_causal_fused_attention_is_charged_half_the_flops_and_backward_two_and_a_half_times():
+    q = "bf16[2,1024,32,128]"
+    config = ('{"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"dimensions":["2","32","1024","1024"]},'
+              '"mask_type":"CAUSAL"}}')
+    text = f"""HloModule m, is_scheduled=true
+ENTRY %main (q: {q}, k: {q}, v: {q}) -> {q} {{
+  %q = {q}{{3,2,1,0}} parameter(0)
+  %k = {q}{{3,2,1,0}} parameter(1)
+  %v = {q}{{3,2,1,0}} parameter(2)
+  %fwd = ({q}{{3,2,1,0}}, f32[2,32,1024]{{2,1,0}}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={config}
+  %o = {q}{{3,2,1,0}} get-tuple-element(%fwd), index=0
+  %bwd = ({q}{{3,2,1,0}}, {q}{{3,2,1,0}}) custom-call(%q, %k, %v, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={config}
+  ROOT %dq = {q}{{3,2,1,0}} get-tuple-element(%bwd), index=0
+}}
+"""
+    fwd, bwd = kernels.program(text, 1).kernels()
+    full = 4 * 2 * 32 * 1024 * 1024 * 128
+    assert (fwd.kind, fwd.flops, fwd.dims) == ("attention", full / 2, (1024, 1024, 128, 0))
+    assert (bwd.flops, bwd.dims) == (2.5 * full / 2, (1024, 1024, 128, 1))
+    measured = table("h100")["attention"]
+    assert timeline.kernel_seconds(fwd, RATES) == pytest.approx(full / 2 / measured["forward"]["128"][1])
+    assert timeline.kernel_seconds(bwd, RATES) == pytest.approx(2.5 * full / 2 / measured["backward"]["128"][1])
+    assert math.isclose(RATES.attention_flops_per_s(3000, 128, False),
+                        RATES.attention_flops_per_s(3000, 100, False))  # the nearest measured head dim
