@@ -141,17 +141,42 @@ class _Reader:
         return 2.0 * batch * m * n * k, (batch, m, n, k), dtype
 
     def convolution(self, ins: hlo._Instruction) -> tuple[float, tuple[int, ...], str]:
-        """A convolution (how XLA:TPU writes matmuls): per output element, the kernel's elements over its output
-        features, as (1, output elements / n, n, k)."""
-        dtype, _ = _shape_dims(self.shape(ins.operands[0])) if ins.operands else ("", [])
+        """A convolution (how XLA:TPU writes matmuls, often as windows over padded dimensions): 2 x batch x output
+        features x input features x, per spatial dimension, the window positions that fall on the input rather
+        than on padding (as XLA's cost analysis counts them), as (1, m, n, k) for the GEMM table."""
+        dtype, lhs = _shape_dims(self.shape(ins.operands[0])) if ins.operands else ("", [])
         _, rhs = _shape_dims(self.shape(ins.operands[1])) if len(ins.operands) > 1 else ("", [])
-        out = (hlo._array_sizes(ins.shape) or [0])[0]
-        labels = re.search(r"dim_labels=[^_]*_([^-]*)->", ins.attrs)
-        if not rhs or not out:
+        _, out = _shape_dims(ins.shape)
+        labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", ins.attrs)
+        if not (lhs and rhs and out and labels):
             return 0.0, (), dtype
-        o = rhs[labels.group(1).index("o")] if labels and "o" in labels.group(1) else rhs[-1]
-        k = math.prod(rhs) // max(o, 1)
-        return 2.0 * out * k, (1, out // max(o, 1), o, k), dtype
+        lhs_l, rhs_l, out_l = labels.groups()
+        window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+        spec = dict(re.findall(r"(\w+)=(\S+)", window.group(1))) if window else {}
+
+        spatial = sorted(c for c in lhs_l if c.isdigit())
+        sizes = [int(x) for x in spec.get("size", "").split("x") if x] or [1] * len(spatial)
+        pads = [tuple(int(v) for v in p.split("_")) for p in spec.get("pad", "").split("x") if p] or \
+            [(0, 0)] * len(spatial)
+        strides = [int(x) for x in spec.get("stride", "").split("x") if x] or [1] * len(spatial)
+        lhs_dilation = [int(x) for x in spec.get("lhs_dilate", "").split("x") if x] or [1] * len(spatial)
+        rhs_dilation = [int(x) for x in spec.get("rhs_dilate", "").split("x") if x] or [1] * len(spatial)
+        positions, out_spatial, window_size = 1, 1, 1
+        for d, c in enumerate(spatial):
+            n_in, n_out = lhs[lhs_l.index(c)], out[out_l.index(c)]
+            w, (lo, _), st = sizes[d], pads[d], strides[d]
+            ld, rd = lhs_dilation[d], rhs_dilation[d]
+            extent = (n_in - 1) * ld  # the last input position, in dilated coordinates
+            valid = 0
+            for k in range(w):  # output positions o whose window tap k lands on the input: 0 <= o*st - lo + k*rd <= extent
+                first = max(0, -(-(lo - k * rd) // st))
+                last = min(n_out - 1, (lo - k * rd + extent) // st)
+                valid += max(0, last - first + 1) / ld  # with lhs dilation, one tap in ld lands on a real input
+            positions *= valid
+            out_spatial *= n_out
+            window_size *= w
+        b, f, i = out[out_l.index("b")], out[out_l.index("f")], rhs[rhs_l.index("i")]
+        return 2.0 * b * f * i * positions, (1, b * out_spatial, f, i * window_size), dtype
 
     def core(self, computation: str, seen=()) -> tuple[float, tuple[int, ...], str]:
         """FLOPs of the dots and convolutions a fused computation holds (nested fusions too), with the largest
@@ -182,6 +207,23 @@ class _Reader:
         backward = "Backward" in _target(ins)
         flops = 4.0 * b * h * tq * tk * d * (0.5 if fmha.get("mask_type") == "CAUSAL" else 1.0)
         return flops * (2.5 if backward else 1.0), (tq, tk, d, int(backward)), dtype
+
+    def splash(self, ins: hlo._Instruction) -> tuple[float, tuple[int, ...], str] | None:
+        """A Pallas splash attention kernel (`shardlm.kernels.splash` on TPUs; its calls declare no cost): its
+        [batch, heads, seq, head_dim] queries are the largest 4-D array it reads or writes. Causal (shardlm's
+        models are), so half of 4 x batch x heads x seq^2 x head_dim forward; the dq kernel recomputes the scores
+        and does two more matmuls (1.5x), the dkv kernel three more (2x)."""
+        name = ins.name
+        passes = 1.5 if "_dq" in name else 2.0 if "_dkv" in name else 1.0 if "_fwd" in name else None
+        if passes is None or "splash" not in name:
+            return None
+        arrays = [d for text in [ins.shape] + [self.shape(o) for o in ins.operands]
+                  for t, dims in hlo._ARRAY.findall(text) if len(d := hlo._ints(dims)) == 4 and t in ("bf16", "f32")]
+        if not arrays:
+            return None
+        b, h, t, d = max(arrays, key=math.prod)
+        dtype = _shape_dims(self.shape(ins.operands[0]))[0] if ins.operands else ""
+        return 2.0 * b * h * t * t * d * passes, (t, t, d, int(passes > 1)), dtype
 
     # --- bytes -------------------------------------------------------------------------------------------------
     def fusion_bytes(self, ins: hlo._Instruction, computation: str) -> float:
@@ -271,6 +313,9 @@ class _Reader:
             numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
             flops, dims, dtype = self.dot(ins, numbers)
             return Kernel(ins.name, "gemm", flops, nbytes, dtype, dims, times)
+        if target == "tpu_custom_call" and (splash := self.splash(ins)) is not None:
+            flops, dims, dtype = splash
+            return Kernel(ins.name, "attention", flops, nbytes, dtype, dims, times)
         estimate = config.get("custom_call_config", {}).get("cost_estimate") or {}
         if estimate:  # a Pallas kernel that says what it does (splash attention, Megablox)
             flops = float(estimate.get("flops", 0.0))
