@@ -50,9 +50,8 @@ CASES = [
     ("pp4, M = 2S", {"stage": 4, "data": 1}, ["model.pipeline_microbatches=8"], []),
     ("pp2, circular R = 2", {"stage": 2, "data": 1}, ["model.pipeline_repeats=2"], []),
     ("pp8, one layer per stage", {"stage": 8}, [], ["model.n_layers=8"]),
-    ("pp2 x data 2", {"stage": 2, "data": 2}, [], []),
-    ("pp2 x fsdp 2", {"stage": 2, "data": 1, "fsdp": 2}, [], []),
-    ("pp2 x tensor 2", {"stage": 2, "data": 1, "tensor": 2}, [], []),
+    # pp2 x data 2 alone: the two remat cases below run on it, and test_parity's PP 2 x DP 2 against the plain step
+    ("pp2 x fsdp 2 x tensor 2", {"stage": 2, "data": 1, "fsdp": 2, "tensor": 2}, [], []),  # each axis within a stage
     ("pp2 x context 2", {"stage": 2, "data": 1, "context": 2}, [], []),
     ("pp2, grad_accum 2, remat full", {"stage": 2, "data": 2}, ["train.grad_accum=2", "model.remat=full"], []),
     ("pp2, remat full per layer too", {"stage": 2, "data": 2}, ["model.remat=full", "model.pipeline_remat=layer"],
