@@ -107,8 +107,9 @@ def single_device_outputs(model):
     return {s: [c.ids for c in gen.generate(PROMPTS, 20, s, seed=7)] for s in (Sampling(temperature=0), SAMPLED)}
 
 
-@pytest.mark.parametrize("degrees", [(1, 1, 4), (2, 1, 4), (1, 8, 1), (1, 2, 2)],
-                         ids=["tensor 4", "data 2 x tensor 4", "fsdp 8", "fsdp 2 x tensor 2"])
+# tensor 4 alone: the same split of the heads as data 2 x tensor 4's, without its replicas
+@pytest.mark.parametrize("degrees", [(2, 1, 4), (1, 8, 1), (1, 2, 2)],
+                         ids=["data 2 x tensor 4", "fsdp 8", "fsdp 2 x tensor 2"])
 def test_sharded_generation_equals_single_device(model, single_device_outputs, degrees):
     graphdef, state = model
     n = int(np.prod(degrees))
