@@ -151,3 +151,31 @@ ENTRY %main (q: {q}, k: {q}, v: {q}) -> {q} {{
     assert timeline.kernel_seconds(bwd, RATES) == pytest.approx(2.5 * full / 2 / measured["backward"]["128"][1])
     assert math.isclose(RATES.attention_flops_per_s(3000, 128, False),
                         RATES.attention_flops_per_s(3000, 100, False))  # the nearest measured head dim
+
+
+def test_an_offloaded_layer_moves_its_slice_over_the_host_link_hidden_behind_compute():
+    """XLA:TPU offloads a layer's activations with an asynchronous dynamic-update-slice into a stacked buffer in
+    host memory: the copy moves the layer's slice (not the buffer) over the host link, on its own stream."""
+    host = "bf16[32,1024,4096]{2,1,0:S(5)}"
+    text = "HloModule m, is_scheduled=true\n" + GEMM + f"""
+ENTRY %main (a: bf16[4096,4096], b: bf16[4096,4096], buf: bf16[32,1024,4096], i: s32[], x: bf16[1,1024,4096]) -> bf16[4096,4096] {{
+  %a = bf16[4096,4096]{{1,0}} parameter(0)
+  %b = bf16[4096,4096]{{1,0}} parameter(1)
+  %buf = {host} parameter(2)
+  %i = s32[] parameter(3)
+  %layer = bf16[1,1024,4096]{{2,1,0}} parameter(4)
+  %zero = s32[] constant(0)
+  %put = (({host}, bf16[1,1024,4096]{{2,1,0}}, s32[], s32[], s32[]), {host}, u32[]) dynamic-update-slice-start(%buf, %layer, %i, %zero, %zero)
+{{between}}
+  %stored = {host} dynamic-update-slice-done(%put)
+  ROOT %out = bf16[4096,4096]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%gemm_computation
+}}
+"""
+    busy = "  %busy = bf16[4096,4096]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_computation"
+    hidden = kernels.program(text.replace("{between}", busy), 1)
+    exposed = kernels.program(text.replace("{between}", ""), 1)
+    copy_s = 1024 * 4096 * 2 / RATES.host_bytes_per_s  # one layer, not the 32 of the buffer
+    gemm_s = timeline.kernel_seconds(hidden.kernels()[0], RATES)
+    assert copy_s < gemm_s
+    assert timeline.estimate(hidden, 1, H100, RATES).step_s == pytest.approx(2 * gemm_s)
+    assert timeline.estimate(exposed, 1, H100, RATES).step_s == pytest.approx(copy_s + gemm_s)

@@ -51,13 +51,15 @@ class Hardware:
     latency_s: float = 10e-6  # per collective
     memory_bw: float = 3.35232e12  # HBM bytes/s per device
     efficiency: str = "h100"  # the efficiency table of `perf/efficiency/` its kernels are costed with ("": none)
+    host_link_bw: float = 64e9  # bytes/s to and from host memory, one direction (a PCIe Gen5 x16 link)
 
     def rates(self) -> Rates:
         """What kernels reach on this hardware: its efficiency table's measurements where it has one, else the
         peak and memory bandwidth (`shardlm.perf.rates`)."""
         if self.efficiency:
-            return from_table(self.efficiency, self.peak_flops, self.memory_bw)
-        return from_figures(self.name, self.peak_flops, self.memory_bw, f"{self.name}: peak and memory bandwidth")
+            return from_table(self.efficiency, self.peak_flops, self.memory_bw, self.host_link_bw)
+        return from_figures(self.name, self.peak_flops, self.memory_bw, f"{self.name}: peak and memory bandwidth",
+                            self.host_link_bw)
 
     @property
     def host_bw(self) -> float:

@@ -21,7 +21,10 @@ Design choices:
   read only through slices counts the slices (a scanned layer reading its weights from the stacked array), and an
   in-place dynamic-update-slice counts the update written, not the buffer (a scan stacking residuals).
 - Collectives are `shardlm.perf.hlo.CollectiveOp`s (bytes, groups, trip counts), placed in the sequence where they
-  start and where they must be done; a synchronous one (XLA:CPU's) is both at once.
+  start and where they must be done; a synchronous one (XLA:CPU's) is both at once. Asynchronous copies
+  (`copy-start`, and XLA:TPU's `dynamic-slice-start` / `dynamic-update-slice-start` into a stacked host buffer:
+  activations offloaded to host memory and brought back) are placed the same way, as kernels of kind `copy`
+  whose bytes (the slice moved, not the buffer) cross the host link.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import re
 
 from shardlm.perf import hlo
 
+ASYNC_COPIES = ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start")
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",
         "partition-id", "replica-id", "add-dependency", "domain", "iota"}
 _ATTENTION_TARGETS = ("__cudnn$fmha",)
@@ -57,7 +61,7 @@ class Event:
     """One step of a computation's schedule: a kernel, a collective starting / being waited for (`op` indexes
     `Program.collectives`), or a nested computation run `times` times per run of this one."""
 
-    what: str  # "kernel", "start", "done", "sync", "call"
+    what: str  # "kernel", "start", "done", "sync", "call", "copy_start", "copy_done" (`computation`: its start)
     kernel: Kernel | None = None
     op: int = -1
     computation: str = ""
@@ -277,6 +281,18 @@ class _Reader:
             return hlo.array_bytes(self.shape(root.operands[1]))
         return hlo.array_bytes(root.shape)
 
+    def copied(self, ins: hlo._Instruction) -> float:
+        """Bytes an asynchronous copy moves: a copy's operand, a dynamic slice's slice, an update's update (XLA:TPU
+        moves one layer's offloaded activations to or from the stacked host buffer this way)."""
+        if ins.opcode == "dynamic-update-slice-start" and len(ins.operands) > 1:
+            return hlo.array_bytes(self.shape(ins.operands[1]))
+        if ins.opcode == "dynamic-slice-start" and ins.operands:
+            sizes = re.search(r"dynamic_slice_sizes=\{([\d,]*)\}", ins.attrs)
+            dtype, _ = _shape_dims(self.shape(ins.operands[0]))
+            if sizes and dtype in hlo._DTYPE_BYTES:
+                return hlo._DTYPE_BYTES[dtype] * math.prod(hlo._ints(sizes.group(1)))
+        return hlo.array_bytes(self.shape(ins.operands[0])) if ins.operands else 0.0
+
     def plain_bytes(self, ins: hlo._Instruction) -> float:
         if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
             return 2.0 * hlo.array_bytes(self.shape(ins.operands[1]))
@@ -367,6 +383,13 @@ def program(hlo_text: str, n_devices: int, collectives: list[hlo.CollectiveOp] |
             kind = ins.opcode.removesuffix("-start")
             if ins.name in op_index:  # a collective, sync or the start of an async one
                 events.append(Event("start" if ins.opcode.endswith("-start") else "sync", op=op_index[ins.name]))
+                continue
+            if ins.opcode in ASYNC_COPIES:  # to or from host memory (offloaded activations), asynchronously
+                events.append(Event("copy_start", kernel=Kernel(ins.name, "copy", 0.0, reader.copied(ins),
+                                                                 times=times.get(comp, 1))))
+                continue
+            if ins.opcode in ("copy-done", "dynamic-slice-done", "dynamic-update-slice-done") and ins.operands:
+                events.append(Event("copy_done", computation=ins.operands[0]))
                 continue
             if ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in op_index:
                 events.append(Event("done", op=op_index[ins.operands[0]]))

@@ -33,6 +33,7 @@ class Rates:
     peak_flops: float  # dense, the compute dtype's (what an unmeasured GEMM or attention reaches)
     hbm_bytes_per_s: float
     launch_s: float = 0.0
+    host_bytes_per_s: float = 64e9  # between the device and host memory, one direction (PCIe Gen5 x16)
     gemm: dict | None = None  # {(m, n, k): {"bf16": FLOP/s, "f32": FLOP/s}}
     attention: dict | None = None  # {"seq": [...], "forward": {head_dim: [...]}, "backward": {...}}
     collectives: dict | None = None  # {(kind, group size): [(bytes, bytes/s)] sorted}
@@ -109,7 +110,8 @@ def table(name: str) -> dict:
         return tomllib.load(f)
 
 
-def from_table(name: str, peak_flops: float, hbm_bytes_per_s: float | None = None) -> Rates:
+def from_table(name: str, peak_flops: float, hbm_bytes_per_s: float | None = None,
+               host_bytes_per_s: float = 64e9) -> Rates:
     """Rates of target `name` (an efficiency file) whose compute dtype peaks at `peak_flops`; `hbm_bytes_per_s`
     replaces the file's HBM bandwidth (an H200 is an H100 with faster memory)."""
     t = table(name)
@@ -126,9 +128,10 @@ def from_table(name: str, peak_flops: float, hbm_bytes_per_s: float | None = Non
     attention = t.get("attention") if "seq" in t.get("attention", {}) else None
     sources = tuple(s for section in t.values() if isinstance(section, dict) and (s := section.get("source")))
     return Rates(t.get("name", name), peak_flops, hbm_bytes_per_s or float(t["hbm"]["bytes_per_s"]),
-                 float(t.get("launch_s", 0.0)), gemm, attention, collectives, sources)
+                 float(t.get("launch_s", 0.0)), host_bytes_per_s, gemm, attention, collectives, sources)
 
 
-def from_figures(name: str, peak_flops: float, hbm_bytes_per_s: float, source: str) -> Rates:
+def from_figures(name: str, peak_flops: float, hbm_bytes_per_s: float, source: str,
+                 host_bytes_per_s: float = 64e9) -> Rates:
     """Rates from two figures (a datasheet's, or measured on this host): every GEMM at `peak_flops`."""
-    return Rates(name, peak_flops, hbm_bytes_per_s, sources=(source,))
+    return Rates(name, peak_flops, hbm_bytes_per_s, host_bytes_per_s=host_bytes_per_s, sources=(source,))

@@ -16,6 +16,9 @@ Design choices:
 - `Estimate.compute_s` is the kernels' time, `comm_s` the collectives' time left exposed, so that
   `compute_s + comm_s` is the step. `comm_total_s` is every collective's time, hidden or not.
 - Collectives the schedule does not place (a rewrite merged or renamed them) are charged exposed.
+- Asynchronous copies to and from host memory (offloaded activations) run on a third stream, the copy engine, at
+  the host link's bandwidth; a `copy-done` reached early waits. Their waiting counts as exposed, like a
+  collective's.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class _Timeline:
         if computation in self.runs:
             return self.runs[computation]
         r, clock, stream_free, finish = _Run(), 0.0, 0.0, {}
+        copies_free, copied = 0.0, {}  # the copy engine: asynchronous copies to and from host memory
         for e in self.program.schedules.get(computation, []):
             if e.what == "kernel":
                 t = kernel_seconds(e.kernel, self.rates)
@@ -98,7 +102,13 @@ class _Timeline:
                     finish[e.op] = stream_free
             elif e.what == "done":
                 clock = max(clock, finish.pop(e.op, clock))
-        r.seconds = max([clock] + list(finish.values()))
+            elif e.what == "copy_start":
+                copies_free = max(clock, copies_free) + e.kernel.bytes / self.rates.host_bytes_per_s
+                copied[e.kernel.name] = copies_free
+                r.by_kind["copy"] = r.by_kind.get("copy", 0.0)  # (hidden or exposed: in the wall time)
+            elif e.what == "copy_done":
+                clock = max(clock, copied.pop(e.computation, clock))
+        r.seconds = max([clock] + list(finish.values()) + list(copied.values()))
         self.runs[computation] = r
         return r
 
