@@ -87,21 +87,18 @@ def _shape_dims(shape_text: str) -> tuple[str, list[int]]:
 
 
 def _config(ins: hlo._Instruction) -> dict:
-    m = re.search(r"backend_config=(\{.*\})\s*$", ins.attrs) or re.search(r"backend_config=(\{.*\})", ins.attrs)
-    if not m:
+    """An instruction's `backend_config` JSON (empty if it has none or it does not parse)."""
+    start = ins.attrs.find("backend_config={")
+    if start < 0:
         return {}
-    text = m.group(1)
-    try:
-        return json.loads(text)
-    except ValueError:  # other attributes after it: cut at the brace that closes it
-        depth = 0
-        for i, ch in enumerate(text):
-            depth += {"{": 1, "}": -1}.get(ch, 0)
-            if depth == 0:
-                try:
-                    return json.loads(text[:i + 1])
-                except ValueError:
-                    return {}
+    text, depth = ins.attrs[start + len("backend_config="):], 0
+    for i, ch in enumerate(text):  # the object ends at the brace that closes it: attributes may follow
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth == 0:
+            try:
+                return json.loads(text[:i + 1])
+            except ValueError:
+                return {}
     return {}
 
 
