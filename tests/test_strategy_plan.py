@@ -342,6 +342,9 @@ def test_plan_cli_simulates_more_devices_than_the_host_and_emits_json():
         assert set(r) >= {"mesh", "bytes_per_device", "collectives", "flops", "fits", "est_step_s"}
         assert set(r["bytes_per_device"]) >= {"params", "optimizer", "total"}
         assert r["fits"] is True and r["est_step_s"] > 0 and r["flops"] > 0
+        # the step: its kernels (by kind) and the collectives XLA:CPU runs unhidden
+        assert r["est_step_s"] == pytest.approx(sum(r["est_kernels_s"].values()) + r["est_comm_s"])
+        assert r["est_kernels_s"]["gemm"] > 0 and r["est_comm_total_s"] == pytest.approx(r["est_comm_s"])
         assert all(set(c) == {"kind", "count", "bytes"} for c in r["collectives"])
     fsdp16 = next(r for r in rows if r["mesh"] == {"stage": 1, "data": 1, "fsdp": 16, "expert": 1, "context": 1, "tensor": 1})
     dp16 = next(r for r in rows if r["mesh"] == {"stage": 1, "data": 16, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1})

@@ -137,7 +137,9 @@ class StrategyPlan:
             "est_mfu": self.mfu(self.est.step_s, hardware) if hardware else None,
             "est_step_s": self.est.step_s,
             "est_compute_s": self.est.compute_s,
-            "est_comm_s": self.est.comm_s,
+            "est_comm_s": self.est.comm_s,  # the collectives' time left exposed by the schedule
+            "est_comm_total_s": self.est.comm_total_s,  # hidden or not
+            "est_kernels_s": self.est.by_kind,  # the kernels' time by kind: gemm, attention, memory
             "overrides": self.overrides(),
         }
 
