@@ -6,7 +6,7 @@ over the devices (the local ones, or a target's abstract ones: `--target h100 --
 is laid out abstractly (nothing allocated), and the train step `shardlm train` would run is lowered and compiled
 by the compiler of the devices it is for. The report says what that compiler found: bytes per device and whether
 they fit, the collectives of the step, its FLOPs, the compiler's own estimate of its time and the MFU it implies,
-beside shardlm's cost model. Nothing is written: no run directory, no checkpoint.
+beside shardlm's estimate (`shardlm.perf.timeline`). Nothing is written: no run directory, no checkpoint.
 
 A step the compiler refuses for its memory (XLA:TPU does) is reported, not raised: "does not fit" is an answer.
 """
@@ -45,7 +45,7 @@ class CompileReport:
     params: int  # bytes per device
     optimizer: int
     model_flops: float  # per step, all devices
-    est: Estimate  # shardlm's cost model
+    est: Estimate  # shardlm's estimate: the per-kernel timeline
     attention: str = ""  # the kernel the step compiled with, and why (`models.layers.attention_summary`)
 
     @property
@@ -140,7 +140,9 @@ def format_report(r: CompileReport) -> str:
         lines.append(f"{compiler}'s estimate of the step: {_seconds(s.compiler_s)}{_percent(r.mfu(s.compiler_s))}"
                      + (" (it gives none for a program of one device)" if s.compiler_s is None and s.platform == "gpu"
                         and r.devices == 1 else ""))
-    lines.append(f"shardlm's cost model: {_seconds(r.est.step_s)}{_percent(r.mfu(r.est.step_s))} = "
-                 f"{_seconds(r.est.compute_s)} compute at {hw.peak_flops / 1e12:g} TFLOP/s + "
-                 f"{_seconds(r.est.comm_s)} collectives ({hw.name})")
+    kinds = ", ".join(f"{k} {_seconds(v)}" for k, v in sorted(r.est.by_kind.items(), key=lambda kv: -kv[1]) if v)
+    lines.append(f"shardlm's estimate: {_seconds(r.est.step_s)}{_percent(r.mfu(r.est.step_s))} = "
+                 f"{_seconds(r.est.compute_s)} of kernels{f' ({kinds})' if kinds else ''} + "
+                 f"{_seconds(r.est.comm_s)} of collectives the schedule leaves exposed, of "
+                 f"{_seconds(r.est.comm_total_s)} ({hw.name})")
     return "\n".join(lines)
