@@ -36,7 +36,7 @@ import dataclasses
 from shardlm.errors import ShardlmError
 from shardlm.flops import table_peak
 from shardlm.perf.hlo import CollectiveOp
-from shardlm.perf.rates import Rates, from_figures, from_table
+from shardlm.perf.rates import Rates, from_table
 from shardlm.units import format_rate, parse_rate
 
 
@@ -58,8 +58,8 @@ class Hardware:
         peak and memory bandwidth (`shardlm.perf.rates`)."""
         if self.efficiency:
             return from_table(self.efficiency, self.peak_flops, self.memory_bw, self.host_link_bw)
-        return from_figures(self.name, self.peak_flops, self.memory_bw, f"{self.name}: peak and memory bandwidth",
-                            self.host_link_bw)
+        # no table: every kernel at the peak and the memory bandwidth
+        return Rates(self.peak_flops, self.memory_bw, host_bytes_per_s=self.host_link_bw)
 
     @property
     def host_bw(self) -> float:

@@ -218,12 +218,11 @@ class _Reader:
         passes = 1.5 if "_dq" in name else 2.0 if "_dkv" in name else 1.0 if "_fwd" in name else None
         if passes is None or "splash" not in name:
             return None
-        arrays = [d for text in [ins.shape] + [self.shape(o) for o in ins.operands]
+        arrays = [(d, t) for text in [ins.shape] + [self.shape(o) for o in ins.operands]
                   for t, dims in hlo._ARRAY.findall(text) if len(d := hlo._ints(dims)) == 4 and t in ("bf16", "f32")]
         if not arrays:
             return None
-        b, h, t, d = max(arrays, key=math.prod)
-        dtype = _shape_dims(self.shape(ins.operands[0]))[0] if ins.operands else ""
+        (b, h, t, d), dtype = max(arrays, key=lambda a: math.prod(a[0]))  # the queries' (or outputs') dtype
         return 2.0 * b * h * t * t * d * passes, (t, t, d, int(passes > 1)), dtype
 
     # --- bytes -------------------------------------------------------------------------------------------------
@@ -334,7 +333,7 @@ class _Reader:
             flops = float(estimate.get("flops", 0.0))
             nbytes = float(estimate.get("bytes_accessed", nbytes))
             kind = "attention" if re.search(r"attention|splash|flash", hlo._op_name(ins)) else "gemm"
-            dtype, q = _shape_dims(self.shape(ins.operands[0])) if ins.operands else ("", [])
+            dtype = _shape_dims(self.shape(ins.operands[0]))[0] if ins.operands else ""
             return Kernel(ins.name, kind if flops else "memory", flops, nbytes, dtype, (), times)
         return Kernel(ins.name, "memory", 0.0, nbytes, times=times)
 

@@ -8,8 +8,8 @@ file per target, each figure with the published measurement it comes from.
 - HBM: one bandwidth; a memory-bound kernel moves its bytes at it.
 - Collectives within a host: the table's throughput for that kind and group size, interpolated over log2 bytes;
   across hosts, the network's bandwidth (`shardlm.perf.costmodel.split_traffic`) plus a latency.
-- A target without a table entry (TPUs' GEMMs, a CPU host) gets the figure a datasheet or a measurement on this
-  host gives, at efficiency 1: `Rates.source` says which.
+- A target without a table (TPUs, A100s, a CPU host) gets the figures a datasheet or a measurement on this host
+  gives, at efficiency 1 (`Hardware.rates`; the hardware's description says which).
 - Every kernel costs at least `launch_s` (XLA:GPU's performance model charges 1 us per kernel launch,
   `kKernelLaunchOverhead` in gpu_performance_model_base.h).
 """
@@ -24,20 +24,22 @@ import tomllib
 from pathlib import Path
 
 TABLES = Path(__file__).with_name("efficiency")
-_GEMM_EDGES = (256, 4096)
 
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    name: str
     peak_flops: float  # dense, the compute dtype's (what an unmeasured GEMM or attention reaches)
     hbm_bytes_per_s: float
     launch_s: float = 0.0
     host_bytes_per_s: float = 64e9  # between the device and host memory, one direction (PCIe Gen5 x16)
-    gemm: dict | None = None  # {(m, n, k): {"bf16": FLOP/s, "f32": FLOP/s}}
+    gemm: dict | None = None  # {(m, n, k): {"bf16": FLOP/s, "f32": FLOP/s}} over a grid of sizes (the same per dim)
     attention: dict | None = None  # {"seq": [...], "forward": {head_dim: [...]}, "backward": {...}}
     collectives: dict | None = None  # {(kind, group size): [(bytes, bytes/s)] sorted}
-    sources: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def _gemm_grid(self) -> list[int]:
+        """The sizes the GEMM table measured each of M, N and K at, ascending."""
+        return sorted({m for m, _, _ in self.gemm})
 
     # --- GEMMs -------------------------------------------------------------------------------------------------
     def gemm_flops_per_s(self, dtype: str, batch: int, m: int, n: int, k: int) -> float:
@@ -46,14 +48,15 @@ class Rates:
             return self.peak_flops
         column = "f32" if dtype in ("f32", "f64") else "bf16"
         scale = 2.0 if dtype.startswith("f8") else 1.0  # FP8 tensor cores: twice bf16's rate
-        lo, hi = _GEMM_EDGES
+        lo, hi = self._gemm_grid[0], self._gemm_grid[-1]
         dims = [max(batch, 1) * m, n, k]
         shrink = math.prod(min(1.0, d / lo) for d in dims)  # below the grid: the edge's time, not less
         logs = [math.log2(min(max(d, lo), hi)) for d in dims]
         return scale * shrink * self._trilinear(column, logs)
 
     def _trilinear(self, column: str, logs: list[float]) -> float:
-        grid = [math.log2(x) for x in (256, 512, 1024, 2048, 4096)]
+        sizes = self._gemm_grid
+        grid = [math.log2(x) for x in sizes]
         corners = []
         for x in logs:
             i = min(max(bisect.bisect_right(grid, x) - 1, 0), len(grid) - 2)
@@ -66,7 +69,7 @@ class Rates:
                          * (corners[2][1] if c else 1 - corners[2][1]))
                     if w == 0:
                         continue
-                    key = tuple(256 * 2 ** (corners[d][0] + e) for d, e in enumerate((a, b, c)))
+                    key = tuple(sizes[corners[d][0] + e] for d, e in enumerate((a, b, c)))
                     total += w * math.log2(self.gemm[key][column])
         return 2 ** total  # interpolated in log space: throughput spans two orders of magnitude
 
@@ -110,6 +113,7 @@ def table(name: str) -> dict:
         return tomllib.load(f)
 
 
+@functools.lru_cache(maxsize=None)  # a plan costs every strategy with the same hardware's rates
 def from_table(name: str, peak_flops: float, hbm_bytes_per_s: float | None = None,
                host_bytes_per_s: float = 64e9) -> Rates:
     """Rates of target `name` (an efficiency file) whose compute dtype peaks at `peak_flops`; `hbm_bytes_per_s`
@@ -126,12 +130,5 @@ def from_table(name: str, peak_flops: float, hbm_bytes_per_s: float | None = Non
                 collectives.setdefault((kind, int(group)), []).append((float(nbytes), float(rate)))
         collectives = {k: sorted(v) for k, v in collectives.items()}
     attention = t.get("attention") if "seq" in t.get("attention", {}) else None
-    sources = tuple(s for section in t.values() if isinstance(section, dict) and (s := section.get("source")))
-    return Rates(t.get("name", name), peak_flops, hbm_bytes_per_s or float(t["hbm"]["bytes_per_s"]),
-                 float(t.get("launch_s", 0.0)), host_bytes_per_s, gemm, attention, collectives, sources)
-
-
-def from_figures(name: str, peak_flops: float, hbm_bytes_per_s: float, source: str,
-                 host_bytes_per_s: float = 64e9) -> Rates:
-    """Rates from two figures (a datasheet's, or measured on this host): every GEMM at `peak_flops`."""
-    return Rates(name, peak_flops, hbm_bytes_per_s, host_bytes_per_s=host_bytes_per_s, sources=(source,))
+    return Rates(peak_flops, hbm_bytes_per_s or float(t["hbm"]["bytes_per_s"]), float(t.get("launch_s", 0.0)),
+                 host_bytes_per_s, gemm, attention, collectives)

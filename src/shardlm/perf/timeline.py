@@ -105,7 +105,6 @@ class _Timeline:
             elif e.what == "copy_start":
                 copies_free = max(clock, copies_free) + e.kernel.bytes / self.rates.host_bytes_per_s
                 copied[e.kernel.name] = copies_free
-                r.by_kind["copy"] = r.by_kind.get("copy", 0.0)  # (hidden or exposed: in the wall time)
             elif e.what == "copy_done":
                 clock = max(clock, copied.pop(e.computation, clock))
         r.seconds = max([clock] + list(finish.values()) + list(copied.values()))
