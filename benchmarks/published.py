@@ -16,9 +16,8 @@ Everything here is "compiled for", not "measured on".
 import argparse
 import statistics
 import sys
-import time
 
-from targets import LLAMA_8B  # the Llama 3.1 8B shape
+from targets import LLAMA_8B, compile_for  # the Llama 3.1 8B shape, and how a case compiles
 
 LLAMA_70B = ["model=llama-1b", "model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8",
              "model.d_mlp=28672", "model.tie_embeddings=false"]
@@ -93,18 +92,9 @@ ROWS = [
 
 
 def run(row) -> dict:
-    from shardlm.accelerator import compiling_for
-    from shardlm.config import load_config
-    from shardlm.perf import targets
-    from shardlm.perf.compile_only import compile_train_step
-
     key, framework, hardware, what, name, devices, hosts, overrides, published, source = row
-    target = targets.get(name)
-    with compiling_for(target.accelerator):
-        cfg = load_config(None, overrides)
-    t0 = time.perf_counter()
-    report = compile_train_step(cfg, target=target, n_devices=devices, hosts=hosts)
-    return {"row": row, "report": report, "wall_s": time.perf_counter() - t0}
+    report, wall_s = compile_for(name, devices, overrides, hosts)
+    return {"row": row, "report": report, "wall_s": wall_s}
 
 
 def _work(report) -> float:
@@ -120,13 +110,12 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated row keys: " + ", ".join(r[0] for r in ROWS))
     args = ap.parse_args()
     from shardlm.accelerator import cpu_unless_accelerator, start_cpu_quietly
+    from shardlm.errors import ShardlmError
 
     if cpu_unless_accelerator():
         start_cpu_quietly()
     keys = args.only.split(",") if args.only else [r[0] for r in ROWS]
     results = []
-    from shardlm.errors import ShardlmError
-
     for row in (r for r in ROWS if r[0] in keys):
         print(f"compiling {row[1]}: {row[3]} on {row[2]} ...", file=sys.stderr, flush=True)
         try:

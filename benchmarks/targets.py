@@ -46,20 +46,26 @@ CASES = [
 ]
 
 
-def run(case) -> dict:
+def compile_for(name: str, devices: int, overrides: list[str], hosts: int | None = None):
+    """(report, seconds): the train step of the config `overrides` give (with target `name`'s defaults) compiled
+    for `devices` of that target over `hosts` (`shardlm.perf.compile_only`). Also benchmarks/published.py's."""
     from shardlm.accelerator import compiling_for
     from shardlm.config import load_config
     from shardlm.perf import targets
     from shardlm.perf.compile_only import compile_train_step
 
-    key, what, name, devices, overrides, published, source = case
     target = targets.get(name)
     with compiling_for(target.accelerator):
         cfg = load_config(None, overrides)
     t0 = time.perf_counter()
-    r = compile_train_step(cfg, target=target, n_devices=devices)
-    return {"key": key, "what": what, "wall_s": time.perf_counter() - t0, "report": r, "published": published,
-            "source": source}
+    report = compile_train_step(cfg, target=target, n_devices=devices, hosts=hosts)
+    return report, time.perf_counter() - t0
+
+
+def run(case) -> dict:
+    key, what, name, devices, overrides, published, source = case
+    r, wall_s = compile_for(name, devices, overrides)
+    return {"key": key, "what": what, "wall_s": wall_s, "report": r, "published": published, "source": source}
 
 
 def _s(x):
