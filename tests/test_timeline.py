@@ -179,3 +179,30 @@ ENTRY %main (a: bf16[4096,4096], b: bf16[4096,4096], buf: bf16[32,1024,4096], i:
     assert copy_s < gemm_s
     assert timeline.estimate(hidden, 1, H100, RATES).step_s == pytest.approx(2 * gemm_s)
     assert timeline.estimate(exposed, 1, H100, RATES).step_s == pytest.approx(copy_s + gemm_s)
+
+
+def test_a_conditional_costs_its_costliest_branch_once():
+    """One branch of a conditional runs (the ring's two zigzag cases, a causal block computed or skipped): the
+    step is charged the costlier branch, not both."""
+    branches = GEMM + ADD + """
+%matmul_branch (mp: (bf16[4096,4096], f32[8192,8192])) -> bf16[4096,4096] {
+  %mp = (bf16[4096,4096]{1,0}, f32[8192,8192]{1,0}) parameter(0)
+  %ma = bf16[4096,4096]{1,0} get-tuple-element(%mp), index=0
+  ROOT %mm = bf16[4096,4096]{1,0} fusion(%ma, %ma), kind=kCustom, calls=%gemm_computation
+}
+
+%add_branch (ap: (bf16[4096,4096], f32[8192,8192])) -> bf16[4096,4096] {
+  %ap = (bf16[4096,4096]{1,0}, f32[8192,8192]{1,0}) parameter(0)
+  %ax = f32[8192,8192]{1,0} get-tuple-element(%ap), index=1
+  %as = f32[8192,8192]{1,0} fusion(%ax, %ax), kind=kLoop, calls=%add_computation
+  ROOT %aa = bf16[4096,4096]{1,0} get-tuple-element(%ap), index=0
+}
+"""
+    p = _program("""  %which = s32[] constant(1)
+  %operands = (bf16[4096,4096]{1,0}, f32[8192,8192]{1,0}) tuple(%a, %x)
+  ROOT %picked = bf16[4096,4096]{1,0} conditional(%which, %operands, %operands), branch_computations={%matmul_branch, %add_branch}""", branches)
+    gemm, add = sorted(p.kernels(), key=lambda k: k.kind)
+    assert (gemm.kind, add.kind) == ("gemm", "memory")
+    costs = timeline.kernel_seconds(gemm, RATES), timeline.kernel_seconds(add, RATES)
+    assert 0.5 < costs[0] / costs[1] < 2  # comparable, so the sum is far from the max
+    assert _step(p) == pytest.approx(max(costs), rel=1e-9)

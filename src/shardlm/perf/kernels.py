@@ -3,8 +3,8 @@ the step-time model (`shardlm.perf.timeline`) costs.
 
 The source is the optimised HLO text of a compiled step (XLA:GPU's, XLA:TPU's or XLA:CPU's `as_text()`), which is
 scheduled (`is_scheduled=true`): each computation lists its instructions in the order they run. A computation is
-*executed* if the entry runs it: the entry itself, `while` bodies (times their trip count), conditional branches,
-`call`s and the computations of non-collective async ops. Every other computation belongs to one instruction
+*executed* if the entry runs it: the entry itself, `while` bodies (times their trip count), conditional branches
+(one of them runs: the timeline charges the costliest), `call`s and the computations of non-collective async ops. Every other computation belongs to one instruction
 (a fusion's body, a reducer) and is read only to cost that instruction.
 
 Design choices:
@@ -61,11 +61,13 @@ class Event:
     """One step of a computation's schedule: a kernel, a collective starting / being waited for (`op` indexes
     `Program.collectives`), or a nested computation run `times` times per run of this one."""
 
-    what: str  # "kernel", "start", "done", "sync", "call", "copy_start", "copy_done" (`computation`: its start)
+    what: str  # "kernel", "start", "done", "sync", "call", "branches", "copy_start", "copy_done" (`computation`:
+    # its start)
     kernel: Kernel | None = None
     op: int = -1
     computation: str = ""
     times: int = 1
+    branches: tuple[str, ...] = ()  # "branches": a conditional's computations, one of which runs
 
 
 @dataclasses.dataclass
@@ -400,9 +402,9 @@ def program(hlo_text: str, n_devices: int, collectives: list[hlo.CollectiveOp] |
                     pending.append(body.group(1))
                 continue
             if ins.opcode == "conditional":
-                for branch in hlo.branches(ins):  # each branch at most once: costed as if each ran
-                    events.append(Event("call", computation=branch))
-                    pending.append(branch)
+                branches = tuple(hlo.branches(ins))
+                events.append(Event("branches", branches=branches))
+                pending.extend(branches)
                 continue
             if ins.opcode == "async-start" and (wrapped := _wrapped_collective(reader, ins, op_index)) is not None:
                 started[ins.name] = wrapped  # XLA:GPU's async reduce-scatter / all-to-all

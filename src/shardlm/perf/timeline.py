@@ -11,8 +11,9 @@ Design choices:
   scheduler and XLA:TPU's place those, so the overlap is the compiler's own. A collective's time that falls
   under kernels scheduled between its start and done is hidden; a `-done` reached before the collective finishes
   waits. A synchronous collective (XLA:CPU's) waits for the stream and blocks.
-- A loop body's time counts once per iteration (its trip count); a conditional's branches each count once (an
-  upper bound: only one runs).
+- A loop body's time counts once per iteration (its trip count). A conditional costs its costliest branch: one
+  branch runs, and which one is data (the ring's two cases on different devices are equal work; a causal
+  kernel's skip-or-compute block is charged as computed, the same as counting every branch).
 - `Estimate.compute_s` is the kernels' time, `comm_s` the collectives' time left exposed, so that
   `compute_s + comm_s` is the step. `comm_total_s` is every collective's time, hidden or not.
 - Collectives the schedule does not place (a rewrite merged or renamed them) are charged exposed.
@@ -84,8 +85,11 @@ class _Timeline:
                 clock += t
                 r.compute += t
                 r.by_kind[e.kernel.kind] = r.by_kind.get(e.kernel.kind, 0.0) + t
-            elif e.what == "call" and e.computation not in stack:
-                inner = self.run(e.computation, stack + (computation,))
+            elif e.what in ("call", "branches"):
+                called = [c for c in e.branches or (e.computation,) if c not in stack]
+                if not called:
+                    continue
+                inner = max((self.run(c, stack + (computation,)) for c in called), key=lambda run: run.seconds)
                 clock += inner.seconds * e.times
                 r.compute += inner.compute * e.times
                 r.comm += inner.comm * e.times
