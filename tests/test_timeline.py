@@ -206,3 +206,32 @@ def test_a_conditional_costs_its_costliest_branch_once():
     costs = timeline.kernel_seconds(gemm, RATES), timeline.kernel_seconds(add, RATES)
     assert 0.5 < costs[0] / costs[1] < 2  # comparable, so the sum is far from the max
     assert _step(p) == pytest.approx(max(costs), rel=1e-9)
+
+
+def test_an_unannotated_loop_counts_its_trips_from_its_condition_and_its_step():
+    """XLA:TPU leaves a windowed einsum's loop (an FSDP all-gather fused with its matmul) without a trip count and
+    unrolls it by two: `i < 8` stepping by 2 runs 4 times, not 8."""
+    loop = GEMM + ADD + """
+%body (state: (s32[], bf16[4096,4096])) -> (s32[], bf16[4096,4096]) {
+  %state = (s32[], bf16[4096,4096]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %h = bf16[4096,4096]{1,0} get-tuple-element(%state), index=1
+  %next = bf16[4096,4096]{1,0} fusion(%h, %h), kind=kCustom, calls=%gemm_computation
+  %two = s32[] constant(2)
+  %i2 = s32[] add(%i, %two)
+  ROOT %t = (s32[], bf16[4096,4096]{1,0}) tuple(%i2, %next)
+}
+
+%cond (cstate: (s32[], bf16[4096,4096])) -> pred[] {
+  %cstate = (s32[], bf16[4096,4096]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%cstate), index=0
+  %eight = s32[] constant(8)
+  ROOT %c = pred[] compare(%ci, %eight), direction=LT
+}
+"""
+    p = _program("""  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4096,4096]{1,0}) tuple(%zero, %a)
+  %loop = (s32[], bf16[4096,4096]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %last = bf16[4096,4096]{1,0} get-tuple-element(%loop), index=1""", loop)
+    (k,) = [k for k in p.kernels() if k.kind == "gemm"]
+    assert k.times == 4

@@ -187,9 +187,11 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
 
 
 def _counted_trips(loop: _Instruction, instructions: list[_Instruction]) -> int | None:
-    """The trip count of a `while` XLA left unannotated (XLA:GPU's gradient-accumulation loop): its condition
-    compares the induction variable with a constant (`i < N`, in the condition or a fusion it calls), counting
-    from the constant the loop's initial tuple holds (0 if it is not one)."""
+    """The trip count of a `while` XLA left unannotated (XLA:GPU's gradient-accumulation loop, XLA:TPU's windowed
+    einsums): its condition compares the induction variable with a constant (`i < N`, in the condition or a
+    fusion it calls), counting from the constant the loop's initial tuple holds (0 if it is not one) in steps of
+    the constant the body adds to it (1 if it adds none: XLA:TPU unrolls a windowed einsum's loop by two and
+    steps by 2)."""
     cond = re.search(r"condition=%([\w.\-]+)", loop.attrs)
     if not cond:
         return None
@@ -203,21 +205,38 @@ def _counted_trips(loop: _Instruction, instructions: list[_Instruction]) -> int 
         m = re.match(r"\s*(-?\d+)\s*$", c.args) if c is not None and c.opcode == "constant" else None
         return int(m.group(1)) if m else None
 
-    comps, limit = [cond.group(1)], None
+    def tuple_index(name: str) -> int | None:
+        g = by_name.get(name)
+        m = re.search(r"index=(\d+)", g.attrs) if g is not None and g.opcode == "get-tuple-element" else None
+        return int(m.group(1)) if m else None
+
+    comps, limit, counter = [cond.group(1)], None, None
     while comps and limit is None:
         for i in by_comp.get(comps.pop(), []):
             if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2:
-                limit = constant(i.operands[1])
+                limit, counter = constant(i.operands[1]), tuple_index(i.operands[0])
             elif i.opcode == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", i.attrs)):
                 comps.append(called.group(1))
     if limit is None:
         return None
-    start = 0
+    known = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', loop.attrs)
+    if counter is None and known:
+        counter = int(known.group(1))
+    start, step = 0, 1
     init = by_name.get(loop.operands[0]) if loop.operands else None
-    index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', loop.attrs)
-    if init is not None and init.opcode == "tuple" and index and int(index.group(1)) < len(init.operands):
-        start = constant(init.operands[int(index.group(1))]) or 0
-    return max(limit - start, 1)
+    if counter is not None and init is not None and init.opcode == "tuple" and counter < len(init.operands):
+        start = constant(init.operands[counter]) or 0
+    body = re.search(r"body=%([\w.\-]+)", loop.attrs)
+    root = next((i for i in by_comp.get(body.group(1), []) if i.root), None) if body else None
+    if counter is not None and root is not None and root.opcode == "tuple" and counter < len(root.operands):
+        update = by_name.get(root.operands[counter])
+        if update is not None and update.opcode == "add" and len(update.operands) == 2:
+            a, b = update.operands
+            if tuple_index(a) == counter and (c := constant(b)):
+                step = c
+            elif tuple_index(b) == counter and (c := constant(a)):
+                step = c
+    return max(-(-(limit - start) // max(step, 1)), 1)
 
 
 def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = True) -> list[CollectiveOp]:
