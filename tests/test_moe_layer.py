@@ -30,10 +30,10 @@ BATCH, SEQ = 16, 8
 PARAMS = ("router", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
 
 
-def make_layer(num_experts: int, shared: bool, seed: int = 0) -> MoeMLP:
+def make_layer(num_experts: int, shared: bool, seed: int = 0, kernel: str = "auto") -> MoeMLP:
     with nnx.use_eager_sharding(False):  # placed by the rule table (`state_shardings`), as the trainer does
         return MoeMLP(D_MODEL, D_FF, num_experts, TOP_K, shared_expert=shared, n_layers=2, dtype=jnp.float32,
-                      param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+                      param_dtype=jnp.float32, rngs=nnx.Rngs(seed), kernel=kernel)
 
 
 def make_x(seed: int = 1) -> jax.Array:
@@ -53,7 +53,8 @@ def reference_moe(x, router, w_gate, w_up, w_down, top_k, shared=None):
     n = xf.shape[0]
     probs = jax.nn.softmax(xf @ router, axis=-1)
     top_w, top_e = jax.lax.top_k(probs, top_k)
-    top_w = top_w / top_w.sum(-1, keepdims=True)
+    if top_k > 1:  # Mixtral's renormalised weights; one expert keeps its probability (Switch Transformer's)
+        top_w = top_w / top_w.sum(-1, keepdims=True)
     out = jnp.zeros_like(xf)
     for e in range(w_gate.shape[0]):
         hit = top_e == e
@@ -117,10 +118,13 @@ def assert_grads_close(layer_grads: dict, ref_grads: dict, rel=1e-5):
 # --- one device against the per-expert loop ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_experts", [4, 8])
-@pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
-def test_layer_matches_reference(num_experts, shared):
-    layer, x = make_layer(num_experts, shared), make_x()
+# The grouped kernels (`shardlm.kernels.grouped`: GPUs' Triton kernel and TPUs' Megablox, both interpreted here)
+# on one case each; XLA's ragged_dot (the CPU's) on all four.
+@pytest.mark.parametrize("num_experts, shared, kernel", [(4, False, "auto"), (8, False, "auto"), (4, True, "auto"),
+                                                         (8, True, "auto"), (8, True, "triton"),
+                                                         (8, True, "megablox")])
+def test_layer_matches_reference(num_experts, shared, kernel):
+    layer, x = make_layer(num_experts, shared, kernel=kernel), make_x()
     graphdef, state = nnx.split(layer)
     value, y, stats, g_state, g_x = layer_loss_fn(graphdef, 0.0)(state, x)
     ref_value, ref_y, ref_g, ref_gx = reference_loss_and_grads(weights_of(layer), x)
@@ -132,9 +136,11 @@ def test_layer_matches_reference(num_experts, shared):
     assert float(stats.expert_tokens.sum()) == BATCH * SEQ * TOP_K
 
 
-def test_expert_without_tokens():
-    """Expert 3's router column is -10 on a feature that is always 1 and 0 elsewhere: it is never in the top 2."""
-    layer, unused = make_layer(4, shared=False), 3
+@pytest.mark.parametrize("kernel", ["auto", "triton", "megablox"])
+def test_expert_without_tokens(kernel):
+    """Expert 3's router column is -10 on a feature that is always 1 and 0 elsewhere: it is never in the top 2.
+    Its group is empty in every grouped kernel: a zero output and an exactly zero gradient."""
+    layer, unused = make_layer(4, shared=False, kernel=kernel), 3
     x = make_x().at[..., 0].set(1.0)
     layer.router[...] = layer.router[...].at[:, unused].set(0.0).at[0, unused].set(-10.0)
     graphdef, state = nnx.split(layer)
@@ -148,6 +154,26 @@ def test_expert_without_tokens():
     assert_grads_close(grads, ref_g)
     for name in ("w_gate", "w_up", "w_down"):
         assert np.all(np.asarray(grads[name][unused]) == 0.0), name
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_router_learns_from_the_language_model_loss_alone(top_k):
+    """With the load-balancing loss off, the router's gradient comes from the output alone: non-zero for one expert
+    per token too (a renormalised single weight would be 1.0 whatever the router said), and the reference's."""
+    with nnx.use_eager_sharding(False):
+        layer = MoeMLP(D_MODEL, D_FF, 4, top_k, shared_expert=False, n_layers=2, dtype=jnp.float32,
+                       param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    x = make_x()
+    _, y, _, g_state, _ = layer_loss_fn(graphdef, 0.0)(state, x)
+    router_grad = np.asarray(nnx.merge(graphdef, g_state).router[...])
+    assert np.abs(router_grad).max() > 0  # exactly 0 when one weight was renormalised to 1.0
+
+    def reference_loss(router):
+        w = weights_of(layer)
+        return jnp.sum(reference_moe(x, router, w["w_gate"], w["w_up"], w["w_down"], top_k) ** 2)
+
+    assert_close(router_grad, jax.grad(reference_loss)(layer.router[...]), what="d loss / d router")
 
 
 # --- the load-balancing loss ------------------------------------------------------------------------------------
@@ -266,3 +292,21 @@ def test_expert_parallel_is_dropless_under_skew(one_device):
     assert_close(g_x_ep, g_x, what="d loss / d x")
     assert_grads_close(weights_of(nnx.merge(graphdef, g_state_ep)), weights_of(nnx.merge(graphdef, g_state)))
     np.testing.assert_array_equal(np.asarray(stats_ep.expert_tokens), np.asarray(stats.expert_tokens))
+
+
+@pytest.mark.parametrize("kernel", ["triton", "megablox"])
+def test_grouped_kernels_under_expert_parallelism_match_one_device(one_device, kernel):
+    """EP 2 x FSDP 2 x TP 2 with a grouped kernel (interpreted) on the received exchange buffer, whose rows past
+    the groups are padding: the same loss and gradients as one device with XLA's ragged_dot."""
+    graphdef, state = nnx.split(make_layer(8, shared=True, kernel=kernel))  # the same seed: the same weights
+    mesh = make_mesh(data=1, fsdp=2, expert=2, tensor=2, devices=jax.devices()[:8])
+    state = jax.device_put(state, state_shardings(state, mesh))
+    x = one_device["x"]
+    x = jax.device_put(x, NamedSharding(mesh, logical_to_spec(("batch", "seq", "act_embed"), shape=x.shape,
+                                                              mesh=mesh)))
+    with use_mesh_rules(mesh):
+        value, y, stats, g_state, g_x = layer_loss_fn(graphdef, 1.0)(state, x)
+    assert_close(y, one_device["y"], what="y")
+    assert_close(value, one_device["value"], what="loss")
+    assert_close(g_x, one_device["g_x"], what="d loss / d x")
+    assert_grads_close(weights_of(nnx.merge(graphdef, g_state)), one_device["grads"])

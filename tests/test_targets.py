@@ -11,6 +11,7 @@ from shardlm import cli
 from shardlm.accelerator import compiling_for, resolve_dtype
 from shardlm.config import load_config
 from shardlm.models.layers import attention_impl, ring_chunk
+from shardlm.models.moe import grouped_kernel
 from shardlm.perf import hlo, targets
 from shardlm.perf.compile_only import compile_train_step, format_report
 
@@ -42,8 +43,9 @@ def test_the_gpu_defaults_resolve_for_an_h100_target_on_a_cpu_host():
     # What `shardlm train` picks on a GPU, resolved through the seam without one: bfloat16 compute over float32
     # weights, cuDNN's fused attention where it applies.
     assert resolve_dtype("auto") == "float32" and attention_impl("auto", jnp.bfloat16, 64) == "xla"
+    assert grouped_kernel("auto") == "xla"  # the experts' grouped matmuls: XLA's ragged_dot on the CPU
     with compiling_for(H100.accelerator):
-        assert resolve_dtype("auto") == "bfloat16"
+        assert resolve_dtype("auto") == "bfloat16" and grouped_kernel("auto") == "triton"
         assert attention_impl("auto", jnp.bfloat16, 64) == "cudnn"
         # a sequence split over context: the ring, cuDNN's kernel on each chunk of keys (16-bit inputs only)
         assert attention_impl("auto", jnp.bfloat16, 64, seq_split=2) == "ring"
@@ -55,6 +57,7 @@ def test_the_gpu_defaults_resolve_for_an_h100_target_on_a_cpu_host():
         assert attention_impl("auto", jnp.bfloat16, 128) == "cudnn"
     with compiling_for(V5E.accelerator):
         assert resolve_dtype("auto") == "bfloat16" and attention_impl("auto", jnp.bfloat16, 64) == "xla"
+        assert grouped_kernel("auto") == "megablox"
         assert attention_impl("auto", jnp.bfloat16, 64, length=8192) == "splash"  # Pallas's TPU kernel
         assert attention_impl("auto", jnp.bfloat16, 64, length=500) == "xla"  # not a multiple of 128, short
         assert attention_impl("auto", jnp.bfloat16, 32, length=8192) == "flash"  # a head size splash does not take
@@ -182,6 +185,23 @@ def test_the_ring_runs_the_targets_fused_kernel_and_never_holds_t_by_t(case):
     decode_text = decode.as_text()
     assert "all-reduce" in decode_text  # tensor parallelism's per-layer reductions, compiled by XLA:GPU
     assert jax.tree.leaves(prefill.output_shardings)[0].mesh.devices.flat[0].platform == "gpu"
+
+
+@pytest.mark.parametrize("target", [H100, V5E], ids=["h100", "tpu-v5e"])
+def test_experts_compile_to_grouped_kernels_whose_work_is_the_routed_rows(target):
+    """A mixture of experts under expert 2 x fsdp 2, compiled for 4 H100s (shardlm's Triton grouped matmul) and a
+    v5e slice (Megablox): forward, d rows and d weights each run as a grouped kernel per matmul of every sparse
+    layer, and the step's FLOPs per device are the model's (the routed rows), where XLA's ragged_dot multiplied
+    every row by every local expert."""
+    cfg = config_for(target, "model=moe-tiny", "model.n_layers=2", "model.d_model=256", "model.n_heads=4",
+                     "model.n_kv_heads=2", "model.moe_d_ff=512", "model.vocab_size=512", "model.seq_len=256",
+                     "train.batch_size=8", "mesh.expert=2", "mesh.fsdp=2", "model.attention=xla")
+    r = compile_train_step(cfg, target=target, n_devices=4)
+    assert r.fits
+    kernel = "__gpu$xla.gpu.triton" if target is H100 else "tpu_custom_call"
+    sparse_layers = cfg.model.n_layers // cfg.model.moe_every
+    assert calls_per_step(r.step.hlo_text, kernel) >= 3 * 3 * sparse_layers  # 3 matmuls: forward, d rows, d weights
+    assert r.step.flops_per_device == pytest.approx(r.model_flops / r.devices, rel=0.2)
 
 
 @pytest.mark.parametrize("devices", [4])

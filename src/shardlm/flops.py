@@ -23,15 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardlm.accelerator import resolve_dtype
+from shardlm.kernels.grouped import megablox_flops
 from shardlm.models.config import ModelConfig
 
 
-def jaxpr_matmul_flops(jaxpr) -> float:
+def jaxpr_matmul_flops(jaxpr, scope: str = "") -> float:
     """The FLOPs of every matrix multiply in a jaxpr (2 per multiply-add of each `dot_general`, and of each
     `ragged_dot_general` row by its group's matrix: the rows of an expert-parallel exchange buffer, padding
     included, count, so a mixture's count can exceed its active FLOPs), a scan's body
     counted once per iteration, a conditional's costliest branch, fused attention kernels (splash, cuDNN) by their
-    shapes, a while loop's body once (its trip count is not
+    shapes, other Pallas kernels by the cost they declare (grouped matmuls: their routed rows), a while loop's body once (its trip count is not
     known), a `shard_map`'s per-device body once per device, nested calls (jit, remat, custom derivatives'
     primal) followed. For a forward pass this is what the
     6N + 12LTd convention counts for shardlm's models, 3 x (2N + 4LTd): the weights' matmuls and attention's."""
@@ -39,6 +40,7 @@ def jaxpr_matmul_flops(jaxpr) -> float:
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        inner = f"{scope}/{eqn.source_info.name_stack}"  # a nested jaxpr's names start afresh: carry the scopes
         if name == "dot_general":
             (contract, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
@@ -47,19 +49,30 @@ def jaxpr_matmul_flops(jaxpr) -> float:
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * eqn.invars[0].aval.shape[-1]
         elif name == "pallas_call" and "splash" in str(eqn.params.get("name") or eqn.params.get("name_and_src_info")):
             total += _attention_call_flops(eqn)
+        elif name == "pallas_call" and (grouped := _grouped_call_flops(eqn, inner)) is not None:
+            total += grouped
         elif name in _CUDNN_ATTENTION:
             total += _CUDNN_ATTENTION[name] * _attention_call_flops(eqn)
         elif name == "scan":
-            total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"])
+            total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"], inner)
         elif name == "cond":
-            total += max(jaxpr_matmul_flops(branch) for branch in eqn.params["branches"])
+            total += max(jaxpr_matmul_flops(branch, inner) for branch in eqn.params["branches"])
         elif name == "shard_map":  # a per-device program, run on each device of its manual axes
             mesh = eqn.params["mesh"]
             axes = eqn.params.get("newly_manual_axes") or eqn.params.get("manual_axes") or tuple(mesh.shape)
-            total += math.prod(mesh.shape[a] for a in axes) * jaxpr_matmul_flops(eqn.params["jaxpr"])
+            total += math.prod(mesh.shape[a] for a in axes) * jaxpr_matmul_flops(eqn.params["jaxpr"], inner)
         else:
-            total += sum(jaxpr_matmul_flops(v) for v in eqn.params.values() if _is_jaxpr(v))
+            total += sum(jaxpr_matmul_flops(v, inner) for v in eqn.params.values() if _is_jaxpr(v))
     return total
+
+
+def _grouped_call_flops(eqn, scope: str) -> float | None:
+    """A grouped matmul's Pallas call: Megablox's for the rows its caller expects (`kernels.grouped.megablox_flops`,
+    from the call's name scope), shardlm's Triton kernel's by the cost it declares (the same rows)."""
+    declared = eqn.params.get("cost_estimate")
+    flops = megablox_flops(scope, declared.flops if declared else None,
+                           tuple(eqn.outvars[0].aval.shape))
+    return flops if flops is not None else (float(declared.flops) if declared else None)
 
 
 # cuDNN's fused attention primitives (JAX's), and the passes of attention's matmuls each runs: the forward QK^T

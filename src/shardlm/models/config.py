@@ -68,6 +68,10 @@ class ModelConfig:
     moe_every: int = 1
     moe_d_ff: int = 0
     moe_shared_expert: bool = False
+    # The experts' grouped matmuls (`shardlm.kernels.grouped`): auto (a Pallas Triton kernel on NVIDIA GPUs,
+    # Megablox on TPUs, XLA's ragged_dot elsewhere) | xla | triton | megablox. XLA's ragged_dot multiplies every row
+    # by every expert off TPUs; the kernels only by its own.
+    moe_kernel: str = "auto"
     # The load-balancing loss's weight in the training loss (Switch Transformer's; 1.0 when perfectly balanced).
     moe_aux_loss_weight: float = 0.01
     # The training loss's head runs over the vocabulary in this many chunks per device (0 = automatic: each
@@ -140,6 +144,7 @@ def _check_moe(m: ModelConfig) -> None:
 
 def _check_kinds(m: ModelConfig) -> None:
     """Family, head layout, dtypes and the remat/attention choices."""
+    from shardlm.kernels.grouped import KERNELS as GROUPED_KERNELS
     from shardlm.models.layers import ATTENTION_IMPLS, COMPUTE_DTYPES, DTYPES
     from shardlm.models.remat import check_policy
 
@@ -158,6 +163,7 @@ def _check_kinds(m: ModelConfig) -> None:
         check_policy(m.remat, m.remat_offload)
     check_one_of("model.attention", m.attention, ATTENTION_IMPLS)
     check_one_of("model.context_attention", m.context_attention, ("ring", "all_gather"))
+    check_one_of("model.moe_kernel", m.moe_kernel, ("auto",) + GROUPED_KERNELS)
     check_positive("model.attention_block", m.attention_block)
     check_positive("model.rope_theta", m.rope_theta)
     kv = m.n_kv_heads or m.n_heads

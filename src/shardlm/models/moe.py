@@ -3,16 +3,22 @@ expert parallelism over the `expert` mesh axis. Math only, with logical axis nam
 
 Design choices:
 - Routing is float32 whatever the compute dtype: logits = x @ router (the router is stored and used in float32),
-  softmax over the experts, top-k, and the k weights renormalised to sum to one (Mixtral's). The load-balancing
+  softmax over the experts, top-k, and for k > 1 the k weights renormalised to sum to one (Mixtral's). With k = 1
+  the weight is the raw probability (Switch Transformer's): renormalised it would be 1.0 for every token, and the
+  router would learn only from the load-balancing loss, never from the language model's. The load-balancing
   loss is Switch Transformer's, E * sum_e f_e * P_e, with f_e the share of the N * k assignments that went to
   expert e and P_e the mean router probability of e: perfectly balanced routing gives exactly 1.0 for any k.
   N is the global batch's token count: under a mesh, per-device counts and probability sums are `psum`med over
   the mesh axes that split tokens before dividing, so the sharded layer reports the same number as one device.
 - Dropless: no capacity factor, no token is ever dropped. The N * k assignments are sorted by expert (stable
-  argsort), the token rows gathered in that order, and each SwiGLU matrix is one `jax.lax.ragged_dot` over the
-  sorted rows with group sizes = tokens per expert (an expert with no tokens is a group of size 0, which
-  contributes nothing and receives an exactly zero gradient). The results are un-sorted, weighted and summed
-  over k.
+  argsort), the token rows gathered in that order, and each SwiGLU matrix is one grouped matmul over the sorted
+  rows with group sizes = tokens per expert (an expert with no tokens is a group of size 0, which contributes
+  nothing and receives an exactly zero gradient). The results are un-sorted, weighted and summed over k.
+- The grouped matmul's kernel (`shardlm.kernels.grouped`, `model.moe_kernel`): auto picks a Pallas Triton kernel
+  on NVIDIA GPUs and Megablox on TPUs (work proportional to the routed rows), XLA's `ragged_dot` on the CPU
+  (which XLA:CPU and XLA:GPU lower densely, every row by every local expert). The GPU being compiled for decides
+  (`shardlm.accelerator.current`), so a compile for an H100 from a CPU host picks what a run on one would; off
+  their platform the kernels run in Pallas's interpret mode (the CPU tests).
 - Without an active mesh, the layer is that local computation. With one (`shardlm.sharding.active_mesh()`),
   routing and dispatch run per device inside `jax.shard_map` over the whole mesh: x enters split by the active
   rules for ("batch", "seq", "act_embed"), the router replicated, the experts split P("expert", None, "tensor")
@@ -44,6 +50,7 @@ Design choices:
 """
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -51,7 +58,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from shardlm.accelerator import current
 from shardlm.errors import ShardlmError
+from shardlm.kernels.grouped import grouped_matmul
 from shardlm.models import remat
 from shardlm.models.layers import param, use
 from shardlm.sharding import active_mesh, active_spec, constrain
@@ -69,11 +78,14 @@ class MoeStats(NamedTuple):
 
 
 def route(x_flat: jax.Array, router: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x_flat [N, D] -> (weights [N, k] float32 summing to 1 per token, experts [N, k] int32, probs [N, E])."""
+    """x_flat [N, D] -> (weights [N, k] float32, summing to 1 per token for k > 1 and the top probability for
+    k = 1; experts [N, k] int32; probs [N, E])."""
     logits = x_flat.astype(jnp.float32) @ router.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
-    return weights / weights.sum(-1, keepdims=True), experts.astype(jnp.int32), probs
+    if top_k > 1:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights, experts.astype(jnp.int32), probs
 
 
 def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
@@ -109,12 +121,25 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
+def grouped_kernel(requested: str) -> str:
+    """The grouped matmul's kernel for `model.moe_kernel=requested` on the platform being compiled for."""
+    if requested != "auto":
+        return requested
+    return {"gpu": "triton", "tpu": "megablox"}.get(current().platform, "xla")
+
+
 def experts_ragged(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                   group_sizes: jax.Array) -> jax.Array:
+                   group_sizes: jax.Array, kernel: str = "xla", expected_rows: int | None = None) -> jax.Array:
     """SwiGLU of rows [M, D] grouped by expert (group g: the next group_sizes[g] rows) with that expert's
-    weights [G, D, F], [G, D, F], [G, F, D] -> [M, D]. Rows past the groups come out zero."""
-    gate, up = (remat.named(jax.lax.ragged_dot(rows, w, group_sizes), remat.MLP_HIDDEN) for w in (w_gate, w_up))
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+    weights [G, D, F], [G, D, F], [G, F, D] -> [M, D]. Rows past the groups come out zero. `kernel`: the grouped
+    matmul's (`grouped_kernel`); `expected_rows`: how many of the M rows routing is expected to fill (the cost
+    model's; default all)."""
+    home = {"triton": "gpu", "megablox": "tpu"}.get(kernel)  # where a Pallas kernel compiles; interpreted elsewhere
+    interpret = home is not None and current().platform != home
+    matmul = partial(grouped_matmul, group_sizes=group_sizes, kernel=kernel, interpret=interpret,
+                     expected_rows=expected_rows)
+    gate, up = (remat.named(matmul(rows, w), remat.MLP_HIDDEN) for w in (w_gate, w_up))
+    return matmul(jax.nn.silu(gate) * up, w_down)
 
 
 def combine(out_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
@@ -124,11 +149,12 @@ def combine(out_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.
     return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(out_sorted.dtype)
 
 
-def dropless_local(x_flat, weights, experts, w_gate, w_up, w_down) -> jax.Array:
+def dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel: str = "xla") -> jax.Array:
     """Every expert on this device: x_flat [N, D] with its routing -> [N, D]."""
     order, sizes = sort_by_expert(experts, w_gate.shape[0])
     rows = remat.named(x_flat[order // weights.shape[1]], remat.MOE_DISPATCH)  # assignment a is token a // k's
-    return combine(remat.named(experts_ragged(rows, w_gate, w_up, w_down, sizes), remat.MOE_OUT), order, weights)
+    out = experts_ragged(rows, w_gate, w_up, w_down, sizes, kernel)
+    return combine(remat.named(out, remat.MOE_OUT), order, weights)
 
 
 # --- expert parallelism: dispatch over the expert axis ----------------------------------------------------------
@@ -177,24 +203,26 @@ def regroup(recv_counts: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array
     return jnp.argsort(local_expert.reshape(-1), stable=True), recv_counts.sum(0).astype(jnp.int32)
 
 
-def experts_remote(sent: jax.Array, counts: jax.Array, w_gate, w_up, w_down, axis: str) -> jax.Array:
+def experts_remote(sent: jax.Array, counts: jax.Array, w_gate, w_up, w_down, axis: str, kernel: str = "xla",
+                   expected_rows: int | None = None) -> jax.Array:
     """The receiving side: send buffer [EP, C, D] and its counts -> the results in the same layout, back home."""
     ep, capacity, d = sent.shape
     received, recv_counts = exchange(sent, axis), exchange(counts, axis)
     order, sizes = regroup(recv_counts, capacity)
     rows = remat.named(received.reshape(ep * capacity, d)[order], remat.MOE_DISPATCH)
-    out = experts_ragged(rows, w_gate, w_up, w_down, sizes)
+    out = experts_ragged(rows, w_gate, w_up, w_down, sizes, kernel, expected_rows)
     return remat.named(exchange(out[inverse_permutation(order)].reshape(ep, capacity, d), axis), remat.MOE_OUT)
 
 
 def dropless_expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_experts: int, ep: int,
-                             axis: str) -> jax.Array:
+                             axis: str, kernel: str = "xla") -> jax.Array:
     """This device's tokens x_flat [T, D], its local experts' weights [E / EP, ...] -> [T, D]."""
     t, k = weights.shape
     capacity = t * min(k, num_experts // ep)  # the most one device can send to one other: see the docstring
     plan = plan_dispatch(experts, num_experts, ep)
     sent = pack(x_flat[plan.order // k], plan, capacity)
-    back = experts_remote(sent, plan.counts, w_gate, w_up, w_down, axis)
+    # balanced routing fills T * k of the EP * C rows received (the cost model's expectation)
+    back = experts_remote(sent, plan.counts, w_gate, w_up, w_down, axis, kernel, expected_rows=t * k)
     return combine(back[plan.dest, plan.slot], plan.order, weights)
 
 
@@ -209,12 +237,12 @@ def global_stats(probs, experts, num_experts: int, n_tokens: int, token_axes: tu
     return MoeStats(aux_from_sums(counts, prob_sums, n_tokens, experts.shape[1]), counts)
 
 
-def moe_local(x, router, w_gate, w_up, w_down, top_k: int) -> tuple[jax.Array, MoeStats]:
+def moe_local(x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla") -> tuple[jax.Array, MoeStats]:
     """The routed experts on one device: x [B, S, D] -> ([B, S, D], stats)."""
     b, s, d = x.shape
     x_flat = x.reshape(b * s, d)
     weights, experts, probs = route(x_flat, router, top_k)
-    y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down)
+    y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel)
     return y.reshape(b, s, d), global_stats(probs, experts, w_gate.shape[0], b * s, ())
 
 
@@ -237,7 +265,8 @@ def check_expert_parallel(mesh, num_experts: int, d_ff: int, token_axes: tuple[s
                            "too: make the batch rows divisible by mesh.data x mesh.fsdp x mesh.expert")
 
 
-def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int) -> tuple[jax.Array, MoeStats]:
+def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla"
+                ) -> tuple[jax.Array, MoeStats]:
     """The routed experts per device inside `jax.shard_map` over the whole active mesh (see the docstring)."""
     x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
     token_axes = as_axes(x_spec[0]) + as_axes(x_spec[1])
@@ -251,17 +280,19 @@ def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int) -> tuple[jax.
         x_flat = x.reshape(b * s, d)
         weights, experts, probs = route(x_flat, router, top_k)
         if ep_axis is None:
-            y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down)
+            y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel)
         else:
             y = dropless_expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, num_experts=num_experts,
-                                         ep=mesh.shape[ep_axis], axis=ep_axis)
+                                         ep=mesh.shape[ep_axis], axis=ep_axis, kernel=kernel)
         if tp_axis is not None:  # the down projection's partial sums over d_ff (after the linear combine)
             y = jax.lax.psum(y, tp_axis)
         return y.reshape(b, s, d), global_stats(probs, experts, num_experts, n_tokens, token_axes)
 
     w_in, w_out = P(ep_axis, None, tp_axis), P(ep_axis, tp_axis, None)
+    # A Pallas kernel's outputs carry no varying-axes type, which shard_map's check needs (as for splash).
     return jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec, P(), w_in, w_in, w_out),
-                         out_specs=(x_spec, MoeStats(P(), P())))(x, router, w_gate, w_up, w_down)
+                         out_specs=(x_spec, MoeStats(P(), P())), check_vma=kernel == "xla")(
+        x, router, w_gate, w_up, w_down)
 
 
 class MoeMLP(nnx.Module):
@@ -269,10 +300,10 @@ class MoeMLP(nnx.Module):
     expert. Returns (y, MoeStats); the caller adds `aux_loss` (times its coefficient) to the training loss."""
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, shared_expert: bool,
-                 n_layers: int, dtype, param_dtype, rngs: nnx.Rngs):
+                 n_layers: int, dtype, param_dtype, rngs: nnx.Rngs, kernel: str = "auto"):
         if not 1 <= top_k <= num_experts:
             raise ShardlmError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
-        self.dtype, self.top_k = dtype, top_k
+        self.dtype, self.top_k, self.kernel = dtype, top_k, kernel
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual scaling, as SwiGLU
         self.router = param(rngs, init, (d_model, num_experts), ("embed", None), jnp.float32, read_in_float32=True)
@@ -292,11 +323,11 @@ class MoeMLP(nnx.Module):
         router = self.router[...].astype(jnp.float32)
         experts = tuple(use(w, self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         xc = x.astype(self.dtype)
-        mesh = active_mesh()
+        mesh, kernel = active_mesh(), grouped_kernel(self.kernel)
         if mesh is None:
-            y, stats = moe_local(xc, router, *experts, self.top_k)
+            y, stats = moe_local(xc, router, *experts, self.top_k, kernel)
         else:
-            y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k)
+            y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k, kernel)
         if self.shared_gate is not None:
             y = y + self._shared(xc)
         return y.astype(x.dtype), stats

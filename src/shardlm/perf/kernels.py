@@ -34,6 +34,7 @@ import json
 import math
 import re
 
+from shardlm.kernels.grouped import megablox_flops, routed_rows
 from shardlm.perf import hlo
 
 ASYNC_COPIES = ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start")
@@ -227,6 +228,17 @@ class _Reader:
         (b, h, t, d), dtype = max(arrays, key=lambda a: math.prod(a[0]))  # the queries' (or outputs') dtype
         return 2.0 * b * h * t * t * d * passes, (t, t, d, int(passes > 1)), dtype
 
+    def megablox(self, ins: hlo._Instruction, estimate: dict, nbytes: float) -> tuple[float, float, str] | None:
+        """A Megablox grouped matmul (`shardlm.kernels.grouped` on TPUs), whose name scope says how many of its
+        buffer's rows the caller expects in groups: (FLOPs, bytes, dtype) for those (`grouped.megablox_flops`)."""
+        op_name = hlo._op_name(ins)
+        dtype, out = _shape_dims(ins.shape)
+        flops = megablox_flops(op_name, float(estimate.get("flops", 0.0)) if estimate else None, tuple(out))
+        if flops is None:
+            return None
+        share = routed_rows(op_name)[1]
+        return flops, float(estimate.get("bytes_accessed", nbytes)) * share, dtype
+
     # --- bytes -------------------------------------------------------------------------------------------------
     def fusion_bytes(self, ins: hlo._Instruction, computation: str) -> float:
         """What a fusion reads and writes in HBM (see the module docstring for slices and in-place updates)."""
@@ -304,6 +316,10 @@ class _Reader:
             return None
         if ins.opcode == "fusion":
             called = _called(ins)
+            inner = [i for i in self.in_computation.get(called, []) if i.opcode == "custom-call"] if called else []
+            if len(inner) == 1:  # XLA:TPU fuses a Pallas call with its operands' layout changes: cost the call
+                k = self._custom_call(inner[0], times)
+                return dataclasses.replace(k, name=ins.name)
             flops, dims, dtype = self.core(called) if called else (0.0, (), "")
             nbytes = self.fusion_bytes(ins, called) if called else hlo.array_bytes(ins.shape)
             return Kernel(ins.name, "gemm" if flops else "memory", flops, nbytes, dtype, dims, times)
@@ -327,17 +343,31 @@ class _Reader:
             numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
             flops, dims, dtype = self.dot(ins, numbers)
             return Kernel(ins.name, "gemm", flops, nbytes, dtype, dims, times)
+        if target == "__gpu$xla.gpu.triton" and (work := _declared_gemm(ins)) is not None:
+            dims = work
+            dtype = _shape_dims(self.shape(ins.operands[-1]))[0] if ins.operands else ""
+            return Kernel(ins.name, "gemm", 2.0 * math.prod(dims), nbytes, dtype, dims, times)
         if target == "tpu_custom_call" and (splash := self.splash(ins)) is not None:
             flops, dims, dtype = splash
             return Kernel(ins.name, "attention", flops, nbytes, dtype, dims, times)
         estimate = config.get("custom_call_config", {}).get("cost_estimate") or {}
-        if estimate:  # a Pallas kernel that says what it does (splash attention, Megablox)
+        if target == "tpu_custom_call" and (grouped := self.megablox(ins, estimate, nbytes)) is not None:
+            flops, nbytes, dtype = grouped
+            return Kernel(ins.name, "gemm", flops, nbytes, dtype, (), times)
+        if estimate:  # a Pallas kernel that says what it does (splash attention)
             flops = float(estimate.get("flops", 0.0))
             nbytes = float(estimate.get("bytes_accessed", nbytes))
             kind = "attention" if re.search(r"attention|splash|flash", hlo._op_name(ins)) else "gemm"
             dtype = _shape_dims(self.shape(ins.operands[0]))[0] if ins.operands else ""
             return Kernel(ins.name, kind if flops else "memory", flops, nbytes, dtype, (), times)
         return Kernel(ins.name, "memory", 0.0, nbytes, times=times)
+
+
+def _declared_gemm(ins: hlo._Instruction) -> tuple[int, ...] | None:
+    """The GEMM a Pallas Triton kernel says it amounts to in its metadata (`shardlm.kernels.grouped`: a grouped
+    matmul's [groups, rows per group, N, K]), which XLA:GPU prints with quotes escaped as \\22."""
+    m = re.search(r'shardlm_gemm\\22: \\22\[([0-9., ]+)\]\\22', ins.attrs)
+    return tuple(float(x) for x in m.group(1).split(",")) if m else None
 
 
 def _called(ins: hlo._Instruction) -> str | None:
