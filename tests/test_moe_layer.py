@@ -30,10 +30,11 @@ BATCH, SEQ = 16, 8
 PARAMS = ("router", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")
 
 
-def make_layer(num_experts: int, shared: bool, seed: int = 0, kernel: str = "auto") -> MoeMLP:
+def make_layer(num_experts: int, shared: bool, seed: int = 0, kernel: str = "auto",
+               capacity_factor: float = 0.0) -> MoeMLP:
     with nnx.use_eager_sharding(False):  # placed by the rule table (`state_shardings`), as the trainer does
         return MoeMLP(D_MODEL, D_FF, num_experts, TOP_K, shared_expert=shared, n_layers=2, dtype=jnp.float32,
-                      param_dtype=jnp.float32, rngs=nnx.Rngs(seed), kernel=kernel)
+                      param_dtype=jnp.float32, rngs=nnx.Rngs(seed), kernel=kernel, capacity_factor=capacity_factor)
 
 
 def make_x(seed: int = 1) -> jax.Array:
@@ -310,3 +311,53 @@ def test_grouped_kernels_under_expert_parallelism_match_one_device(one_device, k
     assert_close(value, one_device["value"], what="loss")
     assert_close(g_x, one_device["g_x"], what="d loss / d x")
     assert_grads_close(weights_of(nnx.merge(graphdef, g_state)), one_device["grads"])
+
+
+
+def _on_mesh(layer, x, degrees):
+    """(loss, y, stats, grads by name, grad of x) of `layer` on an 8-device mesh of `degrees`."""
+    graphdef, state = nnx.split(layer)
+    mesh = make_mesh(**degrees, devices=jax.devices()[:8])
+    state = jax.device_put(state, state_shardings(state, mesh))
+    x = jax.device_put(x, NamedSharding(mesh, logical_to_spec(("batch", "seq", "act_embed"), shape=x.shape,
+                                                              mesh=mesh)))
+    with use_mesh_rules(mesh):
+        value, y, stats, g_state, g_x = layer_loss_fn(graphdef, 1.0)(state, x)
+    return value, y, stats, weights_of(nnx.merge(graphdef, g_state)), g_x
+
+
+def test_a_capacity_that_drops_nothing_gives_the_dropless_layer(one_device):
+    """EP 2 x FSDP 2 x TP 2 with capacity factor 1.5: each device sends each expert device at most 24 of its 32
+    assignments (the dropless buffer holds 32), which this routing never exceeds: the same loss and gradients."""
+    value, y, stats, grads, g_x = _on_mesh(make_layer(8, shared=True, capacity_factor=1.5), one_device["x"],
+                                           dict(data=1, fsdp=2, expert=2, tensor=2))
+    assert float(stats.dropped) == 0.0
+    assert_close(y, one_device["y"], what="y")
+    assert_close(value, one_device["value"], what="loss")
+    assert_close(g_x, one_device["g_x"], what="d loss / d x")
+    assert_grads_close(grads, one_device["grads"])
+
+
+def test_capacity_drops_what_overflows_and_counts_it(one_device):
+    """Every token picks experts 0 and 1, both on expert device 0 of EP 4 x DP 2 (8 devices of 16 tokens). At
+    capacity factor 1.0 a device may send it ceil(16 x 2 / 4) = 8 of its 32 assignments: expert 0's rows come
+    first in the block, in token order, so its first 8 tokens (the first of its two sequences) keep expert 0 and
+    lose expert 1, and the other 8 lose both. Dropped: 8 devices x 24 = 192 of 256, logged as 75%."""
+    from shardlm.train.step import model_metrics
+
+    layer = make_layer(8, shared=False, capacity_factor=1.0)
+    x = one_device["x"].at[..., 0].set(1.0)
+    layer.router[...] = layer.router[...].at[0, :2].set(10.0)
+    _, y, stats, _, _ = _on_mesh(layer, x, dict(data=2, expert=4))
+    assert float(stats.dropped) == 8 * (16 * 2 - 8)
+    metrics = model_metrics({"aux_loss": stats.aux_loss, "expert_tokens": stats.expert_tokens,
+                             "moe_dropped": stats.dropped})
+    assert float(metrics["moe_dropped"]) == pytest.approx(192 / 256)
+    # by hand: expert 0's output times its routing weight on even sequences, nothing on odd ones
+    xf = x.reshape(-1, D_MODEL)
+    probs = jax.nn.softmax(xf @ layer.router[...], axis=-1)
+    top_w, top_e = jax.lax.top_k(probs, TOP_K)
+    weight0 = ((top_w / top_w.sum(-1, keepdims=True)) * (top_e == 0)).sum(-1)
+    expert0 = (jax.nn.silu(xf @ layer.w_gate[0]) * (xf @ layer.w_up[0])) @ layer.w_down[0]
+    keeps = (jnp.arange(BATCH) % 2 == 0).repeat(SEQ)
+    assert_close(y.reshape(-1, D_MODEL), jnp.where(keeps[:, None], weight0[:, None] * expert0, 0.0), what="y")

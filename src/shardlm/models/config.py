@@ -68,6 +68,12 @@ class ModelConfig:
     moe_every: int = 1
     moe_d_ff: int = 0
     moe_shared_expert: bool = False
+    # 0 = dropless. > 0: under expert parallelism each device sends each expert device at most
+    # ceil(moe_capacity_factor x T x k / mesh.expert) of its T tokens' k assignments (its balanced share, times
+    # the factor), which bounds the exchange buffer (dropless: T x min(k, experts per device) rows per pair);
+    # assignments past it are dropped (the token keeps its residual and its other experts), counted and logged.
+    # Without an expert split there is no exchange and nothing is dropped.
+    moe_capacity_factor: float = 0.0
     # The experts' grouped matmuls (`shardlm.kernels.grouped`): auto (a Pallas Triton kernel on NVIDIA GPUs,
     # Megablox on TPUs, XLA's ragged_dot elsewhere) | xla | triton | megablox. XLA's ragged_dot multiplies every row
     # by every expert off TPUs; the kernels only by its own.
@@ -107,6 +113,7 @@ def check_model(m: ModelConfig) -> None:
         )
     _check_kinds(m)
     check_in_range("model.dropout", m.dropout, 0.0, 1.0)
+    check_in_range("model.moe_capacity_factor", m.moe_capacity_factor, 0.0, float("inf"))
     check_positive("model.layer_norm_eps", m.layer_norm_eps)
     check_positive("model.pipeline_repeats", m.pipeline_repeats)
     check_one_of("model.pipeline_remat", m.pipeline_remat, ("iteration", "layer"))

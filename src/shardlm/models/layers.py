@@ -385,7 +385,8 @@ class PreNormBlock(nnx.Module):
     sparse = False
 
     def __call__(self, x, rngs: nnx.Rngs | None, cache: LayerCache | None, ctx: Context):
-        """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens"} for a sparse block, {} for a dense one."""
+        """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens", "moe_dropped"} for a sparse block, {} for a
+        dense one."""
         x = remat.named(x, remat.BLOCK_INPUT)
         a, cache = self.attn(self.ln1(x), cache, ctx)
         x = x + self._dropout(a, rngs, ctx)
@@ -393,7 +394,7 @@ class PreNormBlock(nnx.Module):
         h, stats = self.mlp(self.ln2(x)), {}
         if self.sparse:
             h, moe = h
-            stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens}
+            stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens, "moe_dropped": moe.dropped}
         h = remat.named(h, remat.MLP_OUT)
         x = x + self._dropout(h, rngs, ctx)
         return constrain(x, "batch", "seq", "act_embed"), cache, stats
@@ -466,7 +467,8 @@ class CausalLM(nnx.Module):
         """The structure the blocks' statistics take, zero: a mixture of experts' (see `with_stats`), or {}."""
         if not getattr(self, "moe_experts", 0):
             return {}
-        return {"aux_loss": jnp.zeros((), jnp.float32), "expert_tokens": jnp.zeros((self.moe_experts,), jnp.float32)}
+        return {"aux_loss": jnp.zeros((), jnp.float32), "expert_tokens": jnp.zeros((self.moe_experts,), jnp.float32),
+                "moe_dropped": jnp.zeros((), jnp.float32)}
 
     def _forward(self, tokens, rngs, cache=None, pos=None, at=None, head=True):
         """(logits, cache, stats); with `head=False`, the final norm's output [batch, T, d_model] instead of the

@@ -37,6 +37,13 @@ Design choices:
   weight gradient), runs the ragged matmuls with its local experts, and un-does each permutation on the way
   back. The exchange [EP, C, ...] -> [EP, C, ...] (block i to device i, block j received from device j) is its
   own inverse, so the same function sends and returns.
+- Capacity (`capacity_factor` > 0, GShard's and Switch's, for the exchange): each device sends each expert device
+  at most C = ceil(factor x T x k / EP) rows (its balanced share times the factor) instead of the dropless
+  T x min(k, E / EP), so the receive buffer, the experts' activations over it and the all-to-alls shrink by
+  min(EP, E / k) / factor. Within a destination's block the assignments are in expert order, then token order;
+  those past C are dropped: they are not sent, their output is zero (the token keeps its residual and its other
+  experts), and their count (`MoeStats.dropped`) is logged. Without an expert split nothing is exchanged and the
+  layer stays dropless.
 - Expert devices are data-parallel for everything else: the rule table splits "batch" over (data, fsdp,
   expert), so EP needs the batch split over `expert` too (said by name otherwise: replicated tokens would come
   back from the exchange typed as differing per expert device).
@@ -68,10 +75,11 @@ from shardlm.sharding.rules import as_axes
 
 
 class MoeStats(NamedTuple):
-    """What a call reports besides its output, both for the global batch."""
+    """What a call reports besides its output, all for the global batch."""
 
     aux_loss: jax.Array  # scalar float32, 1.0 when perfectly balanced
-    expert_tokens: jax.Array  # [num_experts] float32: token-assignments each expert received
+    expert_tokens: jax.Array  # [num_experts] float32: token-assignments routed to each expert
+    dropped: jax.Array  # scalar float32: assignments past the exchange's capacity, dropped (0 when dropless)
 
 
 # --- routing and the load-balancing loss -------------------------------------------------------------------------
@@ -182,10 +190,18 @@ def plan_dispatch(experts: jax.Array, num_experts: int, ep: int) -> Dispatch:
 
 
 def pack(rows_sorted: jax.Array, plan: Dispatch, capacity: int) -> jax.Array:
-    """[A, D] in sorted order -> the send buffer [EP, capacity, D], block d for device d, zero-padded."""
+    """[A, D] in sorted order -> the send buffer [EP, capacity, D], block d for device d, zero-padded; rows past a
+    block's capacity are dropped."""
     ep = plan.counts.shape[0]
     buf = jnp.zeros((ep, capacity, rows_sorted.shape[-1]), rows_sorted.dtype)
-    return buf.at[plan.dest, plan.slot].set(rows_sorted, unique_indices=True)
+    return buf.at[plan.dest, plan.slot].set(rows_sorted, unique_indices=True, mode="drop")
+
+
+def kept_counts(counts: jax.Array, capacity: int) -> jax.Array:
+    """[EP, E / EP] assignments per (destination, local expert) -> those within each destination block's first
+    `capacity` rows (the block holds its local experts' rows in order)."""
+    start = jnp.cumsum(counts, axis=1) - counts
+    return jnp.clip(capacity - start, 0, counts).astype(counts.dtype)
 
 
 def exchange(blocks: jax.Array, axis: str) -> jax.Array:
@@ -214,27 +230,39 @@ def experts_remote(sent: jax.Array, counts: jax.Array, w_gate, w_up, w_down, axi
     return remat.named(exchange(out[inverse_permutation(order)].reshape(ep, capacity, d), axis), remat.MOE_OUT)
 
 
-def dropless_expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_experts: int, ep: int,
-                             axis: str, kernel: str = "xla") -> jax.Array:
-    """This device's tokens x_flat [T, D], its local experts' weights [E / EP, ...] -> [T, D]."""
+def exchange_capacity(t: int, k: int, num_experts: int, ep: int, capacity_factor: float = 0.0) -> int:
+    """Rows one device sends one expert device: the most it can (dropless: T x min(k, E / EP), see the
+    docstring), or with a capacity factor its balanced share T x k / EP times the factor, if that is fewer."""
+    dropless = t * min(k, num_experts // ep)
+    return dropless if capacity_factor <= 0 else min(dropless, max(1, math.ceil(capacity_factor * t * k / ep)))
+
+
+def expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_experts: int, ep: int, axis: str,
+                    kernel: str = "xla", capacity_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """This device's tokens x_flat [T, D], its local experts' weights [E / EP, ...] -> ([T, D], this device's
+    dropped assignments)."""
     t, k = weights.shape
-    capacity = t * min(k, num_experts // ep)  # the most one device can send to one other: see the docstring
+    capacity = exchange_capacity(t, k, num_experts, ep, capacity_factor)
     plan = plan_dispatch(experts, num_experts, ep)
     sent = pack(x_flat[plan.order // k], plan, capacity)
+    counts = kept_counts(plan.counts, capacity)
     # balanced routing fills T * k of the EP * C rows received (the cost model's expectation)
-    back = experts_remote(sent, plan.counts, w_gate, w_up, w_down, axis, kernel, expected_rows=t * k)
-    return combine(back[plan.dest, plan.slot], plan.order, weights)
+    back = experts_remote(sent, counts, w_gate, w_up, w_down, axis, kernel, expected_rows=min(t * k, ep * capacity))
+    kept = plan.slot < capacity
+    out = jnp.where(kept[:, None], back[plan.dest, jnp.minimum(plan.slot, capacity - 1)], 0)
+    return combine(out, plan.order, weights), (plan.counts.sum() - counts.sum()).astype(jnp.float32)
 
 
 # --- the layer, without and with a mesh --------------------------------------------------------------------------
 
 
-def global_stats(probs, experts, num_experts: int, n_tokens: int, token_axes: tuple[str, ...]) -> MoeStats:
+def global_stats(probs, experts, num_experts: int, n_tokens: int, token_axes: tuple[str, ...],
+                 dropped: jax.Array | float = 0.0) -> MoeStats:
     """The stats of the global batch of `n_tokens` tokens, from this device's share split over `token_axes`."""
-    counts, prob_sums = expert_counts(experts, num_experts), probs.sum(0)
+    counts, prob_sums, dropped = expert_counts(experts, num_experts), probs.sum(0), jnp.float32(dropped)
     if token_axes:
-        counts, prob_sums = jax.lax.psum((counts, prob_sums), token_axes)
-    return MoeStats(aux_from_sums(counts, prob_sums, n_tokens, experts.shape[1]), counts)
+        counts, prob_sums, dropped = jax.lax.psum((counts, prob_sums, dropped), token_axes)
+    return MoeStats(aux_from_sums(counts, prob_sums, n_tokens, experts.shape[1]), counts, dropped)
 
 
 def moe_local(x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla") -> tuple[jax.Array, MoeStats]:
@@ -265,8 +293,8 @@ def check_expert_parallel(mesh, num_experts: int, d_ff: int, token_axes: tuple[s
                            "too: make the batch rows divisible by mesh.data x mesh.fsdp x mesh.expert")
 
 
-def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla"
-                ) -> tuple[jax.Array, MoeStats]:
+def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla",
+                capacity_factor: float = 0.0) -> tuple[jax.Array, MoeStats]:
     """The routed experts per device inside `jax.shard_map` over the whole active mesh (see the docstring)."""
     x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
     token_axes = as_axes(x_spec[0]) + as_axes(x_spec[1])
@@ -279,19 +307,21 @@ def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str =
         b, s, d = x.shape
         x_flat = x.reshape(b * s, d)
         weights, experts, probs = route(x_flat, router, top_k)
+        dropped = 0.0
         if ep_axis is None:
             y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel)
         else:
-            y = dropless_expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, num_experts=num_experts,
-                                         ep=mesh.shape[ep_axis], axis=ep_axis, kernel=kernel)
+            y, dropped = expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, num_experts=num_experts,
+                                         ep=mesh.shape[ep_axis], axis=ep_axis, kernel=kernel,
+                                         capacity_factor=capacity_factor)
         if tp_axis is not None:  # the down projection's partial sums over d_ff (after the linear combine)
             y = jax.lax.psum(y, tp_axis)
-        return y.reshape(b, s, d), global_stats(probs, experts, num_experts, n_tokens, token_axes)
+        return y.reshape(b, s, d), global_stats(probs, experts, num_experts, n_tokens, token_axes, dropped)
 
     w_in, w_out = P(ep_axis, None, tp_axis), P(ep_axis, tp_axis, None)
     # A Pallas kernel's outputs carry no varying-axes type, which shard_map's check needs (as for splash).
     return jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec, P(), w_in, w_in, w_out),
-                         out_specs=(x_spec, MoeStats(P(), P())), check_vma=kernel == "xla")(
+                         out_specs=(x_spec, MoeStats(P(), P(), P())), check_vma=kernel == "xla")(
         x, router, w_gate, w_up, w_down)
 
 
@@ -300,10 +330,11 @@ class MoeMLP(nnx.Module):
     expert. Returns (y, MoeStats); the caller adds `aux_loss` (times its coefficient) to the training loss."""
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, shared_expert: bool,
-                 n_layers: int, dtype, param_dtype, rngs: nnx.Rngs, kernel: str = "auto"):
+                 n_layers: int, dtype, param_dtype, rngs: nnx.Rngs, kernel: str = "auto",
+                 capacity_factor: float = 0.0):
         if not 1 <= top_k <= num_experts:
             raise ShardlmError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
-        self.dtype, self.top_k, self.kernel = dtype, top_k, kernel
+        self.dtype, self.top_k, self.kernel, self.capacity_factor = dtype, top_k, kernel, capacity_factor
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual scaling, as SwiGLU
         self.router = param(rngs, init, (d_model, num_experts), ("embed", None), jnp.float32, read_in_float32=True)
@@ -327,7 +358,7 @@ class MoeMLP(nnx.Module):
         if mesh is None:
             y, stats = moe_local(xc, router, *experts, self.top_k, kernel)
         else:
-            y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k, kernel)
+            y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k, kernel, self.capacity_factor)
         if self.shared_gate is not None:
             y = y + self._shared(xc)
         return y.astype(x.dtype), stats
