@@ -245,9 +245,12 @@ def expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_exper
     capacity = exchange_capacity(t, k, num_experts, ep, capacity_factor)
     plan = plan_dispatch(experts, num_experts, ep)
     sent = pack(x_flat[plan.order // k], plan, capacity)
-    counts = kept_counts(plan.counts, capacity)
+    bounded = capacity < exchange_capacity(t, k, num_experts, ep)  # else dropless: every assignment fits
+    counts = kept_counts(plan.counts, capacity) if bounded else plan.counts
     # balanced routing fills T * k of the EP * C rows received (the cost model's expectation)
     back = experts_remote(sent, counts, w_gate, w_up, w_down, axis, kernel, expected_rows=min(t * k, ep * capacity))
+    if not bounded:
+        return combine(back[plan.dest, plan.slot], plan.order, weights), jnp.float32(0.0)
     kept = plan.slot < capacity
     out = jnp.where(kept[:, None], back[plan.dest, jnp.minimum(plan.slot, capacity - 1)], 0)
     return combine(out, plan.order, weights), (plan.counts.sum() - counts.sum()).astype(jnp.float32)
