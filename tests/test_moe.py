@@ -138,7 +138,7 @@ def test_moe_tiny_trains_on_the_default_corpus_and_generates_on_an_expert_mesh(t
     assert evals[-1] < evals[0] - 1.0  # it learns
     logged = [r for r in rows if "aux_loss" in r]
     assert logged and all(0.9 < r["aux_loss"] < 4 and r["expert_load_min"] <= 1 <= r["expert_load_max"]
-                          for r in logged)
+                          and r["moe_dropped"] == 0.0 for r in logged)  # dropless: nothing dropped, and said so
     # Greedy tokens from the checkpoint: the same on one device and on an expert x fsdp mesh.
     tokens = {}
     for name, overrides, devices in (("one", ["mesh.expert=1", "mesh.fsdp=1"], 1), ("ep4 x fsdp2", [], 8)):
