@@ -178,12 +178,18 @@ def test_a_sliding_window_shorter_than_the_context_is_a_one_line_error(mixtral_d
     with pytest.raises(ShardlmError) as e:
         load_model(f"hf:{windowed}", devices=jax.devices()[:1])
     assert_one_line(e, 'hidden_act="gelu" is not supported')
+    # one expert per token: Mixtral weighs it 1.0, shardlm by its router probability (Switch's)
+    (windowed / "config.json").write_text(json.dumps({**tree, "num_experts_per_tok": 1}))
+    with pytest.raises(ShardlmError) as e:
+        load_config(None, [f"model=hf:{windowed}"])
+    assert_one_line(e, "num_experts_per_tok=1 is not supported")
 
 
 @pytest.mark.parametrize("model, message", [
     ({"moe_every": 2, "scan_layers": False}, "(model.moe_every=2), which MixtralForCausalLM cannot hold"),
     ({"moe_shared_expert": True}, "shared expert (model.moe_shared_expert=true), which MixtralForCausalLM cannot"),
-], ids=["moe_every 2", "shared expert"])
+    ({"moe_top_k": 1}, "(model.moe_top_k=1, Switch's), which MixtralForCausalLM would weigh 1.0"),
+], ids=["moe_every 2", "shared expert", "top 1"])
 def test_exporting_what_mixtral_cannot_hold_is_a_one_line_error(tmp_path, model, message):
     run = tmp_path / "run"
     run.mkdir()

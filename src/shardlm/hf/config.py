@@ -129,10 +129,14 @@ def _llama_fields(t: dict, d: Path, defaults: dict = LLAMA_DEFAULTS) -> dict:
 
 def _mixtral_fields(t: dict, d: Path) -> dict:
     """Llama's fields, and every layer's MLP a mixture of `num_local_experts` SwiGLU experts of hidden size
-    `intermediate_size`, top `num_experts_per_tok` routing renormalised (shardlm's routing is Mixtral's)."""
+    `intermediate_size`, top `num_experts_per_tok` routing renormalised (shardlm's routing is Mixtral's for k > 1;
+    with one expert shardlm keeps its raw probability, Switch's, where Mixtral's renormalises it to 1.0)."""
     fields = _llama_fields(t, d, MIXTRAL_DEFAULTS)
     experts = t.get("num_local_experts", t.get("num_experts", MIXTRAL_DEFAULTS["num_local_experts"]))
     top_k = t.get("num_experts_per_tok", MIXTRAL_DEFAULTS["num_experts_per_tok"])
+    if top_k == 1:
+        raise _refuse(d, "num_experts_per_tok", top_k, "Mixtral weighs a single expert 1.0 where shardlm keeps its "
+                      "router probability (Switch's), so the two would compute different models; use k >= 2")
     window = t.get("sliding_window")
     if window is not None:  # the default context within the window, where attention is shardlm's full attention
         if not isinstance(window, int) or window < 1:
@@ -177,6 +181,10 @@ def check_exportable(m: ModelConfig, where: str) -> None:
     if m.moe_shared_expert:
         raise ShardlmError(f"{where} trained a shared expert (model.moe_shared_expert=true), which "
                            "MixtralForCausalLM cannot hold (it has routed experts only); only runs without one export")
+    if m.moe_top_k == 1:
+        raise ShardlmError(f"{where} routes each token to one expert weighted by its router probability "
+                           "(model.moe_top_k=1, Switch's), which MixtralForCausalLM would weigh 1.0; only runs with "
+                           "model.moe_top_k >= 2 export")
 
 
 def model_config_from(spec: str) -> ModelConfig:

@@ -11,7 +11,7 @@ Design choices:
 - Three kernels behind one function (`KERNELS`): `xla` is `jax.lax.ragged_dot` (exact everywhere; dense work off
   TPUs); `triton` is the Pallas kernel below (NVIDIA GPUs; the CPU tests run the same kernel in Pallas's interpret
   mode); `megablox` is JAX's Pallas TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`), with its
-  own gradient kernels.
+  own gradient kernels, where K and N are multiples of 128 (elsewhere XLA:TPU's own ragged_dot).
 - The Triton kernel's grid is (row tiles, column blocks). A row tile is up to `block_m` rows of one group: each
   group is cut into tiles of its own, so a tile never straddles two groups and multiplies by one expert's weights
   (MegaBlocks' and Megablox's layout, without padding the rows). The tiles' table (group, first row, rows) is
@@ -75,7 +75,7 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
         blocks = _blocks(rows.shape[0], rows.shape[1], weights.shape[2])
         rows_routed = rows.shape[0] if expected_rows is None else expected_rows
         return _triton_gmm(rows, weights, group_sizes.astype(jnp.int32), blocks, interpret, rows_routed)
-    if kernel == "megablox":
+    if kernel == "megablox" and megablox_fits(rows.shape[1], weights.shape[2], interpret):
         return _megablox(rows, weights, group_sizes, interpret, expected_rows)
     return jax.lax.ragged_dot(rows, weights, group_sizes)
 
@@ -84,6 +84,12 @@ def triton_fits(m: int, k: int, n: int) -> bool:
     """Whether the Triton kernel takes `m` rows, a contraction of `k` and an output of `n` columns (at least 16
     rows, K and N multiples of 16: Triton's smallest dot)."""
     return m >= 16 and k % 16 == 0 and n % 16 == 0
+
+
+def megablox_fits(k: int, n: int, interpret: bool = False) -> bool:
+    """Whether Megablox takes a contraction of `k` and `n` columns on a TPU: both multiples of 128 (its tiles, in
+    the gradient's transposed order too, must be; XLA:TPU's own ragged_dot takes the rest). Interpreted, any."""
+    return interpret or (k % 128 == 0 and n % 128 == 0)
 
 
 class Blocks(NamedTuple):
@@ -231,6 +237,8 @@ def _tgmm(lhs, dout, group_sizes, blocks: Blocks, interpret: bool, rows_routed: 
     from jax.experimental.pallas import triton as plgpu
 
     (m, k), n, g = lhs.shape, dout.shape[1], group_sizes.shape[0]
+    if lhs.dtype.itemsize > 2:  # float32 rows and d out tiles, 3 stages deep, overflow an H100's shared memory
+        blocks = Blocks(min(blocks.m, 32), blocks.k, blocks.n)
     starts = (jnp.cumsum(group_sizes) - group_sizes).astype(jnp.int32)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
@@ -272,7 +280,7 @@ _triton_gmm.defvjp(_triton_gmm_forward, _triton_gmm_backward)
 
 def _megablox(rows, weights, group_sizes, interpret: bool, expected_rows: int | None):
     """JAX's Pallas TPU grouped matmul, with its gradient kernels (`megablox.gmm`), in tiles of 512 rows (padded to
-    a multiple) and up to 1024 of K and N. Megablox leaves rows past the groups unwritten, forward and backward, so
+    a multiple) and up to 1024 of K and N (`_tpu_tile`). Megablox leaves rows past the groups unwritten, forward and backward, so
     they are masked to zero on the way in and out (the masks' gradients zero them in d rows too). Its kernels
     declare the cost of every row of the buffer, so a name scope says how many the caller expects in groups
     (`ROUTED_SCOPE`, read by `shardlm.perf.kernels`)."""
@@ -282,7 +290,7 @@ def _megablox(rows, weights, group_sizes, interpret: bool, expected_rows: int | 
     n = weights.shape[2]
     # MaxText's tiles (512 x 1024 x 1024): each row tile is read once per N tile, so small tiles multiply the
     # traffic (128-wide ones made a 2048 x 7168 expert matmul byte-bound at 29 GiB per call)
-    tile = (512, _largest_power_of_two_dividing(k, 1024), _largest_power_of_two_dividing(n, 1024))
+    tile = (512, _tpu_tile(k), _tpu_tile(n))
     padded = -(-m // tile[0]) * tile[0]
     grouped_rows = (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
     lhs = jnp.pad(jnp.where(grouped_rows, rows, 0), ((0, padded - m), (0, 0)))
@@ -290,6 +298,14 @@ def _megablox(rows, weights, group_sizes, interpret: bool, expected_rows: int | 
         out = megablox.gmm(lhs, weights, group_sizes.astype(jnp.int32), preferred_element_type=rows.dtype,
                            tiling=tile, interpret=interpret)
     return jnp.where(grouped_rows, out[:m], 0)
+
+
+def _tpu_tile(dim: int, cap: int = 1024) -> int:
+    """A Megablox tile of `dim`: a multiple of 128 (the TPU's lane width) dividing it, up to `cap` (the whole
+    dimension off a TPU, where 128 need not divide it)."""
+    if dim % 128:
+        return dim
+    return 128 * _largest_power_of_two_dividing(dim // 128, cap // 128)
 
 
 def reference(rows, weights, group_sizes):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import zlib
 from pathlib import Path
 
@@ -241,11 +242,17 @@ class OwnModel:
         if ep == 1:
             return what + "; every device holds every expert (mesh.expert=1)"
         tokens = self._rows_per_device(mesh) * m.seq_len // mesh.shape["context"]
-        buffer = tokens * min(ep * m.moe_top_k, m.moe_experts) * m.d_model * (2 if m.dtype == "bfloat16" else 4)
+        rows = tokens * min(ep * m.moe_top_k, m.moe_experts)
+        kind = "a dropless buffer"
+        if m.moe_capacity_factor > 0:
+            bounded = ep * math.ceil(m.moe_capacity_factor * tokens * m.moe_top_k / ep)
+            if bounded < rows:
+                rows, kind = bounded, f"a buffer bounded by model.moe_capacity_factor={m.moe_capacity_factor:g}"
+        buffer = rows * m.d_model * (2 if m.dtype == "bfloat16" else 4)
         return (what + f"; experts split over expert={ep}: each device holds {m.moe_experts // ep} of them per "
-                f"layer; each sparse layer sends tokens to their experts and back by all-to-all, a dropless buffer "
-                f"of {fmt_bytes(buffer)} per device each way (min(EP, E/k) x the balanced share), forward and "
-                f"backward")
+                f"layer; each sparse layer sends tokens to their experts and back by all-to-all, {kind} "
+                f"of {fmt_bytes(buffer)} per device each way ({rows / (tokens * m.moe_top_k):g} x the balanced "
+                f"share), forward and backward")
 
     def _pipeline_note(self, mesh) -> str | None:
         """Which layers each stage holds, the schedule's bubble, and what a stage hands the next."""
