@@ -82,25 +82,34 @@ def test_a_collective_the_schedule_hides_behind_compute_adds_nothing():
     assert alone.comm_s == pytest.approx(gather_s) and alone.step_s == pytest.approx(gemm_s + gather_s)
 
 
-def test_work_inside_a_scan_is_charged_times_its_trip_count():
-    loop = GEMM + ADD + """
-%body (state: (s32[], bf16[4096,4096])) -> (s32[], bf16[4096,4096]) {
-  %state = (s32[], bf16[4096,4096]{1,0}) parameter(0)
+def _loop_of_one_gemm(counter_step: str = "", condition: str = "  ROOT %c = pred[] constant(true)",
+                      annotation: str = ""):
+    """A program whose `while` body runs one 4096^3 GEMM. `counter_step`: lines computing %next_i from the counter
+    %i (else it stays %i); `condition`: the condition's body over its parameter %cstate; `annotation`: what
+    follows the while's operands (XLA's backend_config)."""
+    loop = GEMM + ADD + f"""
+%body (state: (s32[], bf16[4096,4096])) -> (s32[], bf16[4096,4096]) {{
+  %state = (s32[], bf16[4096,4096]{{1,0}}) parameter(0)
   %i = s32[] get-tuple-element(%state), index=0
-  %h = bf16[4096,4096]{1,0} get-tuple-element(%state), index=1
-  %next = bf16[4096,4096]{1,0} fusion(%h, %h), kind=kCustom, calls=%gemm_computation
-  ROOT %t = (s32[], bf16[4096,4096]{1,0}) tuple(%i, %next)
-}
+  %h = bf16[4096,4096]{{1,0}} get-tuple-element(%state), index=1
+  %next = bf16[4096,4096]{{1,0}} fusion(%h, %h), kind=kCustom, calls=%gemm_computation
+{counter_step}
+  ROOT %t = (s32[], bf16[4096,4096]{{1,0}}) tuple({"%next_i" if counter_step else "%i"}, %next)
+}}
 
-%cond (cstate: (s32[], bf16[4096,4096])) -> pred[] {
-  %cstate = (s32[], bf16[4096,4096]{1,0}) parameter(0)
-  ROOT %c = pred[] constant(true)
-}
+%cond (cstate: (s32[], bf16[4096,4096])) -> pred[] {{
+  %cstate = (s32[], bf16[4096,4096]{{1,0}}) parameter(0)
+{condition}
+}}
 """
-    p = _program("""  %zero = s32[] constant(0)
-  %init = (s32[], bf16[4096,4096]{1,0}) tuple(%zero, %a)
-  %loop = (s32[], bf16[4096,4096]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
-  ROOT %last = bf16[4096,4096]{1,0} get-tuple-element(%loop), index=1""", loop)
+    return _program(f"""  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4096,4096]{{1,0}}) tuple(%zero, %a)
+  %loop = (s32[], bf16[4096,4096]{{1,0}}) while(%init), condition=%cond, body=%body{annotation}
+  ROOT %last = bf16[4096,4096]{{1,0}} get-tuple-element(%loop), index=1""", loop)
+
+
+def test_work_inside_a_scan_is_charged_times_its_trip_count():
+    p = _loop_of_one_gemm(annotation=', backend_config={"known_trip_count":{"n":"12"}}')
     (k,) = p.kernels()
     assert k.times == 12
     assert _step(p) == pytest.approx(12 * timeline.kernel_seconds(k, RATES))
@@ -211,27 +220,9 @@ def test_a_conditional_costs_its_costliest_branch_once():
 def test_an_unannotated_loop_counts_its_trips_from_its_condition_and_its_step():
     """XLA:TPU leaves a windowed einsum's loop (an FSDP all-gather fused with its matmul) without a trip count and
     unrolls it by two: `i < 8` stepping by 2 runs 4 times, not 8."""
-    loop = GEMM + ADD + """
-%body (state: (s32[], bf16[4096,4096])) -> (s32[], bf16[4096,4096]) {
-  %state = (s32[], bf16[4096,4096]{1,0}) parameter(0)
-  %i = s32[] get-tuple-element(%state), index=0
-  %h = bf16[4096,4096]{1,0} get-tuple-element(%state), index=1
-  %next = bf16[4096,4096]{1,0} fusion(%h, %h), kind=kCustom, calls=%gemm_computation
-  %two = s32[] constant(2)
-  %i2 = s32[] add(%i, %two)
-  ROOT %t = (s32[], bf16[4096,4096]{1,0}) tuple(%i2, %next)
-}
-
-%cond (cstate: (s32[], bf16[4096,4096])) -> pred[] {
-  %cstate = (s32[], bf16[4096,4096]{1,0}) parameter(0)
-  %ci = s32[] get-tuple-element(%cstate), index=0
+    p = _loop_of_one_gemm(counter_step="  %two = s32[] constant(2)\n  %next_i = s32[] add(%i, %two)",
+                          condition="""  %ci = s32[] get-tuple-element(%cstate), index=0
   %eight = s32[] constant(8)
-  ROOT %c = pred[] compare(%ci, %eight), direction=LT
-}
-"""
-    p = _program("""  %zero = s32[] constant(0)
-  %init = (s32[], bf16[4096,4096]{1,0}) tuple(%zero, %a)
-  %loop = (s32[], bf16[4096,4096]{1,0}) while(%init), condition=%cond, body=%body
-  ROOT %last = bf16[4096,4096]{1,0} get-tuple-element(%loop), index=1""", loop)
+  ROOT %c = pred[] compare(%ci, %eight), direction=LT""")
     (k,) = [k for k in p.kernels() if k.kind == "gemm"]
     assert k.times == 4
