@@ -1,13 +1,13 @@
 """Long sequences: memory per device and XLA:GPU's estimate of the step against sequence length and context degree.
 
 Llama 3.1 8B's shape (`targets.LLAMA_8B`), `model.remat=full`, on 8 H100s: for each sequence length (8k to 128k
-tokens) and context degree C (the other 8 / C ways FSDP, one sequence per FSDP group, so each GPU holds T / C of
-a sequence's tokens), the real train step is compiled
-by XLA:GPU from this CPU host (`shardlm.perf.compile_only`; nothing runs) and its peak bytes per device, whether
-it fits 80 GiB, the attention it compiled with, the largest buffer pairing two sequence-sized dimensions (T / C
-or T: "none" is the issue's "no [T, T]"), shardlm's per-kernel estimate of the step (the one `plan` ranks by) with
-the tokens per second per GPU it implies, and XLA:GPU's own estimate are printed. With C = 1 the sequence is whole on every device (cuDNN's kernel); with C > 1
-it is the ring, with cuDNN's fused kernel on each chunk of keys.
+tokens) and context degree C (the other 8 / C ways FSDP, one sequence per FSDP group, so each GPU holds T / C of a
+sequence's tokens), the real train step is compiled by XLA:GPU from this CPU host (`shardlm.perf.compile_only`;
+nothing runs) and its peak bytes per device, whether it fits 80 GiB, the attention it compiled with, the largest
+buffer pairing two sequence-sized dimensions (T / C or T: "none" is the issue's "no [T, T]"), shardlm's per-kernel
+estimate of the step (the one `plan` ranks by) with the tokens per second per GPU it implies, and XLA:GPU's own
+estimate are printed. With C = 1 the sequence is whole on every device (cuDNN's kernel); with C > 1 it is the ring,
+with cuDNN's fused kernel on each chunk of keys.
 
     python benchmarks/long_context.py                              # 8k, 32k, 128k x C = 1, 2, 8
     python benchmarks/long_context.py --seq 8192,131072 --contexts 8

@@ -30,12 +30,12 @@ from shardlm.models.config import ModelConfig
 def jaxpr_matmul_flops(jaxpr, scope: str = "") -> float:
     """The FLOPs of every matrix multiply in a jaxpr (2 per multiply-add of each `dot_general`, and of each
     `ragged_dot_general` row by its group's matrix: the rows of an expert-parallel exchange buffer, padding
-    included, count, so a mixture's count can exceed its active FLOPs), a scan's body
-    counted once per iteration, a conditional's costliest branch, fused attention kernels (splash, cuDNN) by their
-    shapes, other Pallas kernels by the cost they declare (grouped matmuls: their routed rows), a while loop's body once (its trip count is not
-    known), a `shard_map`'s per-device body once per device, nested calls (jit, remat, custom derivatives'
-    primal) followed. For a forward pass this is what the
-    6N + 12LTd convention counts for shardlm's models, 3 x (2N + 4LTd): the weights' matmuls and attention's."""
+    included, count, so a mixture's count can exceed its active FLOPs), a scan's body counted once per iteration, a
+    conditional's costliest branch, fused attention kernels (splash, cuDNN) by their shapes, other Pallas kernels by
+    the cost they declare (grouped matmuls: their routed rows), a while loop's body once (its trip count is not
+    known), a `shard_map`'s per-device body once per device, nested calls (jit, remat, custom derivatives' primal)
+    followed. For a forward pass this is what the 6N + 12LTd convention counts for shardlm's models, 3 x (2N +
+    4LTd): the weights' matmuls and attention's."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr's
     total = 0.0
     for eqn in jaxpr.eqns:

@@ -279,10 +279,10 @@ _triton_gmm.defvjp(_triton_gmm_forward, _triton_gmm_backward)
 
 
 def _megablox(rows, weights, group_sizes, interpret: bool, expected_rows: int | None):
-    """JAX's Pallas TPU grouped matmul, with its gradient kernels (`megablox.gmm`), in tiles of 512 rows (padded to
-    a multiple) and up to 1024 of K and N (`_tpu_tile`). Megablox leaves rows past the groups unwritten, forward and backward, so
-    they are masked to zero on the way in and out (the masks' gradients zero them in d rows too). Its kernels
-    declare the cost of every row of the buffer, so a name scope says how many the caller expects in groups
+    """JAX's Pallas TPU grouped matmul, with its gradient kernels (`megablox.gmm`), in tiles of 512 rows (padded to a
+    multiple) and up to 1024 of K and N (`_tpu_tile`). Megablox leaves rows past the groups unwritten, forward and
+    backward, so they are masked to zero on the way in and out (the masks' gradients zero them in d rows too). Its
+    kernels declare the cost of every row of the buffer, so a name scope says how many the caller expects in groups
     (`ROUTED_SCOPE`, read by `shardlm.perf.kernels`)."""
     from jax.experimental.pallas.ops.tpu import megablox
 

@@ -231,11 +231,10 @@ def _counted_trips(loop: _Instruction, instructions: list[_Instruction]) -> int 
     if counter is not None and root is not None and root.opcode == "tuple" and counter < len(root.operands):
         update = by_name.get(root.operands[counter])
         if update is not None and update.opcode == "add" and len(update.operands) == 2:
-            a, b = update.operands
-            if tuple_index(a) == counter and (c := constant(b)):
-                step = c
-            elif tuple_index(b) == counter and (c := constant(a)):
-                step = c
+            for counted, added in (update.operands, update.operands[::-1]):  # i + c or c + i
+                if tuple_index(counted) == counter and (c := constant(added)):
+                    step = c
+                    break
     return max(-(-(limit - start) // max(step, 1)), 1)
 
 

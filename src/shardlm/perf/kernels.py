@@ -3,9 +3,9 @@ the step-time model (`shardlm.perf.timeline`) costs.
 
 The source is the optimised HLO text of a compiled step (XLA:GPU's, XLA:TPU's or XLA:CPU's `as_text()`), which is
 scheduled (`is_scheduled=true`): each computation lists its instructions in the order they run. A computation is
-*executed* if the entry runs it: the entry itself, `while` bodies (times their trip count), conditional branches
-(one of them runs: the timeline charges the costliest), `call`s and the computations of non-collective async ops. Every other computation belongs to one instruction
-(a fusion's body, a reducer) and is read only to cost that instruction.
+*executed* if the entry runs it: the entry itself, `while` bodies (times their trip count), conditional branches (one
+of them runs: the timeline charges the costliest), `call`s and the computations of non-collective async ops. Every
+other computation belongs to one instruction (a fusion's body, a reducer) and is read only to cost that instruction.
 
 Design choices:
 - A `Kernel` is one top-level instruction of an executed computation that does work: a fusion, a custom call, or an

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import zlib
 from pathlib import Path
 
@@ -55,6 +54,7 @@ from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
 from shardlm.models.layers import check_attention, uses_ring
+from shardlm.models.moe import exchange_capacity
 from shardlm.models.pipeline import (
     bubble_fraction,
     check_pipeline,
@@ -242,12 +242,10 @@ class OwnModel:
         if ep == 1:
             return what + "; every device holds every expert (mesh.expert=1)"
         tokens = self._rows_per_device(mesh) * m.seq_len // mesh.shape["context"]
-        rows = tokens * min(ep * m.moe_top_k, m.moe_experts)
+        rows = ep * exchange_capacity(tokens, m.moe_top_k, m.moe_experts, ep, m.moe_capacity_factor)
         kind = "a dropless buffer"
-        if m.moe_capacity_factor > 0:
-            bounded = ep * math.ceil(m.moe_capacity_factor * tokens * m.moe_top_k / ep)
-            if bounded < rows:
-                rows, kind = bounded, f"a buffer bounded by model.moe_capacity_factor={m.moe_capacity_factor:g}"
+        if rows < ep * exchange_capacity(tokens, m.moe_top_k, m.moe_experts, ep):
+            kind = f"a buffer bounded by model.moe_capacity_factor={m.moe_capacity_factor:g}"
         buffer = rows * m.d_model * (2 if m.dtype == "bfloat16" else 4)
         return (what + f"; experts split over expert={ep}: each device holds {m.moe_experts // ep} of them per "
                 f"layer; each sparse layer sends tokens to their experts and back by all-to-all, {kind} "
