@@ -55,6 +55,22 @@ def test_expert_parallel_training_matches_one_device(degrees):
     assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.parametrize("dispatch", [[], ["model.moe_capacity_factor=2.0"]], ids=["dropless", "capacity, no drops"])
+def test_experts_with_pipeline_stages_train_like_the_same_pipeline_without_an_expert_split(dispatch):
+    """stage 2 x fsdp 2 x expert 2 against stage 2 x fsdp 2 (expert 1): the same microbatches and data-parallel
+    replicas, so the same per-microbatch load-balancing loss (a pipeline's aux loss is the microbatches' mean,
+    as gradient accumulation's is), with the experts split over `expert` inside each stage."""
+    if "pipeline" not in _reference:
+        _reference["pipeline"] = _train(MOE, {"stage": 2, "fsdp": 2}, 20)
+    ref_losses, ref_first = _reference["pipeline"]
+    losses, first = _train(MOE + dispatch, {"stage": 2, "fsdp": 2, "expert": 2}, 20)
+    for key in ("loss", "grad_norm", "aux_loss"):
+        assert first[key] == pytest.approx(ref_first[key], rel=1e-5), key
+    assert first["moe_dropped"] == 0.0
+    assert losses[-1] == pytest.approx(ref_losses[-1], rel=1e-3)
+    assert losses[-1] < losses[0] - 0.5
+
+
 def test_the_compiled_step_dispatches_by_all_to_all_and_splits_the_experts():
     """ep4 x fsdp2: each MoE layer's forward sends tokens to their experts and back (all-to-alls over the expert
     groups, once per layer of the scan) and its backward does the same for the gradients; each device holds 1/4

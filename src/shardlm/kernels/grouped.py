@@ -22,6 +22,9 @@ Design choices:
 - The gradient is two more kernels (`jax.custom_vjp`): d rows = d out x weights^T (the same kernel, the weights
   read transposed), and d weights[g] = rows_g^T x d out_g, one program per (group, K block, N block) looping over
   its group's rows (a dynamic trip count). An empty group's gradient is zero.
+- Under a pipeline the kernel is batched by two `vmap`s (stages, data-parallel replicas), each split over its mesh
+  axes. JAX 0.10 cannot lower `ragged_dot` batched twice, so `xla` batches it one element at a time
+  (`custom_vmap`, a loop that runs once per device), with its gradient written out (`custom_vjp`).
 - Accumulation in float32; the output in the rows' dtype. Block sizes are powers of two dividing K and N (no
   column masks); shapes they do not fit (a dimension under 16) take `xla`.
 - The compiled program cannot say how many rows were routed, so each kernel records the work its caller expects
@@ -39,6 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 
 KERNELS = ("xla", "triton", "megablox")
 GEMM_KEY = "shardlm_gemm"  # the metadata field `shardlm.perf.kernels` reads a Triton kernel's work from
@@ -77,7 +81,54 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
         return _triton_gmm(rows, weights, group_sizes.astype(jnp.int32), blocks, interpret, rows_routed)
     if kernel == "megablox" and megablox_fits(rows.shape[1], weights.shape[2], interpret):
         return _megablox(rows, weights, group_sizes, interpret, expected_rows)
+    return _ragged_dot(rows, weights, group_sizes)
+
+
+def _one_at_a_time(f):
+    """`f` batched one element at a time (`jax.lax.map` over the batch): JAX 0.10 cannot lower `ragged_dot` batched
+    under two `vmap`s (its expansion passes NumPy integers as `in_axes`), which a pipeline's vmaps over stages and
+    data-parallel replicas do. Each of those is split over its mesh axes, so a device's loop runs once."""
+    mapped = custom_vmap(f)
+
+    @mapped.def_vmap
+    def batched(axis_size, in_batched, *args):
+        args = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched))
+        return jax.lax.map(lambda one: mapped(*one), args), True  # an outer vmap comes back here
+
+    return mapped
+
+
+@_one_at_a_time
+def _ragged_forward(rows, weights, group_sizes):
     return jax.lax.ragged_dot(rows, weights, group_sizes)
+
+
+@_one_at_a_time
+def _ragged_weight_gradient(rows, d_out, group_sizes):
+    """d weights [G, K, N] of `ragged_dot(rows, weights, group_sizes)` for the output's gradient d_out [M, N]."""
+    zeros = jnp.zeros((group_sizes.shape[0], rows.shape[1], d_out.shape[1]), rows.dtype)
+    return jax.vjp(lambda w: jax.lax.ragged_dot(rows, w, group_sizes), zeros)[1](d_out)[0]
+
+
+@jax.custom_vjp
+def _ragged_dot(rows, weights, group_sizes):
+    """`jax.lax.ragged_dot` with its gradient written out, each part `_one_at_a_time` (a `custom_vmap` has no
+    reverse-mode derivative of its own under remat)."""
+    return _ragged_forward(rows, weights, group_sizes)
+
+
+def _ragged_dot_forward(rows, weights, group_sizes):
+    return _ragged_forward(rows, weights, group_sizes), (rows, weights, group_sizes)
+
+
+def _ragged_dot_backward(saved, d_out):
+    rows, weights, group_sizes = saved
+    d_rows = _ragged_forward(d_out.astype(rows.dtype), jnp.swapaxes(weights, 1, 2), group_sizes)
+    d_weights = _ragged_weight_gradient(rows, d_out.astype(rows.dtype), group_sizes).astype(weights.dtype)
+    return d_rows, d_weights, None
+
+
+_ragged_dot.defvjp(_ragged_dot_forward, _ragged_dot_backward)
 
 
 def triton_fits(m: int, k: int, n: int) -> bool:

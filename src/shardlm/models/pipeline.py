@@ -29,6 +29,10 @@ Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShar
   a `vmap` over the F data-parallel replicas (the mesh axes that split the batch), each with its own copy of the
   weights ([S, F, R, K, ...], split over the stages and the replicas: one whole copy per device), and each copy's
   gradient is its device's own partial sum until the copies are summed after the loop.
+- A mixture's experts stay split over `expert` inside the loop (the rule table computes `experts` where they are
+  stored: `sharding.axes_in_use`), so `expert` is not one of the F replicas: it stays a split of each replica's
+  rows, and the stage's dense weights are used whole by every expert device of a replica, their gradients
+  reduced over `expert` in every iteration. The experts' own are their devices' own, as outside a pipeline.
 - Remat checkpoints the iteration's stage compute as a whole under the model's policy (`shardlm.models.remat`;
   every training step has one, `none` included, so the stage's slice of its weights, indexed by a traced repeat,
   is never kept per iteration): the step keeps one input per stage and iteration and what the policy names, and
@@ -64,6 +68,7 @@ from shardlm.sharding import (
     active_axes,
     active_mesh,
     active_rules,
+    axes_in_use,
     constrain,
     gathered_for,
     gradient_carrier,
@@ -134,7 +139,7 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     per-batch quantity, which is their mean."""
     m_count = microbatch_count(microbatches, stages)
     check_pipeline(n_layers, x.shape[0], stages, microbatches, repeats)
-    replicas, replica_axes = _replicas()
+    replicas, replica_axes = _replicas(blocks)
     weights = _stage_weights(blocks, blocks if stored is None else stored, stages, repeats, replicas, replica_axes)
     schedule = _Schedule(stages, m_count, repeats, n_layers // (stages * repeats))
     per_stage = _per_stage(nnx.graphdef(blocks), step, schedule, policy, remat_unit, replicas, replica_axes,
@@ -167,13 +172,18 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     return _batch(io[0]), total  # stage 0's slots hold the results: sent to every stage once, for the head
 
 
-def _replicas() -> tuple[int, tuple[str, ...]]:
+def _replicas(blocks) -> tuple[int, tuple[str, ...]]:
     """(how many data-parallel replicas the batch is split into, the mesh axes that split it): 1 and () outside a
-    mesh or without a batch split."""
+    mesh or without a batch split. An axis that also splits a weight as it is used (a mixture's experts over
+    `expert`) is not a replica axis: a copy of the weight cannot be whole on each of its devices. It stays a split
+    of the rows inside each replica."""
     mesh = active_mesh()
     if mesh is None:
         return 1, ()
-    axes = tuple(a for a in active_axes("batch") if mesh.shape[a] > 1)
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    weights = jax.tree.leaves(nnx.state(blocks), is_leaf=is_var)
+    kept = set().union(*(axes_in_use(_names(v), v.shape) for v in weights))
+    axes = tuple(a for a in active_axes("batch") if mesh.shape[a] > 1 and a not in kept)
     return math.prod(mesh.shape[a] for a in axes), axes
 
 
@@ -262,8 +272,7 @@ def _stage_weights(blocks, stored, stages: int, repeats: int, replicas: int, rep
     whose gradient it accumulates over every microbatch before the copies' gradients are reduce-scattered, once,
     after the loop."""
     def staged(var):
-        a = var[...]
-        names = tuple(var.get_metadata().get("out_sharding") or (LAYERS,) + (None,) * (a.ndim - 1))
+        a, names = var[...], _names(var)
         return a.reshape(stages, repeats, a.shape[0] // (stages * repeats), *a.shape[1:]), (LAYERS, None, None,
                                                                                            *names[1:])
 
@@ -278,6 +287,11 @@ def _stage_weights(blocks, stored, stages: int, repeats: int, replicas: int, rep
     is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
     return (jax.tree.map(weight, nnx.state(blocks), is_leaf=is_var),
             jax.tree.map(carrier, nnx.state(stored), is_leaf=is_var))
+
+
+def _names(var) -> tuple:
+    """A stacked weight's logical names (the stack's `layers` first)."""
+    return tuple(var.get_metadata().get("out_sharding") or (LAYERS,) + (None,) * (len(var.shape) - 1))
 
 
 def _with_gradient_into(weight, carrier):

@@ -9,6 +9,7 @@ ended up is `shardlm.explanation`.
 from shardlm.sharding.rules import (
     LOGICAL_AXIS_RULES,
     active_axes,
+    axes_in_use,
     active_mesh,
     active_rules,
     active_spec,
@@ -35,6 +36,7 @@ from shardlm.sharding.rules import (
 __all__ = [
     "LOGICAL_AXIS_RULES",
     "active_axes",
+    "axes_in_use",
     "active_mesh",
     "active_rules",
     "active_spec",

@@ -251,6 +251,27 @@ def _pinned_with_gradient(x: jax.Array, pin, pin_gradient) -> jax.Array:
 # Mesh axes that split a weight only to store it (FSDP's, and the context devices acting as FSDP shards): a weight
 # is gathered over them for use. The others (stage, tensor) split the computation itself and stay split.
 STORAGE_AXES = ("data", "fsdp", "expert", "context")
+# Logical dimensions computed where they are stored: a mixture's experts run on the devices that hold them (expert
+# parallelism), so their split is never gathered for use, whichever axes it is over.
+COMPUTED_WHERE_STORED = ("experts",)
+
+
+def _in_use(names: tuple, stored: P) -> tuple:
+    """The spec entries of a weight with logical `names` and stored spec `stored` as it is used: the stored entries
+    less the `STORAGE_AXES`, except on a dimension computed where it is stored."""
+    stored = tuple(stored) + (None,) * (len(names) - len(stored))
+    return tuple(entry if name in COMPUTED_WHERE_STORED else _keep(entry) for name, entry in zip(names, stored))
+
+
+def axes_in_use(names: tuple, shape: tuple) -> set[str]:
+    """The mesh axes (of more than one device) that still split a weight of logical `names` and `shape` as
+    `gathered_for` lays it out for use: the tensor split, and an expert split. Empty outside `use_mesh_rules`."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return set()
+    mesh = active.mesh
+    stored = logical_to_spec(names, active.storage, shape=shape, mesh=mesh)
+    return {a for entry in _in_use(names, stored) for a in as_axes(entry) if mesh.shape[a] > 1}
 
 
 def gathered_for(x: jax.Array, names: tuple) -> jax.Array:
@@ -262,7 +283,7 @@ def gathered_for(x: jax.Array, names: tuple) -> jax.Array:
         return x
     mesh = active.mesh
     stored = NamedSharding(mesh, logical_to_spec(names, active.storage, shape=x.shape, mesh=mesh))
-    used = NamedSharding(mesh, P(*(_keep(entry) for entry in stored.spec)))
+    used = NamedSharding(mesh, P(*_in_use(names, stored.spec)))
     return _pinned_with_gradient(x, lambda a: jax.lax.with_sharding_constraint(a, used),
                                  lambda g: jax.lax.with_sharding_constraint(g, stored))
 
@@ -351,7 +372,7 @@ def replicas_of(x: jax.Array, names: tuple, replicas: int, axes: tuple[str, ...]
     stored = logical_to_spec(names, storage, shape=x.shape, mesh=mesh)
     x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, stored))
     copies = jnp.broadcast_to(x[:, None], (x.shape[0], replicas, *x.shape[1:]))
-    used = P(stored[0], axes, *(_keep(entry) for entry in stored[1:]))
+    used = P(stored[0], axes, *_in_use(names, stored)[1:])
     return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, used))
 
 
@@ -367,8 +388,8 @@ def gradient_carrier(x: jax.Array, names: tuple, replicas: int = 1, axes: tuple[
     if active is not None:
         mesh = active.mesh
         stored = logical_to_spec(names, active.storage, shape=x.shape, mesh=mesh)
-        used = P(*(_keep(entry) for entry in stored)) if replicas == 1 else P(
-            stored[0], axes, *(_keep(entry) for entry in stored[1:]))
+        in_use = _in_use(names, stored)
+        used = P(*in_use) if replicas == 1 else P(stored[0], axes, *in_use[1:])
         pin = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, used))  # noqa: E731
         pin_gradient = lambda g: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, stored))  # noqa: E731
 

@@ -182,10 +182,6 @@ class OwnModel:
         check_attention(m.attention, cp, m.context_attention)
         stages = mesh.shape.get("stage", 1)
         if stages > 1:
-            if m.moe_experts:  # the experts' shard_map inside the pipeline's vmap over stages: JAX 0.10 refuses it
-                raise ShardlmError(f"mesh.stage={stages} with a mixture of experts (model.moe_experts="
-                                   f"{m.moe_experts}) is not supported yet: use data, fsdp, expert, context and "
-                                   "tensor for it")
             if not m.scan_layers:
                 raise ShardlmError(f"mesh.stage={stages} splits the stacked blocks over pipeline stages: set "
                                    "model.scan_layers=true (the default)")
