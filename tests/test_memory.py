@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlm.mesh import make_mesh
-from shardlm.models.head import chunk_width, head_loss
+from shardlm.models.head import chunk_width, head_loss, tiling
 from shardlm.sharding import logical_to_spec, sharded_lookup, use_mesh_rules, zero_rules
 
 D, VOCAB, PADDED = 32, 250, 256  # the last 6 rows are padding
@@ -31,13 +31,17 @@ def inputs(tied, batch=8, t=16):
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("chunks", [0, 3, 8])
-def test_the_fused_loss_is_the_cross_entropy_of_the_whole_logits(tied, chunks):
-    """One chunk (0: automatic), 3 (the last of width 86 starts early and masks the rows already covered) and 8:
-    the loss and both gradients within float32 rounding of the plain loss's."""
+@pytest.mark.parametrize("chunks, budget", [(0, 2**20), (3, 2**20), (8, 2**20), (0, 128 * 32 * 4)],
+                         ids=["one tile", "3 chunks", "8 chunks", "2 chunks x 4 token blocks"])
+def test_the_fused_loss_is_the_cross_entropy_of_the_whole_logits(tied, chunks, budget):
+    """One chunk (0: automatic), 3 (the last of width 86 starts early and masks the rows already covered), 8, and a
+    budget that takes token blocks too (128 tokens by 256 rows in tiles of 32 tokens by 128 rows): the loss and
+    both gradients within float32 rounding of the plain loss's."""
     x, w, targets = inputs(tied)
+    if budget < 2**20:
+        assert tiling(PADDED, x.shape[0] * x.shape[1], chunks, budget) == (128, 4)
     fused = lambda x, w: head_loss(x, w, targets, tied=tied, vocab_size=VOCAB, compute_dtype=jnp.float32,  # noqa: E731
-                                   chunks=chunks)
+                                   chunks=chunks, budget=budget)
     got, got_grads = jax.value_and_grad(fused, argnums=(0, 1))(x, w)
     want, want_grads = jax.value_and_grad(lambda x, w: plain_loss(x, w, targets, tied), argnums=(0, 1))(x, w)
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -55,6 +59,20 @@ def test_chunks_are_multiples_of_128_rows_within_their_budget():
     assert chunk_width(50304, 2048) == 12672
     assert chunk_width(512, 64) == 512
     assert chunk_width(256, 64, requested=3) == 86
+
+
+def test_many_tokens_take_token_blocks_too():
+    """The 70B pipeline's head, 262,144 tokens by 32,064 rows per device: chunks alone would be 251 of 128 rows,
+    each adding an 8 GiB input gradient; the tiling takes wide chunks and token blocks, each tile within the
+    budget, and moves the fewest bytes (tokens x chunks + blocks x rows) of any tiling in it."""
+    tokens, rows = 262144, 32064
+    assert tiling(rows, tokens, budget=2**40) == (rows, 1)  # fits: one tile
+    width, blocks = tiling(rows, tokens)
+    assert width % 128 == 0 and tokens % blocks == 0
+    assert tokens // blocks * width * 4 <= 128 * 2**20
+    chunks = -(-rows // width)
+    assert tokens * chunks + blocks * rows < (tokens * 251 + rows) / 10  # ten times fewer bytes than chunks alone
+    assert tiling(128256, 16384, requested=63) == (chunk_width(128256, 16384, 63), 1)  # a requested count: chunks
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

@@ -11,12 +11,17 @@ Design choices:
   head matmul, the price of not keeping them), turns them into the chunk's softmax minus the one-hot target, and
   multiplies out the input's and the weight's gradients. Llama 3.1 8B at 2 x 8192 tokens per device and a 128k
   vocabulary held 7.8 GiB per float32 copy of its logits, and the loss and its gradient about two copies.
-- Each device cuts its own rows of the vocabulary (all of them, or its tensor-parallel block) into as few chunks as
-  keep a chunk's float32 logits for the device's tokens under `CHUNK_BYTES` (`model.loss_chunks` sets the count
-  instead), each a multiple of 128 rows (`chunk_width`). The last chunk starts early enough to end at the last
-  row, and its rows an earlier chunk covered are masked: widths stay multiples of 128 whatever the vocabulary
-  (Llama 3's 128,256 rows have no such divisor), which the GEMMs want, for at most 127 rows per chunk computed
-  twice.
+- Each device cuts its own rows of the vocabulary (all of them, or its tensor-parallel block) into chunks whose
+  width is a multiple of 128 rows, and its tokens into blocks, so that a tile's float32 logits (a block's tokens
+  by a chunk's rows) stay under `CHUNK_BYTES` (`tiling`). The chunks are the outer loop, the blocks the inner:
+  the input's float32 gradient [tokens, d] is read and written once per chunk, and a chunk's weight gradient
+  [width, d] once per block, so the tiling minimises tokens x chunks + blocks x rows, the bytes moved over 8 d.
+  Chunks alone, for the 262,144 tokens a pipeline's head sees per device (the 70B plan's), would be 251 chunks of
+  128 rows: skinny GEMMs, and 8 GiB of input gradient added 251 times (1.6 s of an H100's HBM per step).
+  `model.loss_chunks` sets the chunk count instead, with one block. The last chunk starts early enough to end at
+  the last row, and its rows an earlier chunk covered are masked: widths stay multiples of 128 whatever the
+  vocabulary (Llama 3's 128,256 rows have no such divisor), which the GEMMs want, for at most 127 rows per chunk
+  computed twice.
 - Per device, inside `shard_map`: a weight chunk is cast to the compute dtype, gathered over the mesh axes that
   store the embedding dimension (FSDP's), used and dropped. Its gradient is computed in float32 and summed over
   the devices that hold other tokens, reduce-scattered back into the stored shards chunk by chunk, in
@@ -62,8 +67,30 @@ def chunk_width(rows: int, tokens: int, requested: int = 0) -> int:
     return min(rows, -(-width // 128) * 128) if not requested else width
 
 
+def tiling(rows: int, tokens: int, requested: int = 0, budget: int = CHUNK_BYTES) -> tuple[int, int]:
+    """(chunk width, token blocks) for a device's `rows` of the vocabulary and its `tokens` (see the module
+    docstring): one tile if the float32 logits fit `budget`; `requested` chunks (`chunk_width`) and one block;
+    otherwise the tiling within the budget that moves the fewest bytes, tokens x chunks + blocks x rows (in units
+    of 8 d bytes), and of those the fewest tiles. Blocks divide the tokens."""
+    if requested:
+        return chunk_width(rows, tokens, requested), 1
+    if tokens * rows * 4 <= budget:
+        return rows, 1
+    divisors = [n for n in range(1, tokens + 1) if tokens % n == 0]
+    best = None
+    for width in sorted({min(w, rows) for w in range(128, rows + 128, 128)}):
+        blocks = next((n for n in divisors if tokens // n * width * 4 <= budget), None)
+        if blocks is None:
+            break
+        chunks = -(-rows // width)
+        key = (tokens * chunks + blocks * rows, chunks * blocks)
+        if best is None or key < best[0]:
+            best = (key, width, blocks)
+    return (chunk_width(rows, tokens), 1) if best is None else best[1:]
+
+
 def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool, vocab_size: int, compute_dtype,
-              reduce_dtype=None, chunks: int = 0) -> jax.Array:
+              reduce_dtype=None, chunks: int = 0, budget: int = CHUNK_BYTES) -> jax.Array:
     """The mean cross entropy of `targets` [batch, T] under logits x @ head: x [batch, T, embed] (the final norm's
     output, in the compute dtype), `w` the head as stored ([vocab, embed] tied, [embed, vocab] untied). See the
     module docstring."""
@@ -72,7 +99,8 @@ def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool, voc
     mesh = active_mesh()
     if mesh is None:
         return _per_device(x, w, targets, tied=tied, vocab_size=vocab_size, compute_dtype=compute_dtype,
-                           reduce_dtype=reduce_dtype, chunks=chunks, n_tokens=n_tokens, axes=_Axes((), (), ()))
+                           reduce_dtype=reduce_dtype, chunks=chunks, budget=budget, n_tokens=n_tokens,
+                           axes=_Axes((), (), ()))
     x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
     w_spec = active_storage_spec(*names, shape=w.shape)
     live = lambda entry: tuple(a for a in as_axes(entry) if mesh.shape[a] > 1)  # noqa: E731
@@ -88,7 +116,7 @@ def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool, voc
     t_spec = P(x_spec[0], x_spec[1])
     run = lambda x, w, t: _per_device(x, w, t, tied=tied, vocab_size=vocab_size,  # noqa: E731
                                       compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, chunks=chunks,
-                                      n_tokens=n_tokens, axes=axes)
+                                      budget=budget, n_tokens=n_tokens, axes=axes)
     return jax.shard_map(run, mesh=mesh, in_specs=(x_spec, w_spec, t_spec), out_specs=P())(x, w, targets)
 
 
@@ -101,11 +129,13 @@ class _Axes:
         self.other_token = tuple(a for a in token if a not in embed)  # tokens' axes that do not store the head
 
 
-def _per_device(x, w, targets, *, tied, vocab_size, compute_dtype, reduce_dtype, chunks, n_tokens, axes: _Axes):
+def _per_device(x, w, targets, *, tied, vocab_size, compute_dtype, reduce_dtype, chunks, budget, n_tokens,
+                axes: _Axes):
     """One device's loss: its tokens x [b, t, d], its shard of the head, its targets [b, t]. (The custom VJP's
     functions close over no traced value: each derives what it needs from its arguments.)"""
     rows = w.shape[0] if tied else w.shape[1]  # this device's vocabulary rows
-    width = chunk_width(rows, x.shape[0] * x.shape[1], chunks)
+    b, t, d = x.shape
+    width, blocks = tiling(rows, b * t, chunks, budget)
     n = -(-rows // width)
     row_axis = 0 if tied else 1
     reduce_dtype = reduce_dtype or compute_dtype  # auto: as any weight's gradient, in the compute dtype
@@ -129,19 +159,34 @@ def _per_device(x, w, targets, *, tied, vocab_size, compute_dtype, reduce_dtype,
         ids = local + (jax.lax.axis_index(axes.vocab) * rows if axes.vocab else 0)
         return jnp.where((ids < vocab_size) & (local >= j * width), logits, -jnp.inf), ids
 
-    def forward(x, w, targets):
-        def body(carry, j):
-            m, s, target_logit = carry
-            logits, ids = chunk_logits(x, weight_chunk(w, j), j)
-            m_new = jnp.maximum(m, logits.max(-1))
-            base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a device whose rows are all padding: m = -inf
-            s = s * jnp.exp(m - base) + jnp.exp(logits - base[..., None]).sum(-1)
-            hit = (ids == targets[..., None]) & jnp.isfinite(logits)
-            target_logit = target_logit + jnp.where(hit, logits, 0.0).sum(-1)
-            return (m_new, s, target_logit), None
+    def in_blocks(a):
+        """[b, t, ...] -> [blocks, 1, b t / blocks, ...]: the tokens' blocks, each a batch of one row."""
+        return a.reshape(blocks, 1, b * t // blocks, *a.shape[2:])
 
-        zeros = _varying(jnp.zeros_like(targets, jnp.float32), axes.vocab)
-        (m, s, target_logit), _ = jax.lax.scan(body, (zeros - jnp.inf, zeros, zeros), jnp.arange(n))
+    def over_blocks(body, carry, xs):
+        """`body` over the token blocks (a scan; with one block, called once)."""
+        if blocks == 1:
+            carry, ys = body(carry, jax.tree.map(lambda a: a[0], xs))
+            return carry, jax.tree.map(lambda a: a[None], ys)
+        return jax.lax.scan(body, carry, xs)
+
+    def forward(x, w, targets):
+        def chunk(carry, j):
+            c = weight_chunk(w, j)
+
+            def block(_, xs):
+                x, targets, m, s, target_logit = xs
+                logits, ids = chunk_logits(x, c, j)
+                m_new = jnp.maximum(m, logits.max(-1))
+                base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a device whose rows are all padding: m = -inf
+                s = s * jnp.exp(m - base) + jnp.exp(logits - base[..., None]).sum(-1)
+                hit = (ids == targets[..., None]) & jnp.isfinite(logits)
+                return None, (m_new, s, target_logit + jnp.where(hit, logits, 0.0).sum(-1))
+
+            return over_blocks(block, None, (in_blocks(x), in_blocks(targets), *carry))[1], None
+
+        zeros = _varying(in_blocks(jnp.zeros_like(targets, jnp.float32)), axes.vocab)
+        (m, s, target_logit), _ = jax.lax.scan(chunk, (zeros - jnp.inf, zeros, zeros), jnp.arange(n))
         if axes.vocab:  # the log-sum-exp and the target's logit over every tensor device's rows
             top = jax.lax.pmax(m, axes.vocab)
             s = jax.lax.psum(s * jnp.exp(m - top), axes.vocab)
@@ -164,16 +209,24 @@ def _per_device(x, w, targets, *, tied, vocab_size, compute_dtype, reduce_dtype,
         x, w, targets, lse = saved
         scale = g / n_tokens
 
-        def body(carry, j):
+        def chunk(carry, j):
             dx, dw = carry
             c = weight_chunk(w, j)
-            logits, ids = chunk_logits(x, c, j)
-            hit = (ids == targets[..., None]) & jnp.isfinite(logits)
-            dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * scale).astype(compute_dtype)
-            # each chunk's share in the compute dtype, as any matmul's (XLA:GPU's untuned deviceless compile
-            # costs a float32-output GEMM at a tenth of the tensor cores' rate), summed over the chunks in float32
-            dx = dx + jnp.einsum(dx_contract, dlogits, c).astype(jnp.float32)
-            dc = jnp.einsum(dw_contract, dlogits, x, preferred_element_type=jnp.float32).astype(reduce_dtype)
+
+            def block(dc, xs):
+                x, targets, lse, dx = xs
+                logits, ids = chunk_logits(x, c, j)
+                hit = (ids == targets[..., None]) & jnp.isfinite(logits)
+                dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * scale).astype(compute_dtype)
+                # each tile's share in the compute dtype, as any matmul's (XLA:GPU's untuned deviceless compile
+                # costs a float32-output GEMM at a tenth of the tensor cores' rate), summed in float32
+                dx = dx + jnp.einsum(dx_contract, dlogits, c).astype(jnp.float32)
+                return dc + jnp.einsum(dw_contract, dlogits, x, preferred_element_type=jnp.float32), dx
+
+            dc_zeros = _varying(jnp.zeros((width, d) if tied else (d, width), jnp.float32),
+                                tuple(dict.fromkeys(axes.token + axes.vocab)))  # a sum over tokens and rows
+            dc, dx = over_blocks(block, dc_zeros, (in_blocks(x), in_blocks(targets), lse, dx))
+            dc = dc.astype(reduce_dtype)
             if axes.embed:  # summed over the tokens of the devices sharing the shard, scattered into it
                 dc = jax.lax.psum_scatter(dc, axes.embed, scatter_dimension=1 - row_axis, tiled=True)
             if axes.other_token:
@@ -183,11 +236,11 @@ def _per_device(x, w, targets, *, tied, vocab_size, compute_dtype, reduce_dtype,
             dw = jax.lax.dynamic_update_slice_in_dim(dw, before + dc.astype(dw.dtype), start(j), axis=row_axis)
             return (dx, dw), None
 
-        dx = _varying(jnp.zeros_like(x, jnp.float32), axes.vocab)
-        (dx, dw), _ = jax.lax.scan(body, (dx, jnp.zeros_like(w)), jnp.arange(n))
+        dx = _varying(in_blocks(jnp.zeros_like(x, jnp.float32)), axes.vocab)
+        (dx, dw), _ = jax.lax.scan(chunk, (dx, jnp.zeros_like(w)), jnp.arange(n))
         if axes.vocab:
             dx = jax.lax.psum(dx, axes.vocab)
-        return dx.astype(x.dtype), dw, None
+        return dx.reshape(x.shape).astype(x.dtype), dw, None
 
     loss.defvjp(loss_forward, loss_backward)
     return loss(x, w, targets)
