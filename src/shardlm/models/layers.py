@@ -532,7 +532,7 @@ class CausalLM(nnx.Module):
                                    f"{stages}: build it for the mesh it runs on")
             x, stats = run_pipeline(self.blocks, self.n_layers, step, x, stages=stages,
                                     microbatches=self.microbatches, repeats=self.repeats, dropout_key=key,
-                                    policy=policy, remat_unit=self.pipeline_remat, stored=stored_blocks,
+                                    policy=remat.policy(self.remat, self.remat_offload, block_inputs=True), remat_unit=self.pipeline_remat, stored=stored_blocks,
                                     stats=self._stats_zeros())
         else:
             x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, step, x, dropout_key=key,

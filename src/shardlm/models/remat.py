@@ -94,13 +94,21 @@ def check_policy(remat: str, offload: str) -> None:
                            "dots): use none, full, save_attention, save_qkv_proj or save:NAME,... with it")
 
 
-def policy(remat: str, offload: str = ""):
-    """The `jax.checkpoint` policy of `model.remat` and `model.remat_offload`."""
+def policy(remat: str, offload: str = "", block_inputs: bool = False):
+    """The `jax.checkpoint` policy of `model.remat` and `model.remat_offload`. With `block_inputs`, a policy that
+    saves anything of a block saves the blocks' inputs too: a pipeline checkpoints a stage's layers together, and
+    without them its backward pass would recompute the chain of layers from the stage's input, matmuls the policy
+    did not name included (the MLP's down projection, every layer). A scan over the layers keeps them anyway, as
+    the inputs of its iterations."""
     check_policy(remat, offload)
     device = saved_names(remat)
     if device is None:
-        return getattr(jax.checkpoint_policies, remat)
+        dots = getattr(jax.checkpoint_policies, remat)
+        return jax.checkpoint_policies.save_from_both_policies(
+            dots, jax.checkpoint_policies.save_only_these_names(BLOCK_INPUT)) if block_inputs else dots
     host = _names(offload, "model.remat_offload")
+    if block_inputs and device and BLOCK_INPUT not in host:
+        device = (*device, BLOCK_INPUT)
     if not host:
         return jax.checkpoint_policies.save_only_these_names(*device)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
