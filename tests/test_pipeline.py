@@ -150,6 +150,45 @@ def test_the_schedule_equals_the_layers_in_order(stages, repeats, microbatches, 
     np.testing.assert_allclose(np.asarray(dx), np.asarray(ref_dx), rtol=1e-4, atol=1e-6 * np.abs(ref_dx).max())
 
 
+@pytest.mark.parametrize("stages,microbatches,repeats", [(2, 2, 1), (4, 4, 2), (2, 6, 3)])
+def test_the_schedule_table_runs_every_microbatch_through_every_layer_once_in_order(stages, microbatches, repeats):
+    """Played out on paper: stage 0 reads slot read_slot, every stage passes its output on, and the last stage's
+    output lands in slot write_slot one iteration later. Every microbatch goes through the model's layers 0, 1,
+    ..., n - 1 in order (a stage's repeat r runs layers first_layer .. first_layer + K - 1), no slot is
+    overwritten before it is read, and the last repeat's outputs are in their slots at the end."""
+    from shardlm.models.pipeline import bubble_fraction, pipeline_schedule
+
+    k = 2
+    sched = pipeline_schedule(stages, microbatches, repeats, k)
+    assert sched.iterations == microbatches * repeats + stages - 1
+    assert 1 - sched.active.mean() == pytest.approx(bubble_fraction(stages, microbatches, repeats))
+    slots = [[] for _ in range(microbatches)]  # what each of stage 0's slots holds: the layers run so far
+    held = [None] * stages  # each stage's output after the iteration: (microbatch, layers it has been through)
+    for t in range(sched.iterations + 1):
+        arrived = [held[-1]] + held[:-1]
+        if sched.write_slot[t] >= 0:
+            mb, layers = arrived[0]
+            assert mb == sched.write_slot[t]
+            slots[mb] = layers
+        if t == sched.iterations:
+            break
+        for s in range(stages):
+            if not sched.active[t, s]:
+                held[s] = None
+                continue
+            mb = int(sched.microbatch[t, s])
+            layers = slots[sched.read_slot[t]] if s == 0 else arrived[s][1]
+            if s == 0:
+                assert sched.read_slot[t] == mb
+            else:
+                assert arrived[s][0] == mb
+            first = int(sched.first_layer[t, s])
+            assert first == (int(sched.repeat[t, s]) * stages + s) * k
+            assert first == len(layers), "each stage continues exactly where the previous one stopped"
+            held[s] = (mb, layers + list(range(first, first + k)))
+    assert all(layers == list(range(stages * repeats * k)) for layers in slots)
+
+
 def test_stage_weights_are_read_in_the_compute_dtype_and_their_gradients_summed_in_float32():
     """The blocks read their compute copies (bfloat16, but float32 for norms and biases); each weight's gradient reaches
     the stored float32 weight through a float32 carrier, so the pipeline's loop sums it over its iterations in

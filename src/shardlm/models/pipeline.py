@@ -8,6 +8,11 @@ dimension, which XLA compiles to one collective-permute). After M + S - 1 iterat
 every stage; the (S - 1) / (M + S - 1) of stage-iterations with nothing to do are the bubble.
 
 Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShardablePipelined`:
+- The schedule is a static table (`pipeline_schedule`: per iteration and stage the microbatch, the repeat,
+  whether the stage is active and its first layer; per iteration stage 0's read and write slots), computed in
+  NumPy and scanned over. An iteration is named steps: the hand-off (`_shift`), the iteration's inputs
+  (`_iteration_inputs`: stage 0 stores what came back and reads its next microbatch), the stage's weights for
+  its repeat (`_weights_of_repeat`), and the stages' compute (`_per_stage`).
 - One program, not S: the stages are a `vmap` over the stage dimension with `spmd_axis_name` set to the mesh axes
   `layers` maps to, so every activation constraint inside a block keeps its stage split, and the tensor, context,
   data and fsdp splits inside a stage are the blocks' own.
@@ -35,10 +40,11 @@ Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShar
   reduced over `expert` in every iteration. The experts' own are their devices' own, as outside a pipeline.
 - Remat checkpoints the iteration's stage compute as a whole under the model's policy (`shardlm.models.remat`;
   every training step has one, `none` included, so the stage's slice of its weights, indexed by a traced repeat,
-  is never kept per iteration): the step keeps one input per stage and iteration and what the policy names, and
-  the backward pass recomputes the rest of a stage's K layers at once, holding their activations together. With many layers per stage and long sequences that is the step's peak
-  (compiled for 64 H100s, a 70B shape's pp8 x fsdp8 step peaks at 89.6 GiB, 10 layers a stage at 4096 tokens),
-  so `remat_unit="layer"` (`model.pipeline_remat=layer`) also checkpoints each layer inside the stage: one more
+  is never kept per iteration): the step keeps one input per stage and iteration and what the policy names (and,
+  under a policy that names anything, each layer's input: `remat.policy(block_inputs=True)`), and the backward
+  pass recomputes the rest of a stage's K layers at once, holding their activations together. With many layers
+  per stage and long sequences that is the step's peak (compiled for 64 H100s, a 70B shape's pp8 x fsdp8 step
+  peaks at 89.6 GiB, 10 layers a stage at 4096 tokens), so `remat_unit="layer"` (`model.pipeline_remat=layer`) also checkpoints each layer inside the stage: one more
   forward pass of recomputation (XLA:GPU's FLOPs +19%), one layer's activations at a time (the same step peaks
   at 66.7 GiB). Checkpointing the layers alone, without the iteration, would keep every iteration's slice of the
   stage's weights for the backward pass (hundreds of GiB): both or the iteration only. The microbatch
@@ -57,9 +63,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from shardlm.errors import ShardlmError
@@ -132,44 +140,119 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     """x [batch, T, D] through the stacked `blocks` split over `stages` (the stack's rows in `circular_order`),
     `microbatches` at a time (0 = one per stage). `blocks` hold the weights as the blocks use them (their compute
     copies, `shardlm.models.precision`) and `stored` as they are stored (default: `blocks`): the gradients flow to
-    the stored ones, summed over the iterations in their dtype. `idle_input` fills the stages' inputs before the first
-    microbatch reaches them (a test sets NaN: the gradients must not see it). `policy` rematerialises each
+    the stored ones, summed over the iterations in their dtype. `idle_input` fills the stages' inputs before the
+    first microbatch reaches them (a test sets NaN: the gradients must not see it). `policy` rematerialises each
     iteration's stage compute, and with `remat_unit="layer"` each layer inside it too. Returns the output and
-    the blocks' statistics (`stats`: their zeros) summed over the layers and over the microbatches, except `aux_loss`, a
-    per-batch quantity, which is their mean."""
+    the blocks' statistics (`stats`: their zeros) summed over the layers and over the microbatches, except
+    `aux_loss`, a per-batch quantity, which is their mean."""
     m_count = microbatch_count(microbatches, stages)
     check_pipeline(n_layers, x.shape[0], stages, microbatches, repeats)
+    schedule = pipeline_schedule(stages, m_count, repeats, n_layers // (stages * repeats))
     replicas, replica_axes = _replicas(blocks)
     weights = _stage_weights(blocks, blocks if stored is None else stored, stages, repeats, replicas, replica_axes)
-    schedule = _Schedule(stages, m_count, repeats, n_layers // (stages * repeats))
-    per_stage = _per_stage(nnx.graphdef(blocks), step, schedule, policy, remat_unit, replicas, replica_axes,
-                           {} if stats is None else stats)
+    one_iteration = _per_stage(nnx.graphdef(blocks), step, policy, remat_unit, replicas, replica_axes,
+                               {} if stats is None else stats)
 
     x_mb = _microbatches(x, m_count)  # [M, b, T, D]
     io = _on_stages(jnp.broadcast_to(x_mb, (stages, *x_mb.shape)), 2)
-    state = _on_stages(jnp.full((stages, *x_mb.shape[1:]), idle_input, x.dtype), 1)
+    out = _on_stages(jnp.full((stages, *x_mb.shape[1:]), idle_input, x.dtype), 1)
     # Stage 0's mask at the activations' full shape, made once: a `where` inside the loop would broadcast it every
     # iteration, and the backward pass would keep each iteration's copy.
-    first_stage = _on_stages(jnp.broadcast_to((jnp.arange(stages) == 0)[:, None, None, None], state.shape), 1)
-    stage_ids = jnp.arange(stages)
+    first_stage = _on_stages(jnp.broadcast_to((jnp.arange(stages) == 0)[:, None, None, None], out.shape), 1)
 
-    def iteration(carry, t):
+    def iteration(carry, row: IterationRow):
         out, io, total = carry
-        arrived = _on_stages(jnp.roll(out, 1, axis=0), 1)  # stage s gets stage s - 1's output; stage 0 the last's
-        io = _store_returned(io, arrived, t, schedule, first_stage)
-        x_in = jnp.where(first_stage, io[:, t % schedule.m], arrived)  # stage 0 reads its next microbatch
-        out, more = per_stage(weights, _on_stages(x_in, 1), stage_ids, t - stage_ids, dropout_key)
-        more = jax.tree.map(lambda a: a.sum(0), more)  # over the stages
-        return (_on_stages(out, 1), io, add_stats(total, more)), None
+        x_in, io = _iteration_inputs(_shift(out), io, row, first_stage)
+        out, more = one_iteration(weights, x_in, row, dropout_key)
+        return (_on_stages(out, 1), io, add_stats(total, jax.tree.map(lambda a: a.sum(0), more))), None
 
     with jax.named_scope("pipeline"):
-        (out, io, total), _ = jax.lax.scan(iteration, (state, io, {} if stats is None else stats),
-                                           jnp.arange(schedule.iterations))
-        io = _store_returned(io, _on_stages(jnp.roll(out, 1, axis=0), 1), schedule.iterations, schedule,
-                             first_stage)
+        (out, io, total), _ = jax.lax.scan(iteration, (out, io, {} if stats is None else stats), schedule.rows())
+        io = _store_returned(io, _shift(out), schedule.write_slot[-1], first_stage)
     # summed over the microbatches, parts of the batch: a per-batch loss is their mean
-    total = {k: a / schedule.m if k in PER_BATCH else a for k, a in total.items()}
+    total = {k: a / schedule.microbatches if k in PER_BATCH else a for k, a in total.items()}
     return _batch(io[0]), total  # stage 0's slots hold the results: sent to every stage once, for the head
+
+
+class IterationRow(NamedTuple):
+    """One iteration of the schedule, as the scan reads it: per stage [S] (or, inside the vmap over the stages,
+    that stage's scalar) what it runs, and for stage 0's buffer which slot it reads and which it writes."""
+
+    microbatch: jax.Array  # int32: the microbatch the stage runs (0 when idle)
+    repeat: jax.Array  # int32: the repeat, which K of the stage's layers (0 when idle)
+    active: jax.Array  # bool: whether the stage has a microbatch (idle stages compute on zeros)
+    first_layer: jax.Array  # int32: the model's index of the first of those K layers (dropout keys)
+    read_slot: jax.Array  # int32 scalar: the slot of `io` stage 0 reads its input from
+    write_slot: jax.Array  # int32 scalar: the slot the last stage's previous output goes to (-1: none yet)
+
+
+class Schedule(NamedTuple):
+    """The circular GPipe schedule as a static table: row t of each array is iteration t (`pipeline_schedule`)."""
+
+    stages: int
+    microbatches: int
+    repeats: int
+    layers_per_stage: int  # K: each stage's layers per repeat
+    microbatch: np.ndarray  # [iterations, S]
+    repeat: np.ndarray  # [iterations, S]
+    active: np.ndarray  # [iterations, S]
+    first_layer: np.ndarray  # [iterations, S]
+    read_slot: np.ndarray  # [iterations]
+    write_slot: np.ndarray  # [iterations + 1]: the last entry is the store after the loop
+
+    @property
+    def iterations(self) -> int:
+        return len(self.read_slot)
+
+    def rows(self) -> IterationRow:
+        """The table as the scan's inputs (the trailing store is not an iteration's)."""
+        return IterationRow(*(jnp.asarray(a) for a in (self.microbatch, self.repeat, self.active, self.first_layer,
+                                                        self.read_slot, self.write_slot[:-1])))
+
+
+def pipeline_schedule(stages: int, microbatches: int, repeats: int, layers_per_stage: int) -> Schedule:
+    """S stages, M microbatches, R repeats of K layers: M R + S - 1 iterations. At iteration t stage s runs the
+    (t - s)-th of the M R microbatch-repeats (repeat (t - s) // M of microbatch (t - s) mod M) when there is one,
+    and is idle otherwise. Stage 0 reads microbatch t mod M from its buffer's slot of that number, which holds the
+    input for repeat 0 and then what the last stage returned; the last stage's output of iteration t - 1
+    (microbatch-repeat t - S) is stored in its slot at iteration t."""
+    s_count, m, r, k = stages, microbatches, repeats, layers_per_stage
+    iterations = m * r + s_count - 1
+    t, s = np.arange(iterations)[:, None], np.arange(s_count)[None, :]
+    done = t - s  # how many microbatch-repeats stage s has finished before iteration t
+    active = (done >= 0) & (done < m * r)
+    microbatch = np.where(active, done % m, 0).astype(np.int32)
+    repeat = np.where(active, done // m, 0).astype(np.int32)
+    first_layer = (repeat * s_count * k + s * k).astype(np.int32)
+    returned = np.arange(iterations + 1) - s_count  # the microbatch-repeat arriving back at stage 0 at t
+    write_slot = np.where(returned >= 0, returned % m, -1).astype(np.int32)
+    return Schedule(s_count, m, r, k, microbatch, repeat, active, first_layer,
+                    (np.arange(iterations) % m).astype(np.int32), write_slot)
+
+
+def _shift(out):
+    """The hand-off: stage s receives stage s - 1's output, stage 0 the last stage's (a roll over the
+    stage-sharded dimension, which XLA compiles to one collective-permute)."""
+    return _on_stages(jnp.roll(out, 1, axis=0), 1)
+
+
+def _iteration_inputs(arrived, io, row: IterationRow, first_stage):
+    """(every stage's input, the buffer): stage 0 first stores what the last stage returned, then reads its next
+    microbatch from its slot; the other stages take what arrived."""
+    io = _store_returned(io, arrived, row.write_slot, first_stage)
+    return _on_stages(jnp.where(first_stage, io[:, row.read_slot], arrived), 1), io
+
+
+def _store_returned(io, arrived, write_slot, first_stage):
+    """Stage 0's slot `write_slot` of `io` takes `arrived` (the last stage's output: the input of its next repeat,
+    or after the last one the result); nothing when the slot is -1. Every stage writes the same slot of its own
+    part of `io` (a select keeps the others' as they were), so nothing is indexed along the stage dimension: XLA
+    partitions that by gathering the whole buffer over the stages, every iteration."""
+    slot = jnp.maximum(write_slot, 0)
+    keep = io[:, slot]
+    # a scalar predicate (select_n keeps it scalar: `where` would broadcast it, a mask per iteration)
+    returned = jax.lax.select_n(write_slot >= 0, keep, jnp.where(first_stage, arrived, keep))
+    return _on_stages(io.at[:, slot].set(returned), 2)
 
 
 def _replicas(blocks) -> tuple[int, tuple[str, ...]]:
@@ -187,31 +270,27 @@ def _replicas(blocks) -> tuple[int, tuple[str, ...]]:
     return math.prod(mesh.shape[a] for a in axes), axes
 
 
-def _per_stage(graphdef, step: Step, schedule: "_Schedule", policy, remat_unit: str, replicas: int, replica_axes,
-               stats_zeros):
-    """The function of (weights [S, R, K, ...], or [S, F, R, K, ...] with F > 1 replicas, inputs [S, b, T, D], stage ids, microbatch ids, key) that runs
-    every stage's K layers on its microbatch: a `vmap` over the stages, and inside it one over the F data-parallel
-    replicas (each its rows of the microbatch, with its own copy of the weights: see `_stage_weights`)."""
+def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, replica_axes, stats_zeros):
+    """One iteration: the function of (weights [S, R, K, ...], or [S, F, R, K, ...] with F > 1 replicas, inputs
+    [S, b, T, D], the schedule's row, key) that runs every stage's K layers on its microbatch: a `vmap` over the
+    stages, and inside it one over the F data-parallel replicas (each its rows of the microbatch, with its own
+    copy of the weights: see `_stage_weights`)."""
     mesh, rules = active_mesh(), active_rules()
     # inside the vmap over replicas the batch's mesh axes split the vmapped dimension: no other may take them
     inner_rules = None if rules is None else rules_without(replica_axes, rules)
 
-    def compute(w, x_in, s, mb, key, f):
-        """One stage's K layers of repeat mb // M on microbatch mb % M (replica f's rows), or zeros in when idle."""
-        active = (mb >= 0) & (mb < schedule.m * schedule.r)
-        x_in = jnp.where(active, x_in, jnp.zeros_like(x_in))
-        r = jnp.clip(mb // schedule.m, 0, schedule.r - 1)
-        layer_key = None if key is None else jax.random.fold_in(key, jnp.clip(mb, 0) % schedule.m)
+    def compute(w, x_in, row: IterationRow, key, f):
+        """One stage's K layers of its repeat on its microbatch (replica f's rows), or on zeros when idle."""
+        x_in = jnp.where(row.active, x_in, jnp.zeros_like(x_in))
+        layer_key = None if key is None else jax.random.fold_in(key, row.microbatch)
         if layer_key is not None and replicas > 1:
             layer_key = jax.random.fold_in(layer_key, f)
-        used, carriers = (jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), part)
-                          for part in w)
-        rows = jax.tree.map(_with_gradient_into, used, carriers)
+        rows = _weights_of_repeat(w, row.repeat)
 
         def layer(carry, xs):
             x, total = carry
             params, k = xs
-            index = schedule.layer(s, r, k)
+            index = row.first_layer + k
             rngs = None if layer_key is None else nnx.Rngs(dropout=jax.random.fold_in(layer_key, index))
             x, _, more = step(nnx.merge(graphdef, params), x, rngs, None, index)
             return (x, add_stats(total, more)), None
@@ -219,47 +298,37 @@ def _per_stage(graphdef, step: Step, schedule: "_Schedule", policy, remat_unit: 
         if policy is not None and remat_unit == "layer":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         with use_mesh_rules(mesh, inner_rules) if mesh is not None else contextlib.nullcontext():
-            (out, total), _ = jax.lax.scan(layer, (x_in, stats_zeros), (rows, jnp.arange(schedule.k)))
-        return out, jax.tree.map(lambda a: jnp.where(active, a, jnp.zeros_like(a)), total)  # idle: not counted
+            (out, total), _ = jax.lax.scan(layer, (x_in, stats_zeros), (rows, jnp.arange(_layers(rows))))
+        return out, jax.tree.map(lambda a: jnp.where(row.active, a, jnp.zeros_like(a)), total)  # idle: not counted
 
     if policy is not None:  # with remat_unit "layer", the layers inside are rematerialised too
         compute = jax.checkpoint(compute, policy=policy, prevent_cse=False)
+    per_stage_row = IterationRow(0, 0, 0, 0, None, None)  # the stage's entries; the slots are stage 0's business
     if replicas == 1:
-        one = lambda w, x, s, mb, key: compute(w, x, s, mb, key, 0)  # noqa: E731
-        return jax.vmap(one, in_axes=(0, 0, 0, 0, None), spmd_axis_name=active_axes(LAYERS))
-    per_replica = jax.vmap(compute, in_axes=(0, 0, None, None, None, 0), spmd_axis_name=replica_axes)
+        one = lambda w, x, row, key: compute(w, x, row, key, 0)  # noqa: E731
+        return jax.vmap(one, in_axes=(0, 0, per_stage_row, None), spmd_axis_name=active_axes(LAYERS))
+    per_replica = jax.vmap(compute, in_axes=(0, 0, None, None, 0), spmd_axis_name=replica_axes)
 
-    def per_stage_replica(w, x_in, s, mb, key):
+    def per_stage_replica(w, x_in, row, key):
         b = x_in.shape[0]
         x_f = x_in.reshape(replicas, b // replicas, *x_in.shape[1:])  # each device's rows: no data moves
-        out, more = per_replica(w, x_f, s, mb, key, jnp.arange(replicas))
+        out, more = per_replica(w, x_f, row, key, jnp.arange(replicas))
         return out.reshape(x_in.shape), combine_parts(more)  # the replicas' rows are parts of the batch
 
-    return jax.vmap(per_stage_replica, in_axes=(0, 0, 0, 0, None), spmd_axis_name=active_axes(LAYERS))
+    return jax.vmap(per_stage_replica, in_axes=(0, 0, per_stage_row, None), spmd_axis_name=active_axes(LAYERS))
 
 
-class _Schedule:
-    """S stages, M microbatches, R repeats, K layers per stage and repeat."""
-
-    def __init__(self, s: int, m: int, r: int, k: int):
-        self.s, self.m, self.r, self.k = s, m, r, k
-        self.iterations = m * r + s - 1
-
-    def layer(self, stage, repeat, k):
-        """The model's layer index run by stage `stage` in repeat `repeat`, its k-th."""
-        return repeat * self.s * self.k + stage * self.k + k
+def _weights_of_repeat(w, repeat):
+    """A stage's weights for one repeat, [K, ...] of its [R, K, ...], each reaching the stored weight's gradient
+    through its carrier (`_stage_weights`)."""
+    used, carriers = (jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), part)
+                      for part in w)
+    return jax.tree.map(_with_gradient_into, used, carriers)
 
 
-def _store_returned(io, arrived, t, schedule: _Schedule, first_stage):
-    """Stage 0's slots of `io` take what the last stage finished at iteration t - 1 (microbatch (t - S) mod M,
-    when t >= S): the input of its next repeat, or after the last one the result. Every stage writes the same slot
-    of its own part of `io` (a select keeps the others' as they were), so nothing is indexed along the stage
-    dimension: XLA partitions that by gathering the whole buffer over the stages, every iteration."""
-    m = (t - schedule.s) % schedule.m
-    keep = io[:, m]
-    # a scalar predicate (select_n keeps it scalar: `where` would broadcast it, a mask per iteration)
-    returned = jax.lax.select_n(t >= schedule.s, keep, jnp.where(first_stage, arrived, keep))
-    return _on_stages(io.at[:, m].set(returned), 2)
+def _layers(rows) -> int:
+    """K, the layers of a stage's repeat (the leading dimension of its weights)."""
+    return jax.tree.leaves(rows)[0].shape[0]
 
 
 def _stage_weights(blocks, stored, stages: int, repeats: int, replicas: int, replica_axes):
@@ -350,5 +419,5 @@ def layer_ranges(layers: list[int]) -> str:
     return ", ".join(out)
 
 
-__all__ = ["bubble_fraction", "check_pipeline", "circular_order", "layer_ranges", "microbatch_count", "row_order",
-           "run_pipeline", "stage_layers"]
+__all__ = ["bubble_fraction", "check_pipeline", "circular_order", "layer_ranges", "microbatch_count",
+           "pipeline_schedule", "row_order", "run_pipeline", "stage_layers"]
