@@ -31,10 +31,11 @@ PARAMS = ("router", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "sha
 
 
 def make_layer(num_experts: int, shared: bool, seed: int = 0, kernel: str = "auto",
-               capacity_factor: float = 0.0) -> MoeMLP:
+               capacity_factor: float = 0.0, exchange: str = "auto") -> MoeMLP:
     with nnx.use_eager_sharding(False):  # placed by the rule table (`state_shardings`), as the trainer does
         return MoeMLP(D_MODEL, D_FF, num_experts, TOP_K, shared_expert=shared, n_layers=2, dtype=jnp.float32,
-                      param_dtype=jnp.float32, rngs=nnx.Rngs(seed), kernel=kernel, capacity_factor=capacity_factor)
+                      param_dtype=jnp.float32, rngs=nnx.Rngs(seed), kernel=kernel, capacity_factor=capacity_factor,
+                      exchange=exchange)
 
 
 def make_x(seed: int = 1) -> jax.Array:
@@ -361,6 +362,45 @@ def test_a_capacity_that_drops_nothing_gives_the_dropless_layer(one_device):
     assert_close(value, one_device["value"], what="loss")
     assert_close(g_x, one_device["g_x"], what="d loss / d x")
     assert_grads_close(grads, one_device["grads"])
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 3.0], ids=["dropless", "capacity 3, no drops"])
+def test_the_ragged_exchange_gives_the_fixed_exchanges_layer(one_device, capacity_factor):
+    """`model.moe_exchange=ragged` (GPUs' and TPUs' `ragged_all_to_all`; here its emulation, XLA:CPU lacking the
+    collective) on EP 4 x DP 2, both ways: the same loss and gradients as one device."""
+    value, y, stats, grads, g_x = _on_mesh(make_layer(8, shared=True, capacity_factor=capacity_factor,
+                                                      exchange="ragged"), one_device["x"], dict(data=2, expert=4))
+    assert float(stats.dropped) == 0.0
+    assert_close(y, one_device["y"], what="y")
+    assert_close(value, one_device["value"], what="loss")
+    assert_close(g_x, one_device["g_x"], what="d loss / d x")
+    assert_grads_close(grads, one_device["grads"])
+
+
+def test_the_emulated_ragged_all_to_all_sends_each_peer_its_rows_where_the_sender_says():
+    """4 devices, each with 12 rows: device s sends device p rows [3p, 3p + n) with n = (s + p) % 4 (at most 3),
+    to be written from offset 3 s of p's buffer. By hand: the received block from s holds s's rows, then zeros."""
+    from jax.sharding import PartitionSpec as P
+
+    from shardlm.kernels.exchange import emulated_ragged_all_to_all
+
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    rows = jnp.arange(4 * 12, dtype=jnp.float32).reshape(48, 1) + 1  # device s holds 12 s + 1 .. 12 s + 12
+
+    def per_device(operand):
+        s = jax.lax.axis_index("x")
+        peers = jnp.arange(4, dtype=jnp.int32)
+        send = (s + peers) % 4
+        return emulated_ragged_all_to_all(operand, jnp.zeros_like(operand), peers * 3, send,
+                                          jnp.full((4,), 3 * s, jnp.int32), (peers + s) % 4, axis_name="x")
+
+    got = np.asarray(jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(
+        jax.device_put(rows, NamedSharding(mesh, P("x"))))).reshape(4, 4, 3)  # [receiver, sender, row]
+    for p in range(4):
+        for s in range(4):
+            n = (s + p) % 4
+            want = [12 * s + 3 * p + r + 1 if r < n else 0 for r in range(3)]
+            assert list(got[p, s]) == want, (p, s)
 
 
 def test_capacity_drops_what_overflows_and_counts_it(one_device):

@@ -226,3 +226,20 @@ def test_an_unannotated_loop_counts_its_trips_from_its_condition_and_its_step():
   ROOT %c = pred[] compare(%ci, %eight), direction=LT""")
     (k,) = [k for k in p.kernels() if k.kind == "gemm"]
     assert k.times == 4
+
+
+def test_a_ragged_all_to_all_costs_the_rows_its_caller_expects_to_send():
+    """XLA:GPU's `ragged-all-to-all-start` of a dropless exchange buffer (4,096 rows of 4,096) whose caller expects
+    1,024 rows in use (`shardlm.kernels.exchange`, in the op's frontend attributes): an all-to-all of a quarter
+    of the buffer's bytes; without the attribute, the whole buffer's."""
+    def program(attributes: str):
+        return _program(f"""  %o = s64[8]{{0}} constant({{0, 0, 0, 0, 0, 0, 0, 0}})
+  %ra = ((bf16[4096,4096]{{1,0}}, bf16[4096,4096]{{1,0}}, s64[8]{{0}}, s64[8]{{0}}, s64[8]{{0}}, s64[8]{{0}}), bf16[4096,4096]{{1,0}}) ragged-all-to-all-start(%a, %b, %o, %o, %o, %o), channel_id=1, replica_groups={{{{0,1,2,3,4,5,6,7}}}}{attributes}
+  ROOT %got = bf16[4096,4096]{{1,0}} ragged-all-to-all-done(%ra)""")
+
+    (op,) = program(', frontend_attributes={shardlm_routed="ragged_exchange_routed_1024_of_4096"}').collectives
+    assert (op.kind, op.group_size, op.bytes) == ("all-to-all", 8, 4096 * 4096 * 2 // 4)
+    (whole,) = program("").collectives
+    assert whole.bytes == 4096 * 4096 * 2
+    assert _step(program(', frontend_attributes={shardlm_routed="ragged_exchange_routed_1024_of_4096"}')) < \
+        0.6 * _step(program(""))  # a quarter of the bytes, at the table's all-to-all rate for that size

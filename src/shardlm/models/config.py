@@ -78,6 +78,10 @@ class ModelConfig:
     # Megablox on TPUs, XLA's ragged_dot elsewhere) | xla | triton | megablox. XLA's ragged_dot multiplies every row
     # by every expert off TPUs; the kernels only by its own.
     moe_kernel: str = "auto"
+    # How the routed rows travel between expert devices (`shardlm.kernels.exchange`): auto (ragged on GPUs and
+    # TPUs, all_to_all elsewhere) | all_to_all (a fixed buffer, padding included) | ragged (only the rows in use;
+    # XLA:CPU lacks the collective, so on the CPU an emulation of it runs).
+    moe_exchange: str = "auto"
     # The load-balancing loss's weight in the training loss (Switch Transformer's; 1.0 when perfectly balanced).
     moe_aux_loss_weight: float = 0.01
     # The training loss's head runs over the vocabulary in this many chunks per device (0 = automatic: each
@@ -152,6 +156,7 @@ def _check_moe(m: ModelConfig) -> None:
 def _check_kinds(m: ModelConfig) -> None:
     """Family, head layout, dtypes and the remat/attention choices."""
     from shardlm.kernels.grouped import KERNELS as GROUPED_KERNELS
+    from shardlm.kernels.exchange import EXCHANGES
     from shardlm.models.layers import ATTENTION_IMPLS, COMPUTE_DTYPES, DTYPES
     from shardlm.models.remat import check_policy
 
@@ -171,6 +176,7 @@ def _check_kinds(m: ModelConfig) -> None:
     check_one_of("model.attention", m.attention, ATTENTION_IMPLS)
     check_one_of("model.context_attention", m.context_attention, ("ring", "all_gather"))
     check_one_of("model.moe_kernel", m.moe_kernel, ("auto",) + GROUPED_KERNELS)
+    check_one_of("model.moe_exchange", m.moe_exchange, ("auto",) + EXCHANGES)
     check_positive("model.attention_block", m.attention_block)
     check_positive("model.rope_theta", m.rope_theta)
     kv = m.n_kv_heads or m.n_heads

@@ -27,11 +27,11 @@ Design choices:
 - Expert parallelism (EP = mesh.shape["expert"] > 1): each expert device holds E / EP experts, expert e on
   device e // (E / EP). Every device routes its own T tokens, then sends each assignment to the device holding
   its expert with `jax.lax.all_to_all` over `expert`, and the results come back by the same exchange.
-  `ragged_all_to_all` would send exactly the rows needed, but it fails at run time on XLA:CPU, so the exchange
-  is a fixed-size buffer that is provably big enough: top-k picks k distinct experts per token, of which at most
-  min(k, E / EP) live on any one device, so one source sends at most C = T * min(k, E / EP) assignments to one
-  destination. The send buffer is [EP, C, D], sorted by destination then expert and zero-padded, and the
-  [EP, E / EP] per-(destination, local expert) counts travel alongside. A receiver gets EP * C =
+  The exchange buffer is a fixed size that is provably big enough (on GPUs and TPUs `ragged_all_to_all` sends
+  only its rows in use: `model.moe_exchange`, `shardlm.kernels.exchange`; XLA:CPU lacks it): top-k picks k
+  distinct experts per token, of which at most min(k, E / EP) live on any one device, so one source sends at most
+  C = T * min(k, E / EP) assignments to one destination. The send buffer is [EP, C, D], sorted by destination
+  then expert and zero-padded, and the [EP, E / EP] per-(destination, local expert) counts travel alongside. A receiver gets EP * C =
   T * min(EP * k, E) rows, min(EP, E / k) times the balanced share T * k: memory buys droplessness. It regroups
   them by local expert (padding rows last, outside every group: zero rows that produce zero and receive no
   weight gradient), runs the ragged matmuls with its local experts, and un-does each permutation on the way
@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlm.accelerator import current
 from shardlm.errors import ShardlmError
+from shardlm.kernels.exchange import exchange, ragged_exchange
 from shardlm.kernels.grouped import grouped_matmul
 from shardlm.models import remat
 from shardlm.models.layers import param, use
@@ -127,6 +128,14 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     Stable, so each expert's tokens keep their order."""
     flat = experts.reshape(-1)
     return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def exchange_kind(requested: str) -> str:
+    """How routed rows travel for `model.moe_exchange=requested` on the platform being compiled for: ragged on
+    GPUs and TPUs (XLA:CPU lacks the collective)."""
+    if requested != "auto":
+        return requested
+    return "ragged" if current().platform in ("gpu", "tpu") else "all_to_all"
 
 
 def grouped_kernel(requested: str) -> str:
@@ -204,12 +213,6 @@ def kept_counts(counts: jax.Array, capacity: int) -> jax.Array:
     return jnp.clip(capacity - start, 0, counts).astype(counts.dtype)
 
 
-def exchange(blocks: jax.Array, axis: str) -> jax.Array:
-    """[EP, ...] -> [EP, ...]: block i goes to device i of `axis`; block j of the result came from device j.
-    Its own inverse: exchanging the received blocks returns each to where it came from."""
-    return jax.lax.all_to_all(blocks, axis, 0, 0, tiled=True)
-
-
 def regroup(recv_counts: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
     """The received rows [EP * capacity] (source s's block holds its rows for local expert 0, then 1, ..., then
     padding) -> (order grouping them by local expert, padding last; group sizes [E / EP] int32)."""
@@ -220,14 +223,25 @@ def regroup(recv_counts: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array
 
 
 def experts_remote(sent: jax.Array, counts: jax.Array, w_gate, w_up, w_down, axis: str, kernel: str = "xla",
-                   expected_rows: int | None = None) -> jax.Array:
-    """The receiving side: send buffer [EP, C, D] and its counts -> the results in the same layout, back home."""
+                   expected_rows: int | None = None, ragged: bool = False) -> jax.Array:
+    """The receiving side: send buffer [EP, C, D] and its counts -> the results in the same layout, back home.
+    `ragged` sends only each block's rows in use, both ways (`shardlm.kernels.exchange`)."""
     ep, capacity, d = sent.shape
-    received, recv_counts = exchange(sent, axis), exchange(counts, axis)
+    recv_counts = exchange(counts, axis)
+    sizes_out, sizes_in = counts.sum(1), recv_counts.sum(1)  # rows sent to, and received from, each device
+
+    def send(blocks, sizes, received):
+        if not ragged:
+            return exchange(blocks, axis)
+        return ragged_exchange(blocks, sizes, received, axis, expected_rows=expected_rows,
+                               emulate=current().platform == "cpu")
+
+    received = send(sent, sizes_out, sizes_in)
     order, sizes = regroup(recv_counts, capacity)
     rows = remat.named(received.reshape(ep * capacity, d)[order], remat.MOE_DISPATCH)
     out = experts_ragged(rows, w_gate, w_up, w_down, sizes, kernel, expected_rows)
-    return remat.named(exchange(out[inverse_permutation(order)].reshape(ep, capacity, d), axis), remat.MOE_OUT)
+    back = out[inverse_permutation(order)].reshape(ep, capacity, d)
+    return remat.named(send(back, sizes_in, sizes_out), remat.MOE_OUT)
 
 
 def exchange_capacity(t: int, k: int, num_experts: int, ep: int, capacity_factor: float = 0.0) -> int:
@@ -238,7 +252,8 @@ def exchange_capacity(t: int, k: int, num_experts: int, ep: int, capacity_factor
 
 
 def expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_experts: int, ep: int, axis: str,
-                    kernel: str = "xla", capacity_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                    kernel: str = "xla", capacity_factor: float = 0.0,
+                    ragged: bool = False) -> tuple[jax.Array, jax.Array]:
     """This device's tokens x_flat [T, D], its local experts' weights [E / EP, ...] -> ([T, D], this device's
     dropped assignments)."""
     t, k = weights.shape
@@ -248,7 +263,8 @@ def expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_exper
     bounded = capacity < exchange_capacity(t, k, num_experts, ep)  # else dropless: every assignment fits
     counts = kept_counts(plan.counts, capacity) if bounded else plan.counts
     # balanced routing fills T * k of the EP * C rows received (the cost model's expectation)
-    back = experts_remote(sent, counts, w_gate, w_up, w_down, axis, kernel, expected_rows=min(t * k, ep * capacity))
+    back = experts_remote(sent, counts, w_gate, w_up, w_down, axis, kernel, expected_rows=min(t * k, ep * capacity),
+                          ragged=ragged)
     if not bounded:
         return combine(back[plan.dest, plan.slot], plan.order, weights), jnp.float32(0.0)
     kept = plan.slot < capacity
@@ -297,7 +313,7 @@ def check_expert_parallel(mesh, num_experts: int, d_ff: int, token_axes: tuple[s
 
 
 def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla",
-                capacity_factor: float = 0.0) -> tuple[jax.Array, MoeStats]:
+                capacity_factor: float = 0.0, exchange_kind: str = "all_to_all") -> tuple[jax.Array, MoeStats]:
     """The routed experts per device inside `jax.shard_map` over the whole active mesh (see the docstring)."""
     x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
     token_axes = as_axes(x_spec[0]) + as_axes(x_spec[1])
@@ -316,7 +332,7 @@ def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str =
         else:
             y, dropped = expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, num_experts=num_experts,
                                          ep=mesh.shape[ep_axis], axis=ep_axis, kernel=kernel,
-                                         capacity_factor=capacity_factor)
+                                         capacity_factor=capacity_factor, ragged=exchange_kind == "ragged")
         if tp_axis is not None:  # the down projection's partial sums over d_ff (after the linear combine)
             y = jax.lax.psum(y, tp_axis)
         return y.reshape(b, s, d), global_stats(probs, experts, num_experts, n_tokens, token_axes, dropped)
@@ -337,10 +353,11 @@ class MoeMLP(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, shared_expert: bool,
                  n_layers: int, dtype, param_dtype, rngs: nnx.Rngs, kernel: str = "auto",
-                 capacity_factor: float = 0.0):
+                 capacity_factor: float = 0.0, exchange: str = "auto"):
         if not 1 <= top_k <= num_experts:
             raise ShardlmError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
         self.dtype, self.top_k, self.kernel, self.capacity_factor = dtype, top_k, kernel, capacity_factor
+        self.exchange = exchange
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual scaling, as SwiGLU
         self.router = param(rngs, init, (d_model, num_experts), ("embed", None), jnp.float32, read_in_float32=True)
@@ -364,7 +381,8 @@ class MoeMLP(nnx.Module):
         if mesh is None:
             y, stats = moe_local(xc, router, *experts, self.top_k, kernel)
         else:
-            y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k, kernel, self.capacity_factor)
+            y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k, kernel, self.capacity_factor,
+                                   exchange_kind(self.exchange))
         if self.shared_gate is not None:
             y = y + self._shared(xc)
         return y.astype(x.dtype), stats

@@ -23,6 +23,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from shardlm.kernels.exchange import routed_share
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -142,6 +144,13 @@ def _parse(hlo_text: str) -> list[_Instruction]:
     return instructions
 
 
+def _kind(opcode: str) -> str:
+    """A collective's kind from its opcode: the async `-start` form's too, and a ragged all-to-all as an
+    all-to-all (its bytes are the rows its caller expects to send: `shardlm.kernels.exchange`)."""
+    kind = opcode.removesuffix("-start")
+    return "all-to-all" if kind == "ragged-all-to-all" else kind
+
+
 def _op_name(ins: _Instruction) -> str:
     m = re.search(r'op_name="([^"]*)"', ins.attrs)
     return m.group(1) if m else ""
@@ -250,7 +259,7 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
             users[op].append(ins)
 
     def by_kind(name: str) -> str | None:
-        kind = opcode.get(name, "").removesuffix("-start")
+        kind = _kind(opcode.get(name, ""))
         return kind if kind in KINDS else None
     times = _trip_counts(instructions)
     # Levels: collectives passed on the longest chain of data before each instruction. Instructions are listed
@@ -276,11 +285,14 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
         level[ins.name] = max((level.get(o, 0) + passes_collective(o) for o in operands), default=0)
     out = []
     for ins in instructions:
-        kind = ins.opcode.removesuffix("-start")
+        kind = _kind(ins.opcode)
         if kind not in KINDS:
             continue
         sizes = _array_sizes(ins.shape)
         nbytes = array_bytes(ins.shape)
+        if ins.opcode.startswith("ragged-all-to-all"):  # its output buffer, times the share its caller expects used
+            last = _ARRAY.findall(ins.shape)[-1]
+            nbytes = int(array_bytes(f"{last[0]}[{last[1]}]") * (routed_share(ins.attrs) or 1.0))
         if ins.opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(sizes) >= 2:
             # (operand, result[, contexts]): the result is the second half for all-gather, the first for permute
             arrays = _ARRAY.findall(ins.shape)

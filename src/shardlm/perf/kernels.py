@@ -408,7 +408,7 @@ def program(hlo_text: str, n_devices: int, collectives: list[hlo.CollectiveOp] |
             continue
         events: list[Event] = []
         for ins in reader.in_computation.get(comp, []):
-            kind = ins.opcode.removesuffix("-start")
+            kind = hlo._kind(ins.opcode)
             if ins.name in op_index:  # a collective, sync or the start of an async one
                 events.append(Event("start" if ins.opcode.endswith("-start") else "sync", op=op_index[ins.name]))
                 continue

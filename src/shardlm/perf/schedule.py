@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from shardlm.perf.hlo import KINDS, _parse, _trip_counts
+from shardlm.perf.hlo import KINDS, _kind, _parse, _trip_counts
 
 _KIND_WAIT = {"all-gather": "all_gather_wasted_cycles", "reduce-scatter": "reduce_scatter_wasted_cycles"}
 
@@ -68,7 +68,7 @@ def _async_kind(name: str, opcode: str) -> str | None:
     `async-start` wrapping a reduce-scatter, its name does (`reduce-scatter-start.1`)."""
     if not opcode.endswith("-start"):
         return None
-    kind = (name.split(".")[0] if opcode == "async-start" else opcode).removesuffix("-start")
+    kind = _kind(name.split(".")[0] if opcode == "async-start" else opcode)
     return kind if kind in KINDS else None
 
 
