@@ -530,10 +530,13 @@ class CausalLM(nnx.Module):
             if stages != self.stages:
                 raise ShardlmError(f"the model was built for {self.stages} pipeline stage(s) but runs on "
                                    f"{stages}: build it for the mesh it runs on")
+            # Where the policy keeps each layer's input, checkpointing the layers inside the iteration too costs
+            # no recomputation, and spares the backward pass the recomputed elementwise work of all K layers at once
+            unit = "layer" if remat.keeps_block_inputs(self.remat, self.remat_offload) else self.pipeline_remat
             x, stats = run_pipeline(self.blocks, self.n_layers, step, x, stages=stages,
                                     microbatches=self.microbatches, repeats=self.repeats, dropout_key=key,
-                                    policy=remat.policy(self.remat, self.remat_offload, block_inputs=True), remat_unit=self.pipeline_remat, stored=stored_blocks,
-                                    stats=self._stats_zeros())
+                                    policy=remat.policy(self.remat, self.remat_offload, block_inputs=True),
+                                    remat_unit=unit, stored=stored_blocks, stats=self._stats_zeros())
         else:
             x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, step, x, dropout_key=key,
                                          cache=cache, policy=policy, order=self.layer_order,

@@ -94,6 +94,12 @@ def check_policy(remat: str, offload: str) -> None:
                            "dots): use none, full, save_attention, save_qkv_proj or save:NAME,... with it")
 
 
+def keeps_block_inputs(remat: str, offload: str = "") -> bool:
+    """Whether `policy(remat, offload, block_inputs=True)` keeps the blocks' inputs (on the device or the host):
+    every policy but `full` without an offloaded block input."""
+    return saved_names(remat) != () or BLOCK_INPUT in _names(offload, "model.remat_offload")
+
+
 def policy(remat: str, offload: str = "", block_inputs: bool = False):
     """The `jax.checkpoint` policy of `model.remat` and `model.remat_offload`. With `block_inputs`, a policy that
     saves anything of a block saves the blocks' inputs too: a pipeline checkpoints a stage's layers together, and
