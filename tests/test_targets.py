@@ -195,14 +195,15 @@ def test_experts_compile_to_grouped_kernels_whose_work_is_the_routed_rows(target
     every row by every local expert; the tokens travel by ragged all-to-all, costed at the rows in use."""
     cfg = config_for(target, "model=moe-tiny", "model.n_layers=2", "model.d_model=256", "model.n_heads=4",
                      "model.n_kv_heads=2", "model.moe_d_ff=512", "model.vocab_size=512", "model.seq_len=256",
-                     "train.batch_size=8", "mesh.expert=2", "mesh.fsdp=2", "model.attention=xla")
+                     "train.batch_size=8", "mesh.expert=2", "mesh.fsdp=2", "model.attention=xla",
+                     "model.moe_exchange=ragged")
     r = compile_train_step(cfg, target=target, n_devices=4)
     assert r.fits
     kernel = "__gpu$xla.gpu.triton" if target is H100 else "tpu_custom_call"
     sparse_layers = cfg.model.n_layers // cfg.model.moe_every
     assert calls_per_step(r.step.hlo_text, kernel) >= 3 * 3 * sparse_layers  # 3 matmuls: forward, d rows, d weights
     assert r.step.flops_per_device == pytest.approx(r.model_flops / r.devices, rel=0.2)
-    # The exchange sends the rows in use (`ragged_all_to_all`), there and back in both passes of each sparse layer:
+    # The ragged exchange sends the rows in use (`ragged_all_to_all`), there and back in both passes of each layer:
     # of a dropless buffer of EP x T x min(k, E / EP) = 2 x 512 x 2 rows of 256, balanced routing fills T x k = 1024
     ragged = [op for op in r.step.collectives if "ragged" in op.name]  # ragged-all-to-all-start, ragged_all_to_all
     assert sum(op.times for op in ragged) >= 4 * sparse_layers

@@ -78,9 +78,9 @@ class ModelConfig:
     # Megablox on TPUs, XLA's ragged_dot elsewhere) | xla | triton | megablox. XLA's ragged_dot multiplies every row
     # by every expert off TPUs; the kernels only by its own.
     moe_kernel: str = "auto"
-    # How the routed rows travel between expert devices (`shardlm.kernels.exchange`): auto (ragged when dropless
-    # on GPUs and TPUs, all_to_all otherwise) | all_to_all (a fixed buffer, padding included) | ragged (only the
-    # rows in use; XLA:CPU lacks the collective, so on the CPU an emulation of it runs).
+    # How the routed rows travel between expert devices (`shardlm.kernels.exchange`): auto (= all_to_all, which
+    # the compilers' schedules overlap better) | all_to_all (a fixed buffer, padding included) | ragged (only the
+    # rows in use, `ragged_all_to_all`; XLA:CPU lacks the collective, so on the CPU an emulation of it runs).
     moe_exchange: str = "auto"
     # The load-balancing loss's weight in the training loss (Switch Transformer's; 1.0 when perfectly balanced).
     moe_aux_loss_weight: float = 0.01

@@ -130,16 +130,14 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-def exchange_kind(requested: str, capacity_factor: float = 0.0) -> str:
-    """How routed rows travel for `model.moe_exchange=requested` on the platform being compiled for: ragged for a
-    dropless exchange on GPUs and TPUs (XLA:CPU lacks the collective), whose buffer balanced routing fills to
-    1 / min(EP, E / k); the fixed all-to-all under a capacity, whose buffer it fills to 1 / factor. Compiled for
-    8 H100s (`benchmarks/moe.py`'s expert 8): dropless 88.4 -> 86.6 ms ragged, capacity 1.25 58.8 -> 62.7 ms
-    (the compilers overlap the fixed all-to-all better); on a v5p-8 159.6 -> 158.8 and 131.7 -> 133.5 ms."""
-    if requested != "auto":
-        return requested
-    dropless = capacity_factor <= 0
-    return "ragged" if dropless and current().platform in ("gpu", "tpu") else "all_to_all"
+def exchange_kind(requested: str) -> str:
+    """How routed rows travel for `model.moe_exchange=requested`: auto is the fixed all-to-all. The ragged one sends
+    fewer bytes but is slower by both compilers' schedules (compiled for 8 H100s at `benchmarks/moe.py`'s shape,
+    shardlm's estimate: expert 4 x fsdp 2 88.2 ms fixed against 95.5 ms ragged, whose 13.6 ms of exchange run
+    exposed where 7.8 of the fixed one's 30.2 ms do; expert 8 88.4 against 86.6 ms; under a capacity of 1.25
+    58.8 against 62.7 ms; on a v5p-8 159.6 against 158.8 and 131.7 against 133.5 ms), with 0.85-1.05 GiB more
+    per device, and XLA:GPU's scheduler gives no estimate for it."""
+    return "all_to_all" if requested == "auto" else requested
 
 
 def grouped_kernel(requested: str) -> str:
@@ -386,7 +384,7 @@ class MoeMLP(nnx.Module):
             y, stats = moe_local(xc, router, *experts, self.top_k, kernel)
         else:
             y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k, kernel, self.capacity_factor,
-                                   exchange_kind(self.exchange, self.capacity_factor))
+                                   exchange_kind(self.exchange))
         if self.shared_gate is not None:
             y = y + self._shared(xc)
         return y.astype(x.dtype), stats
