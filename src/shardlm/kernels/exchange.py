@@ -15,8 +15,9 @@ Design choices:
   from a fixed all-to-all, gathers and a scatter. The CPU tests run the ragged path through it; the target
   compiles use the primitive.
 - The cost model cannot read from the program how many rows a ragged exchange sends: the buffer is the worst
-  case. The call is named with the rows its caller expects (`ROUTED_SCOPE`), which `shardlm.perf.hlo` reads to
-  charge that share of the buffer's bytes, as the grouped matmuls' calls are (`shardlm.kernels.grouped`).
+  case. The call carries the rows its caller expects (`ROUTED_SCOPE`) as a frontend attribute, which XLA keeps on
+  the collective where it drops the op's name, and `shardlm.perf.hlo` reads it to charge that share of the
+  buffer's bytes, as it reads the grouped matmuls' expected rows (`shardlm.kernels.grouped`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ ROUTED_SCOPE = "ragged_exchange_routed_{routed}_of_{rows}"  # the rows the calle
 
 
 def routed_share(name: str) -> float | None:
-    """From an op's name (its scopes), the share of a ragged exchange's buffer its caller expects to send; None
-    outside one (`ROUTED_SCOPE`)."""
+    """From an instruction's attributes (its frontend attributes, or its op name's scopes), the share of a ragged
+    exchange's buffer its caller expects to send; None outside one (`ROUTED_SCOPE`)."""
     m = re.search(r"ragged_exchange_routed_(\d+)_of_(\d+)", name)
     return min(1.0, int(m.group(1)) / int(m.group(2))) if m else None
 

@@ -155,8 +155,8 @@ def _check_moe(m: ModelConfig) -> None:
 
 def _check_kinds(m: ModelConfig) -> None:
     """Family, head layout, dtypes and the remat/attention choices."""
-    from shardlm.kernels.grouped import KERNELS as GROUPED_KERNELS
     from shardlm.kernels.exchange import EXCHANGES
+    from shardlm.kernels.grouped import KERNELS as GROUPED_KERNELS
     from shardlm.models.layers import ATTENTION_IMPLS, COMPUTE_DTYPES, DTYPES
     from shardlm.models.remat import check_policy
 

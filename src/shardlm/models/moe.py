@@ -27,16 +27,16 @@ Design choices:
 - Expert parallelism (EP = mesh.shape["expert"] > 1): each expert device holds E / EP experts, expert e on
   device e // (E / EP). Every device routes its own T tokens, then sends each assignment to the device holding
   its expert with `jax.lax.all_to_all` over `expert`, and the results come back by the same exchange.
-  The exchange buffer is a fixed size that is provably big enough (on GPUs and TPUs `ragged_all_to_all` sends
-  only its rows in use: `model.moe_exchange`, `shardlm.kernels.exchange`; XLA:CPU lacks it): top-k picks k
-  distinct experts per token, of which at most min(k, E / EP) live on any one device, so one source sends at most
-  C = T * min(k, E / EP) assignments to one destination. The send buffer is [EP, C, D], sorted by destination
-  then expert and zero-padded, and the [EP, E / EP] per-(destination, local expert) counts travel alongside. A receiver gets EP * C =
-  T * min(EP * k, E) rows, min(EP, E / k) times the balanced share T * k: memory buys droplessness. It regroups
-  them by local expert (padding rows last, outside every group: zero rows that produce zero and receive no
-  weight gradient), runs the ragged matmuls with its local experts, and un-does each permutation on the way
-  back. The exchange [EP, C, ...] -> [EP, C, ...] (block i to device i, block j received from device j) is its
-  own inverse, so the same function sends and returns.
+  The exchange buffer is a fixed size that is provably big enough (`model.moe_exchange=ragged` sends only its
+  rows in use with `ragged_all_to_all` on GPUs and TPUs, `shardlm.kernels.exchange`; not the default, see
+  `exchange_kind`): top-k picks k distinct experts per token, of which at most min(k, E / EP) live on any one
+  device, so one source sends at most C = T * min(k, E / EP) assignments to one destination. The send buffer is
+  [EP, C, D], sorted by destination then expert and zero-padded, and the [EP, E / EP] per-(destination, local
+  expert) counts travel alongside. A receiver gets EP * C = T * min(EP * k, E) rows, min(EP, E / k) times the
+  balanced share T * k: memory buys droplessness. It regroups them by local expert (padding rows last, outside
+  every group: zero rows that produce zero and receive no weight gradient), runs the ragged matmuls with its
+  local experts, and un-does each permutation on the way back. The exchange [EP, C, ...] -> [EP, C, ...] (block i
+  to device i, block j received from device j) is its own inverse, so the same function sends and returns.
 - Capacity (`capacity_factor` > 0, GShard's and Switch's, for the exchange): each device sends each expert device
   at most C = ceil(factor x T x k / EP) rows (its balanced share times the factor) instead of the dropless
   T x min(k, E / EP), so the receive buffer, the experts' activations over it and the all-to-alls shrink by

@@ -102,9 +102,10 @@ def keeps_block_inputs(remat: str, offload: str = "") -> bool:
 
 def policy(remat: str, offload: str = "", block_inputs: bool = False):
     """The `jax.checkpoint` policy of `model.remat` and `model.remat_offload`. With `block_inputs`, a policy that
-    saves anything of a block saves the blocks' inputs too: a pipeline checkpoints a stage's layers together, and
-    without them its backward pass would recompute the chain of layers from the stage's input, matmuls the policy
-    did not name included (the MLP's down projection, every layer). A scan over the layers keeps them anyway, as
+    keeps anything of a block on the device (every one but `full`) keeps the blocks' inputs too
+    (`keeps_block_inputs`): a pipeline checkpoints a stage's layers together, and without them its backward pass
+    would recompute the chain of layers from the stage's input, matmuls the policy did not name included (the
+    MLP's down projection, every layer). A scan over the layers keeps them anyway, as
     the inputs of its iterations."""
     check_policy(remat, offload)
     device = saved_names(remat)
