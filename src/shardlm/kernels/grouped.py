@@ -18,7 +18,9 @@ Design choices:
   built in XLA before the call, for the most tiles the sizes allow, cdiv(M, block_m) + G; unused tiles do
   nothing. A tile reads its rows as one block that stays inside the array (moved back from the end where a group
   ends within block_m of it) and masks out rows not its own, so no load is out of bounds, in Triton or in
-  interpret mode. Rows past the groups are never written: the output is an aliased zero buffer.
+  interpret mode. Rows past the groups are one more group whose tiles store zeros, so every row is written once.
+  (An aliased zero buffer did the same at a cost: XLA hoisted it out of the scan over layers and copied it into
+  every call, 2 bytes read and written per output element, and kept it live across the loop.)
 - The gradient is two more kernels (`jax.custom_vjp`): d rows = d out x weights^T (the same kernel, the weights
   read transposed), and d weights[g] = rows_g^T x d out_g, one program per (group, K block, N block) looping over
   its group's rows (a dynamic trip count). An empty group's gradient is zero.
@@ -173,15 +175,17 @@ class Tiles(NamedTuple):
 
 
 def tiles(group_sizes: jax.Array, m: int, block_m: int) -> Tiles:
-    """Each group's rows cut into tiles of up to `block_m` rows, for cdiv(m, block_m) + G tiles (the most any
-    sizes summing to m can need); unused tiles have 0 rows."""
+    """Each group's rows cut into tiles of up to `block_m` rows, then the rows past the groups (group G: tiles that
+    store zeros), for cdiv(m, block_m) + G tiles (the most any G + 1 sizes summing to m can need); unused tiles
+    have 0 rows."""
     g = group_sizes.shape[0]
-    sizes = group_sizes.astype(jnp.int32)
+    grouped = group_sizes.astype(jnp.int32)
+    sizes = jnp.concatenate([grouped, jnp.maximum(m - jnp.sum(grouped), 0)[None]])
     starts = jnp.cumsum(sizes) - sizes
     per_group = (sizes + block_m - 1) // block_m
     first = jnp.cumsum(per_group) - per_group
     t = jnp.arange(-(-m // block_m) + g, dtype=jnp.int32)
-    group = jnp.clip(jnp.searchsorted(jnp.cumsum(per_group), t, side="right"), 0, g - 1).astype(jnp.int32)
+    group = jnp.clip(jnp.searchsorted(jnp.cumsum(per_group), t, side="right"), 0, g).astype(jnp.int32)
     within = t - first[group]
     used = within < per_group[group]
     rows = jnp.where(used, jnp.clip(sizes[group] - within * block_m, 0, block_m), 0)
@@ -198,21 +202,21 @@ def _in_bounds(start, length: int, total: int):
 # --- the kernels ---------------------------------------------------------------------------------------------------
 
 
-def _gmm_kernel(group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, _zeros_ref, out_ref, *, blocks: Blocks,
-                m: int, k: int, transpose_rhs: bool):
-    """out[tile rows, column block j] = lhs[tile rows] @ rhs[tile's group] (or its transpose)."""
+def _gmm_kernel(group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, blocks: Blocks, m: int, k: int,
+                groups: int, transpose_rhs: bool):
+    """out[tile rows, column block j] = lhs[tile rows] @ rhs[tile's group] (or its transpose); zeros for a tile of
+    the rows past the groups (group `groups`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     tile, j = pl.program_id(0), pl.program_id(1)
     group, start, count = group_ref[tile], start_ref[tile], rows_ref[tile]
+    begin, positions = _in_bounds(start, blocks.m, m)
+    mine = (positions >= start) & (positions < start + count)
+    rows, cols = pl.ds(begin, blocks.m), pl.ds(j * blocks.n, blocks.n)
 
-    @pl.when(count > 0)
+    @pl.when((count > 0) & (group < groups))
     def _():
-        begin, positions = _in_bounds(start, blocks.m, m)
-        mine = (positions >= start) & (positions < start + count)
-        rows, cols = pl.ds(begin, blocks.m), pl.ds(j * blocks.n, blocks.n)
-
         def step(kk, acc):
             ks = pl.ds(kk * blocks.k, blocks.k)
             x = plgpu.load(lhs_ref.at[rows, ks], mask=mine[:, None], other=0)
@@ -224,6 +228,10 @@ def _gmm_kernel(group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, _zeros_ref, ou
 
         acc = jax.lax.fori_loop(0, k // blocks.k, step, jnp.zeros((blocks.m, blocks.n), jnp.float32))
         plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=mine[:, None])
+
+    @pl.when((count > 0) & (group == groups))
+    def _():
+        plgpu.store(out_ref.at[rows, cols], jnp.zeros((blocks.m, blocks.n), out_ref.dtype), mask=mine[:, None])
 
 
 def _work(groups: int, rows: int, n: int, k: int) -> dict[str, str]:
@@ -248,15 +256,15 @@ def _gmm(lhs, rhs, group_sizes, blocks: Blocks, interpret: bool, rows_routed: in
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     table = tiles(group_sizes, m, blocks.m)
-    zeros = jnp.zeros((m, n), lhs.dtype)
-    kernel = functools.partial(_gmm_kernel, blocks=blocks, m=m, k=k, transpose_rhs=transpose_rhs)
+    kernel = functools.partial(_gmm_kernel, blocks=blocks, m=m, k=k, groups=rhs.shape[0],
+                               transpose_rhs=transpose_rhs)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
-        grid=(table.group.shape[0], n // blocks.n), input_output_aliases={5: 0}, interpret=interpret,
+        grid=(table.group.shape[0], n // blocks.n), interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         cost_estimate=_cost(rows_routed, n, k, lhs.dtype.itemsize),
         metadata=_work(rhs.shape[0], rows_routed, n, k), name="grouped_matmul",
-    )(*table, lhs, rhs, zeros)
+    )(*table, lhs, rhs)
 
 
 def _tgmm_kernel(start_ref, size_ref, lhs_ref, dout_ref, out_ref, *, blocks: Blocks, m: int):
