@@ -99,6 +99,14 @@ def resolve_dtype(name: str) -> str:
     return default_compute_dtype(current().platform) if name == "auto" else name
 
 
+def multiplies_fp8(accelerator: Accelerator) -> bool:
+    """Whether `accelerator` runs float8 matmuls: NVIDIA GPUs of compute capability 8.9 and up (Ada, Hopper and
+    later: FP8 tensor cores), and the CPU, whose XLA emulates the float8 types (so the tests run the real code)."""
+    if accelerator.platform == "cpu":
+        return True
+    return accelerator.platform == "gpu" and (accelerator.compute_capability or 0.0) >= 8.9
+
+
 def visible_accelerator() -> bool:
     """Whether this host shows an NVIDIA or AMD GPU or a TPU chip to JAX (read from /proc and /sys by JAX's own
     checks; nothing is initialised)."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from shardlm.accelerator import resolve_dtype
+from shardlm.accelerator import current, multiplies_fp8, resolve_dtype
 from shardlm.errors import ShardlmError, check_in_range, check_one_of, check_positive
 from shardlm.files import read_mapping
 from shardlm.foreign.modules import is_py, parse_spec
@@ -348,7 +348,17 @@ def _build(layers: list[list[tuple[str, Any]]]) -> Config:
     # model.dtype=auto becomes the dtype it stands for on the accelerator compiled for (the local devices, or a
     # `--target`'s), so the run's saved config, its header and its FLOP peak all name the real one.
     cfg.model.dtype = resolve_dtype(cfg.model.dtype)
+    if cfg.model.matmul_dtype == "fp8":
+        check_fp8(current())
     return cfg
+
+
+def check_fp8(accelerator) -> None:
+    """A one-line error if `model.matmul_dtype=fp8` is asked of an accelerator without float8 matmuls."""
+    if not multiplies_fp8(accelerator):
+        raise ShardlmError(f"model.matmul_dtype=fp8 needs FP8 matrix units (NVIDIA compute capability 8.9 or later: "
+                           f"H100, H200, L40S), which {accelerator.device_kind} does not have: use "
+                           "model.matmul_dtype=auto")
 
 
 def _check_py_keys(layers: list[list[tuple[str, Any]]]) -> None:

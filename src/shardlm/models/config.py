@@ -40,6 +40,10 @@ class ModelConfig:
     # (data-parallel replicas, FSDP): auto (the compute dtype: bfloat16 on GPUs and TPUs) or float32 (twice the
     # bytes; Megatron's and torchtitan's choice). (`models.precision`)
     grad_reduce_dtype: str = "auto"
+    # The blocks' projection and MLP matmuls: auto (in the compute dtype) or fp8 (e4m3 operands, e5m2 gradients,
+    # per-tensor current scaling, float32 accumulation: `shardlm.kernels.fp8`; H100-class GPUs, emulated on a CPU).
+    # The embedding, the output head, attention, norms and the loss stay in the compute dtype or float32.
+    matmul_dtype: str = "auto"
     # What each block keeps for the backward pass (`shardlm.models.remat`): none (every matmul output it needs,
     # elementwise work recomputed) | full (the block's input) | save_attention | save_qkv_proj | save:NAME,NAME |
     # dots_saveable | dots_with_no_batch_dims_saveable | auto (the cheapest that fits, chosen by the planner when
@@ -103,6 +107,7 @@ class ModelConfig:
 
 FAMILY_NAMES = ("gpt", "llama")
 AUTO_REMAT = "auto"  # model.remat=auto: the planner's choice
+MATMUL_DTYPES = ("auto", "fp8")  # model.matmul_dtype
 
 
 def check_model(m: ModelConfig) -> None:
@@ -164,6 +169,7 @@ def _check_kinds(m: ModelConfig) -> None:
     check_one_of("model.dtype", m.dtype, COMPUTE_DTYPES, " (float16 would need loss scaling: use bfloat16)")
     check_one_of("model.param_dtype", m.param_dtype, DTYPES)
     check_one_of("model.grad_reduce_dtype", m.grad_reduce_dtype, ("auto", *DTYPES))
+    check_one_of("model.matmul_dtype", m.matmul_dtype, MATMUL_DTYPES)
     if m.loss_chunks < 0:
         raise ShardlmError(f"model.loss_chunks must be >= 0 (0 = automatic), got {m.loss_chunks}")
     if m.remat == AUTO_REMAT:  # resolved by the planner before any model is built (`shardlm.perf.auto`)

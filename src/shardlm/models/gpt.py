@@ -61,6 +61,7 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_mlp, DTYPES[cfg.param_dtype]
         self.dtype, self.reduce_dtype = compute_dtype(cfg.dtype), reduce_dtype(cfg.grad_reduce_dtype)
+        self.fp8 = cfg.matmul_dtype == "fp8"
         self.w_in = param(rngs, nnx.initializers.normal(0.02), (d, f), ("embed", "mlp"), pd)
         self.w_out = param(rngs, nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers)), (f, d),
                            ("mlp", "embed"), pd)
@@ -70,10 +71,11 @@ class MLP(nnx.Module):
         self.out_bias = bias((d,), ("embed",)) if cfg.use_bias else None
 
     def __call__(self, x):
-        h = add_bias(matmul("btd,df->btf", x, use(self.w_in, self.dtype), self.reduce_dtype), self.in_bias)
+        h = add_bias(matmul("btd,df->btf", x, use(self.w_in, self.dtype), self.reduce_dtype, self.fp8), self.in_bias)
         h = remat.named(constrain(h, "batch", "seq", "act_mlp"), remat.MLP_HIDDEN)
         h = jax.nn.gelu(h, approximate=True)
-        return add_bias(matmul("btf,fd->btd", h, use(self.w_out, self.dtype), self.reduce_dtype), self.out_bias)
+        return add_bias(matmul("btf,fd->btd", h, use(self.w_out, self.dtype), self.reduce_dtype, self.fp8),
+                        self.out_bias)
 
 
 class Block(PreNormBlock):
@@ -81,7 +83,7 @@ class Block(PreNormBlock):
         dt, pd = compute_dtype(cfg.dtype), DTYPES[cfg.param_dtype]
         self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.n_layers, cfg.use_bias, dt, pd, rngs,
-                              reduce_dtype(cfg.grad_reduce_dtype))
+                              reduce_dtype(cfg.grad_reduce_dtype), fp8=cfg.matmul_dtype == "fp8")
         self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.mlp = MLP(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)

@@ -336,9 +336,9 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d: int, heads: int, kv_heads: int, n_layers: int, use_bias: bool, dtype, param_dtype,
-                 rngs: nnx.Rngs, reduce_dtype=None):
+                 rngs: nnx.Rngs, reduce_dtype=None, fp8: bool = False):
         hd = d // heads
-        self.dtype, self.reduce_dtype = dtype, reduce_dtype
+        self.dtype, self.reduce_dtype, self.fp8 = dtype, reduce_dtype, fp8
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual projection scaling
         self.wq = param(rngs, init, (d, heads, hd), ("embed", "heads", "head_dim"), param_dtype)
@@ -359,7 +359,7 @@ class Attention(nnx.Module):
         """x [batch, T, embed] -> ([batch, T, embed], cache); see `self_attention` for the cache's three modes."""
 
         def project(w, b, heads_axis):
-            y = add_bias(matmul("bte,ehd->bthd", x, use(w, self.dtype), self.reduce_dtype), b)
+            y = add_bias(matmul("bte,ehd->bthd", x, use(w, self.dtype), self.reduce_dtype, self.fp8), b)
             return remat.named(constrain(y, "batch", "seq", heads_axis, "head_dim"), remat.QKV_PROJ)
 
         q = project(self.wq, self.q_bias, "act_heads")
@@ -373,7 +373,7 @@ class Attention(nnx.Module):
         # step). heads stays the major half of the merged dimension, so a split over tensor carries over.
         b, t, h, d = y.shape
         wo = use(self.wo, self.dtype).reshape(h * d, -1)
-        out = add_bias(matmul("btf,fd->btd", y.reshape(b, t, h * d), wo, self.reduce_dtype), self.out_bias)
+        out = add_bias(matmul("btf,fd->btd", y.reshape(b, t, h * d), wo, self.reduce_dtype, self.fp8), self.out_bias)
         return remat.named(out, remat.OUT_PROJ), cache
 
 

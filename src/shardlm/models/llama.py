@@ -57,6 +57,7 @@ class SwiGLU(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_mlp, DTYPES[cfg.param_dtype]
         self.dtype, self.reduce_dtype = compute_dtype(cfg.dtype), reduce_dtype(cfg.grad_reduce_dtype)
+        self.fp8 = cfg.matmul_dtype == "fp8"
         init = nnx.initializers.normal(0.02)
         self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.w_up = param(rngs, init, (d, f), ("embed", "mlp"), pd)
@@ -64,10 +65,11 @@ class SwiGLU(nnx.Module):
                             ("mlp", "embed"), pd)
 
     def __call__(self, x):
-        gate, up = (remat.named(constrain(matmul("btd,df->btf", x, use(w, self.dtype), self.reduce_dtype),
+        gate, up = (remat.named(constrain(matmul("btd,df->btf", x, use(w, self.dtype), self.reduce_dtype, self.fp8),
                                           "batch", "seq", "act_mlp"), remat.MLP_HIDDEN)
                     for w in (self.w_gate, self.w_up))
-        return matmul("btf,fd->btd", jax.nn.silu(gate) * up, use(self.w_down, self.dtype), self.reduce_dtype)
+        return matmul("btf,fd->btd", jax.nn.silu(gate) * up, use(self.w_down, self.dtype), self.reduce_dtype,
+                      self.fp8)
 
 
 class Block(PreNormBlock):
@@ -78,7 +80,7 @@ class Block(PreNormBlock):
         # ln1 / ln2 / ln_f: RMSNorms, named as the GPT family's norms (and Hugging Face's "input_layernorm").
         self.ln1 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, dt, pd,
-                              rngs, reduce_dtype(cfg.grad_reduce_dtype))
+                              rngs, reduce_dtype(cfg.grad_reduce_dtype), fp8=cfg.matmul_dtype == "fp8")
         self.ln2 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.sparse = sparse
         if sparse:

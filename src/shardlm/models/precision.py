@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlm.kernels.fp8 import fp8_einsum
 from shardlm.sharding import compute_copy
 
 # Metadata keys of a parameter. READ_IN_FLOAT32: its compute copy stays float32 (norms, routers, biases).
@@ -64,11 +65,14 @@ def compute_view(module: nnx.Module, compute_dtype, reduce_dtype=None) -> nnx.Mo
     return nnx.merge(graphdef, params, rest)
 
 
-def matmul(spec: str, x: jax.Array, w: jax.Array, reduce_dtype=None) -> jax.Array:
+def matmul(spec: str, x: jax.Array, w: jax.Array, reduce_dtype=None, fp8: bool = False) -> jax.Array:
     """`jnp.einsum(spec, x, w)` ("bte,ehd->bthd": x's indices, the weight's, the output's), in the operands' dtype.
     With a `reduce_dtype` other than it, the weight's gradient is produced in `reduce_dtype`: XLA sums a
     gradient's partial sums over the devices that split the tokens (data-parallel replicas, FSDP) where the
-    matmul that produces it does, in its output dtype, so this is the dtype of that sum."""
+    matmul that produces it does, in its output dtype, so this is the dtype of that sum. `fp8`: the operands in
+    float8 with per-tensor current scaling (`shardlm.kernels.fp8`, `model.matmul_dtype=fp8`)."""
+    if fp8:
+        return fp8_einsum(spec, x, w, grad_dtype=reduce_dtype)
     if reduce_dtype is None or jnp.dtype(reduce_dtype) == jnp.dtype(w.dtype):
         return jnp.einsum(spec, x, w)
     operands, out = spec.split("->")

@@ -47,8 +47,9 @@ RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "loss.png", "samples.txt", "tokenizer
 # Keys that must be equal to the checkpoint's for a run to resume. Dropout and the compute settings (dtype, remat,
 # the gradients' reduction dtype, the loss's chunks, attention kernel) change how the step computes, not what the
 # checkpoint holds, so they may change.
-CHANGEABLE_MODEL_KEYS = ("dropout", "dtype", "remat", "remat_offload", "grad_reduce_dtype", "loss_chunks",
-                         "attention", "scan_layers", "pipeline_microbatches", "pipeline_repeats", "pipeline_remat")
+CHANGEABLE_MODEL_KEYS = ("dropout", "dtype", "remat", "remat_offload", "grad_reduce_dtype", "matmul_dtype",
+                         "loss_chunks", "attention", "scan_layers", "pipeline_microbatches", "pipeline_repeats",
+                         "pipeline_remat")
 FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
                    if f.name not in CHANGEABLE_MODEL_KEYS) + ("seed", "train.batch_size")
 

@@ -1,0 +1,94 @@
+"""FP8 matmuls (`shardlm.kernels.fp8`, `model.matmul_dtype=fp8`): the product and its gradients against a float64
+reference within the bound e4m3 and e5m2 rounding implies, scaling that keeps large values in range, and a model
+step in FP8 that trains like one device on a mesh. XLA:CPU emulates the float8 types: this is the GPU's code."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardlm.kernels.fp8 import E4M3, E5M2, fp8_einsum, quantize
+
+# Rounding to a float8 format with m mantissa bits moves a normal value by at most 2^-(m+1) of itself, and a value
+# in the subnormal range by at most half the smallest subnormal (e4m3: 2^-9, e5m2: 2^-16), in scaled units.
+U = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
+
+
+def _rounding(x: np.ndarray, fmt) -> np.ndarray:
+    """Per element, the most that quantizing `x` (per-tensor current scaling to `fmt`) can move it."""
+    scale = float(np.abs(x).max()) / float(jnp.finfo(fmt).max)
+    return U[fmt] * np.abs(x) + HALF_SUBNORMAL[fmt] * scale
+
+
+def _product_bound(a, da, b, db):
+    """|a^ b^ - a b| over a contraction, element by element, for |a^ - a| <= da and |b^ - b| <= db (a @ b)."""
+    return da @ np.abs(b) + np.abs(a) @ db + da @ db
+
+
+def _fp8_and_reference(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8_einsum("td,df->tf", x, w), x, w)
+    dx, dw = vjp(g)
+    x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
+    return (y, dx, dw), (x64 @ w64, g64 @ w64.T, x64.T @ g64), (x64, w64, g64)
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e4], ids=["unit", "1e4"])
+def test_fp8_product_and_gradients_are_within_float8_rounding_of_float64(magnitude):
+    """y = x w with e4m3 operands, d x = d y w^T and d w = x^T d y with d y in e5m2: each element within the bound
+    the two roundings imply (plus 1e-5 of float32 accumulation), and FP8 really ran (errors far above float32's).
+    At 1e4, x does not fit e4m3 (largest 448) unscaled: cast as it is, it is NaN."""
+    ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(ks[0], (64, 128)) * magnitude
+    w = jax.random.normal(ks[1], (128, 96)) * 0.05
+    g = jax.random.normal(ks[2], (64, 96))
+    got, want, (x64, w64, g64) = _fp8_and_reference(x, w, g)
+    ex, ew, eg = _rounding(x64, E4M3), _rounding(w64, E4M3), _rounding(g64, E5M2)
+    bounds = (_product_bound(x64, ex, w64, ew), _product_bound(g64, eg, w64.T, ew.T),
+              _product_bound(x64.T, ex.T, g64, eg))
+    for name, a, b, bound, plain in zip(("y", "d x", "d w"), got, want, bounds,
+                                        (np.abs(x64) @ np.abs(w64), np.abs(g64) @ np.abs(w64.T),
+                                         np.abs(x64.T) @ np.abs(g64))):
+        err = np.abs(np.asarray(a, np.float64) - b)
+        assert np.all(np.isfinite(np.asarray(a))), name
+        assert np.all(err <= bound + 1e-5 * plain), f"{name}: {np.max(err - bound - 1e-5 * plain):.3g} over"
+        assert np.max(err / plain) > 1e-4, f"{name}: no float8 rounding at all"
+    if magnitude > 448:
+        assert np.isnan(np.asarray(x.astype(E4M3).astype(jnp.float32))).any()
+
+
+def test_a_zero_tensor_quantizes_to_zeros():
+    q, scale = quantize(jnp.zeros((4, 8)), E4M3)
+    assert np.all(np.asarray(q.astype(jnp.float32)) == 0.0) and np.isfinite(float(scale)) and float(scale) > 0
+
+
+# FSDP with the heads and the MLP split over tensor (the batch split as data-parallel replicas split it, and the
+# weights' amax over their shards), a sequence split over context (ring attention between the matmuls), and
+# pipeline stages (each microbatch quantizes its own activations, as one device's gradient accumulation would).
+FP8_MESHES = {"FSDP 4 x TP 2": {"fsdp": 4, "tensor": 2}, "CP 2 x FSDP 4": {"context": 2, "fsdp": 4},
+              "PP 2 x FSDP 4": {"stage": 2, "fsdp": 4}}
+
+
+@pytest.fixture(scope="module")
+def fp8_one_device():
+    from test_parity import shardlm_run
+
+    from conftest import MICRO
+
+    return shardlm_run(MICRO + ["model=llama-tiny", "model.matmul_dtype=fp8"], {"data": 1}, steps=2)
+
+
+@pytest.mark.parametrize("name", list(FP8_MESHES))
+def test_fp8_steps_match_one_device_on_every_mesh(fp8_one_device, name):
+    """Per-tensor scales are taken over the whole tensor wherever it is split (XLA reduces the amax over the
+    devices), so a mesh quantizes as one device does: the loss and gradient norm at step 1 and the loss at step 2
+    within 1e-3 of one device's, in FP8."""
+    from test_parity import shardlm_run
+
+    from conftest import MICRO
+
+    got = shardlm_run(MICRO + ["model=llama-tiny", "model.matmul_dtype=fp8"], FP8_MESHES[name], steps=2)
+    for key in ("loss", "grad_norm"):
+        assert got[0][key] == pytest.approx(fp8_one_device[0][key], rel=1e-3), key
+    assert got[1]["loss"] == pytest.approx(fp8_one_device[1]["loss"], rel=1e-3)
+    assert got[1]["loss"] < got[0]["loss"]
