@@ -117,6 +117,23 @@ def test_fsdp8_on_h100s_overlaps_async_gathers_and_reduce_scatters():
     assert r.params == pytest.approx(4 * 124.5e6 / 8, rel=0.02)
 
 
+def test_fp8_block_matmuls_compile_to_fp8_gemms_for_h100s_and_gather_weights_in_fp8():
+    """model.matmul_dtype=fp8 under FSDP 8: each block's seven matmuls (q, k, v, o, gate, up, down) are float8
+    GEMMs forward (e4m3 x e4m3), for d x and for d w (e5m2 with e4m3), the others (the head) stay bfloat16, the
+    weights are all-gathered in float8, and the report counts them."""
+    layers = 2
+    cfg = config_for(H100, "model=llama-tiny", f"model.n_layers={layers}", "mesh.fsdp=8", "train.batch_size=8",
+                     "model.matmul_dtype=fp8")
+    r = compile_train_step(cfg, target=H100, n_devices=8)
+    gemms = r.gemms_by_dtype
+    assert sum(n for d, n in gemms.items() if d.startswith("f8")) == 3 * 7 * layers, gemms
+    assert {"f8e4m3fn", "f8e5m2"} <= dot_operand_dtypes(r.step.hlo_text)
+    gathered = [i.shape for i in hlo._parse(r.step.hlo_text) if i.opcode == "all-gather-start"]
+    assert gathered and all("f8e4m3fn[" in shape for shape in gathered if "bf16[" not in shape), gathered
+    assert r.hardware.peak_flops == 1979e12  # MFU and the cost model hold it against the FP8 peak
+    assert f"GEMMs per step in FP8: {3 * 7 * layers} of" in format_report(r)
+
+
 def permutes_across_attention(hlo_text: str) -> int:
     """Async collective-permutes of a scheduled program in flight (between their start and done, in schedule
     order) across a fused attention kernel: a cuDNN or TPU custom call, or a conditional holding one."""
@@ -328,6 +345,8 @@ def test_a_compiler_failure_is_one_line_naming_the_strategy(capsys, monkeypatch)
     (["train", "--target", "h100"], "add --compile-only"),
     (["explain", "--devices", "8"], "pass --target too"),
     (["plan", "--target", "tpu-v5e", "--devices", "3", "model=tiny"], "power-of-two number of chips"),
+    (["train", "--compile-only", "--target", "a100-80gb", "--devices", "8", "model=tiny", "model.matmul_dtype=fp8"],
+     "model.matmul_dtype=fp8 needs FP8 matrix units"),
 ])
 def test_bad_target_input_is_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)

@@ -366,6 +366,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     import jax
 
+    from shardlm.flops import peak_dtype
     from shardlm.perf.costmodel import hardware_for
     from shardlm.perf.planner import format_plan, plan, report_progress
     from shardlm.perf.strategies import parse_strategies
@@ -375,9 +376,9 @@ def _plan(args: argparse.Namespace) -> None:
     cfg = _load_for(target, args)
     memory = parse_bytes(args.memory) if args.memory else None
     if target:
-        hw = target.hardware(cfg.model.dtype, n, args.hosts, memory, args.inter_host_bandwidth)
+        hw = target.hardware(peak_dtype(cfg.model), n, args.hosts, memory, args.inter_host_bandwidth)
     else:
-        hw = hardware_for(n, cfg.model.dtype, memory_bytes=memory or 80e9, peak_tflops=args.peak_tflops,
+        hw = hardware_for(n, peak_dtype(cfg.model), memory_bytes=memory or 80e9, peak_tflops=args.peak_tflops,
                           intra_node_gbs=args.intra_node_gbs, hosts=args.hosts,
                           devices_per_node=args.devices_per_node, inter_host_bandwidth=args.inter_host_bandwidth,
                           inter_node_gbs=args.inter_node_gbs, latency_us=args.latency_us)

@@ -98,11 +98,12 @@ def _configured(cfg: Config, n: int) -> Strategy:
 def _hardware(cfg: Config, target: Target | None, n: int, hosts: int | None):
     import jax
 
+    from shardlm.flops import peak_dtype
     from shardlm.perf.host import local_hardware
 
     # measured on this process's own devices (process 0 plans alone; a process is a host), costed as hosts of them
-    return (target.hardware(cfg.model.dtype, n, hosts) if target
-            else local_hardware(jax.local_devices(), cfg.model.dtype))
+    return (target.hardware(peak_dtype(cfg.model), n, hosts) if target
+            else local_hardware(jax.local_devices(), peak_dtype(cfg.model)))
 
 
 def _seconds(s: float) -> str:

@@ -122,7 +122,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
     import jax
 
     from shardlm.errors import ShardlmError
-    from shardlm.flops import device_peak
+    from shardlm.flops import device_peak, peak_dtype
     from shardlm.train.source import model_flops_per_step
     from shardlm.perf.host import local_hardware
     from shardlm.perf.strategies import rejection
@@ -154,7 +154,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
             run["times"].append(time.perf_counter() - t0)
             run["loss"] = float(metrics["loss"])
         log(f"round {r + 1}/{steps}")
-    peak, label = device_peak(devices, cfg.model.dtype)
+    peak, label = device_peak(devices, peak_dtype(cfg.model))
     results = [BenchResult(run["s"], run["times"], b * t, model_flops_per_step(cfg, vocab, run["s"].tensor), peak,
                            run["compile_s"], run["loss"], run["est"]) for run in runs]
     return Bench(results, label, devices[0].device_kind, len(devices), hardware.describe())

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 
 from shardlm.config import Config, describe
-from shardlm.flops import jaxpr_matmul_flops, mfu
+from shardlm.flops import jaxpr_matmul_flops, mfu, peak_dtype
 from shardlm.foreign.modules import is_py
 from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.models.layers import attention_summary
@@ -55,6 +55,16 @@ class CompileReport:
     def mfu(self, step_s: float | None) -> float | None:
         return mfu(self.model_flops / self.devices, step_s, self.hardware.peak_flops)
 
+    @property
+    def gemms_by_dtype(self) -> dict[str, int]:
+        """The GEMMs one device runs per step, by operand dtype (a float8 GEMM's first operand: e4m3 forward,
+        e5m2 for an input's gradient), read from the compiled program."""
+        counts: dict[str, int] = {}
+        for k in self.step.program.kernels() if self.step.program else ():
+            if k.kind == "gemm" and k.dtype:
+                counts[k.dtype] = counts.get(k.dtype, 0) + k.times
+        return counts
+
     def to_dict(self) -> dict:
         s = self.step
         return {"target": self.target.name if self.target else None, "devices": self.devices, "mesh": self.mesh,
@@ -64,7 +74,8 @@ class CompileReport:
                 "collectives": hlo.summarize(s.collectives), "flops_per_device": s.flops_per_device,
                 "model_flops": self.model_flops, "compiler_step_s": s.compiler_s,
                 "compiler_mfu": self.mfu(s.compiler_s), "est_step_s": self.est.step_s,
-                "est_mfu": self.mfu(self.est.step_s), "compile_s": s.compile_s, "attention": self.attention}
+                "est_mfu": self.mfu(self.est.step_s), "compile_s": s.compile_s, "attention": self.attention,
+                "gemms_by_dtype": self.gemms_by_dtype}
 
 
 def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: int | None = None,
@@ -92,8 +103,8 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
                             keep_hlo=True)
     except CompileFailed as e:  # one line, naming the strategy
         raise CompileFailed(f"{e} (mesh {describe_mesh(mesh)})") from e
-    hardware = (target.hardware(cfg.model.dtype, n, hosts) if target
-                else Hardware(peak_flops=h100_peak(cfg.model.dtype)))
+    hardware = (target.hardware(peak_dtype(cfg.model), n, hosts) if target
+                else Hardware(peak_flops=h100_peak(peak_dtype(cfg.model))))
     return CompileReport(cfg, describe_mesh(mesh), n, target, hardware, step, shard_bytes(abstract["model"]),
                          shard_bytes(abstract["optimizer"]), model_flops_per_step(cfg, vocab, mesh.shape["tensor"]),
                          step_estimate(step.program, step.flops_per_device, step.collectives, n, hardware),
@@ -133,6 +144,9 @@ def format_report(r: CompileReport) -> str:
         if s.schedule:
             lines.append("hidden behind compute in the compiler's schedule: " + ", ".join(
                 f"{k} {v:.0%}" for k, v in s.schedule.hidden_by_kind().items()))
+    gemms = r.gemms_by_dtype
+    if fp8 := sum(n for d, n in gemms.items() if d.startswith("f8")):
+        lines.append(f"GEMMs per step in FP8: {fp8} of {sum(gemms.values())} (the rest: attention, the output head)")
     lines.append(f"FLOPs per device per step: {s.flops_per_device / 1e12:.3f} TFLOP (model: "
                  f"{r.model_flops / r.devices / 1e12:.3f})" + ("; counted from the program the compiler was "
                                                                   "given, before it refused it" if s.refusal else ""))

@@ -37,6 +37,7 @@ import time
 
 from shardlm.config import Config, describe
 from shardlm.errors import ShardlmError
+from shardlm.flops import peak_dtype
 from shardlm.perf import hlo
 from shardlm.perf.bounds import lower_bound
 from shardlm.perf.compiled import CompiledStep, CompileFailed, compile_step
@@ -272,8 +273,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     from shardlm.train.data import tokenizer_vocab
 
     if hardware is None:
-        hardware = (target.hardware(cfg.model.dtype, n_devices or 1, hosts) if target
-                    else Hardware(peak_flops=h100_peak(cfg.model.dtype)))
+        hardware = (target.hardware(peak_dtype(cfg.model), n_devices or 1, hosts) if target
+                    else Hardware(peak_flops=h100_peak(peak_dtype(cfg.model))))
     t0 = time.perf_counter()
     devices = _devices(n_devices, target, hosts)
     n = len(devices)

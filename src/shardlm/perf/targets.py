@@ -76,15 +76,15 @@ class Target:
 
 GiB = 2**30
 TARGETS = {t.name: t for t in (
-    # NVIDIA datasheets: H100 SXM 989 TFLOP/s dense bf16 (494.5 TF32), 3.35 TB/s HBM3, NVLink 4 at 900 GB/s both
-    # directions, one 400 Gb/s NIC per GPU; H200 the same chip with 141 GB of HBM3e at 4.8 TB/s (so H100's kernel
-    # tables, with its memory bandwidth); A100 SXM 312 TFLOP/s bf16, 2,039 GB/s HBM2e, NVLink 3 at 600 GB/s both
-    # directions, one 200 Gb/s NIC per GPU.
+    # NVIDIA datasheets: H100 SXM 989 TFLOP/s dense bf16 (494.5 TF32, 1,979 FP8), 3.35 TB/s HBM3, NVLink 4 at
+    # 900 GB/s both directions, one 400 Gb/s NIC per GPU; H200 the same chip with 141 GB of HBM3e at 4.8 TB/s (so
+    # H100's kernel tables, with its memory bandwidth); A100 SXM 312 TFLOP/s bf16, 2,039 GB/s HBM2e, NVLink 3 at
+    # 600 GB/s both directions, one 200 Gb/s NIC per GPU.
     Target("h100", "H100 SXM 80GB", "gpu", "NVIDIA H100 80GB HBM3", 80 * GiB,
-           {"bfloat16": 989e12, "float32": 494.5e12}, 450e9, 50e9, 8, 9.0, spec="h100_sxm.txtpb",
+           {"bfloat16": 989e12, "float32": 494.5e12, "fp8": 1979e12}, 450e9, 50e9, 8, 9.0, spec="h100_sxm.txtpb",
            memory_bw=3.35232e12, efficiency="h100"),
     Target("h200", "H200 SXM 141GB", "gpu", "NVIDIA H200", 141e9,
-           {"bfloat16": 989e12, "float32": 494.5e12}, 450e9, 50e9, 8, 9.0, spec="h200.txtpb",
+           {"bfloat16": 989e12, "float32": 494.5e12, "fp8": 1979e12}, 450e9, 50e9, 8, 9.0, spec="h200.txtpb",
            memory_bw=4.8e12, efficiency="h100"),
     Target("a100-80gb", "A100 SXM 80GB", "gpu", "NVIDIA A100-SXM4-80GB", 80 * GiB,
            {"bfloat16": 312e12, "float32": 156e12}, 300e9, 25e9, 8, 8.0, spec="a100_sxm_80.txtpb",

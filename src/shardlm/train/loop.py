@@ -42,7 +42,7 @@ from shardlm.data.prepare import PreparedData
 from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
 from shardlm.explanation import format_explanation
-from shardlm.flops import device_peak
+from shardlm.flops import device_peak, peak_dtype
 from shardlm.foreign.modules import file_sha256, is_py
 from shardlm.generate import sample_text
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
@@ -287,7 +287,7 @@ class Training:
         self.step_fn = train_step_for(cfg, ts, mesh).lower(ts.state, self.first).compile()
         self.eval_fn = eval_step_for(cfg, ts, mesh, self.tokenizer.token_bytes()).lower(ts.state, self.first).compile()
         self.compile_s = time.perf_counter() - t0
-        self.peak, self.peak_label = device_peak(list(mesh.devices.flat), cfg.model.dtype)
+        self.peak, self.peak_label = device_peak(list(mesh.devices.flat), peak_dtype(cfg.model))
         self.flops_per_token = self.source.flops_per_token(self.vocab[0], mesh.shape["tensor"])
         _log(f"compiled in {self.compile_s:.1f}s | {self.flops_per_token / 1e6:.1f} MFLOP/token "
              f"({self.source.flops_convention}) | "
