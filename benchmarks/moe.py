@@ -3,14 +3,14 @@
 Issue 38's case, compiled for 8 H100s and for a TPU v5p-8 from this CPU host (`shardlm.perf.compile_only`; nothing
 runs): a 4-layer Llama, d_model 2048, batch 32 x 2048, either dense (SwiGLU 14336, FSDP 8) or 8 experts of 7168 with
 top-2 routing (the same active FLOPs per token) under expert 8, expert 4 x fsdp 2 and fsdp 8, dropless, and the two
-expert splits again with a capacity factor of 1.25 and of 1.0 (`model.moe_capacity_factor`). Each MoE
-row uses the platform's grouped kernel (`model.moe_kernel=auto`: shardlm's Pallas Triton kernel on H100s, Megablox
-on TPUs); the last H100 row is XLA's `ragged_dot` (`model.moe_kernel=xla`), which multiplies every row by every
-local expert. Printed: peak memory per device and the part of it that is the parameters and AdamW's moments, the FLOPs per device
-of the compiled program, shardlm's per-kernel estimate and the compiler's own, and each MoE row's estimate and peak
-over its platform's dense row, then the floor under an MoE row's peak: the dense peak plus what the experts' extra
-parameters hold whatever the dispatch (16 bytes each: float32 weight, two float32 moments, a bfloat16 compute copy
-and a bfloat16 gradient), over the dense peak.
+expert splits again with a capacity factor of 1.25 and of 1.0 (`model.moe_capacity_factor`). Each MoE row uses the
+platform's grouped kernel (`model.moe_kernel=auto`: shardlm's Pallas Triton kernel on H100s, Megablox on TPUs); the
+last H100 row is XLA's `ragged_dot` (`model.moe_kernel=xla`), which multiplies every row by every local expert.
+Printed: peak memory per device and the part of it that is the parameters and AdamW's moments, the FLOPs per
+device of the compiled program, shardlm's per-kernel estimate and the compiler's own, and each MoE row's estimate
+and peak over its platform's dense row, then the floor under an MoE row's peak: the dense peak plus what the
+experts' extra parameters hold whatever the dispatch (16 bytes each: float32 weight, two float32 moments, a
+bfloat16 compute copy and a bfloat16 gradient), over the dense peak.
 
     python benchmarks/moe.py                    # both targets (about 9 minutes on a 2-core VM)
     python benchmarks/moe.py --targets h100
