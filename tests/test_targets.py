@@ -100,10 +100,23 @@ def test_gpt2_small_for_one_h100_uses_cudnn_fused_attention_and_bf16_gemms(one_h
     assert "compiled by XLA:GPU" in format_report(r) and "fits: yes" in format_report(r)
 
 
-def test_fsdp8_on_h100s_overlaps_async_gathers_and_reduce_scatters():
-    cfg = gpt2_small(H100, "mesh.fsdp=8", "train.batch_size=8", "model.seq_len=512")
+def test_fsdp8_on_h100s_overlaps_async_gathers_and_reduce_scatters_and_runs_fp8_gemms():
+    """With model.matmul_dtype=fp8 (the bfloat16 step's GEMMs: test_gpt2_small_for_one_h100_...): each block's six
+    matmuls (q, k, v, o, MLP in and out) are float8 GEMMs forward (e4m3 x e4m3), for d x and for d w (e5m2 with
+    e4m3), the head stays bfloat16, the weights are all-gathered in float8, and the report counts them."""
+    layers = 12
+    cfg = gpt2_small(H100, "mesh.fsdp=8", "train.batch_size=8", "model.seq_len=512", "model.matmul_dtype=fp8")
     r = compile_train_step(cfg, target=H100, n_devices=8)
     text = r.step.hlo_text
+    gemms = r.gemms_by_dtype
+    assert sum(n for d, n in gemms.items() if d.startswith("f8")) == 3 * 6 * layers, gemms
+    assert {"f8e4m3fn", "f8e5m2"} <= dot_operand_dtypes(text)
+    gathered = [i.shape for i in hlo._parse(text) if i.opcode == "all-gather-start"]
+    assert gathered and all("f8e4m3fn[" in shape for shape in gathered if "bf16[" not in shape
+                            and "f32[" not in shape), gathered
+    assert any("f8e4m3fn[" in shape for shape in gathered)
+    assert r.hardware.peak_flops == 1979e12  # MFU and the cost model hold it against the FP8 peak
+    assert f"GEMMs per step in FP8: {3 * 6 * layers} of" in format_report(r)
     kinds = {c["kind"] for c in hlo.summarize(r.step.collectives)}
     assert {"all-gather", "reduce-scatter"} <= kinds
     opcodes = [i.opcode for i in hlo._parse(text)]
@@ -115,23 +128,6 @@ def test_fsdp8_on_h100s_overlaps_async_gathers_and_reduce_scatters():
     assert r.step.schedule is not None and r.step.compiler_s > 0
     assert r.step.schedule.hidden("all-gather") > 0.5
     assert r.params == pytest.approx(4 * 124.5e6 / 8, rel=0.02)
-
-
-def test_fp8_block_matmuls_compile_to_fp8_gemms_for_h100s_and_gather_weights_in_fp8():
-    """model.matmul_dtype=fp8 under FSDP 8: each block's seven matmuls (q, k, v, o, gate, up, down) are float8
-    GEMMs forward (e4m3 x e4m3), for d x and for d w (e5m2 with e4m3), the others (the head) stay bfloat16, the
-    weights are all-gathered in float8, and the report counts them."""
-    layers = 2
-    cfg = config_for(H100, "model=llama-tiny", f"model.n_layers={layers}", "mesh.fsdp=8", "train.batch_size=8",
-                     "model.matmul_dtype=fp8")
-    r = compile_train_step(cfg, target=H100, n_devices=8)
-    gemms = r.gemms_by_dtype
-    assert sum(n for d, n in gemms.items() if d.startswith("f8")) == 3 * 7 * layers, gemms
-    assert {"f8e4m3fn", "f8e5m2"} <= dot_operand_dtypes(r.step.hlo_text)
-    gathered = [i.shape for i in hlo._parse(r.step.hlo_text) if i.opcode == "all-gather-start"]
-    assert gathered and all("f8e4m3fn[" in shape for shape in gathered if "bf16[" not in shape), gathered
-    assert r.hardware.peak_flops == 1979e12  # MFU and the cost model hold it against the FP8 peak
-    assert f"GEMMs per step in FP8: {3 * 7 * layers} of" in format_report(r)
 
 
 def permutes_across_attention(hlo_text: str) -> int:
