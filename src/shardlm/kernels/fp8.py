@@ -16,8 +16,7 @@ Design choices:
   offered here. With no history there is nothing to checkpoint, shard or restore.
 - The forward pass keeps the float8 operands and their scales for the backward pass, so a matmul that keeps its
   input keeps it in half a bfloat16 copy's bytes.
-- Scales are float32 and at least the format's smallest normal over its largest value times the tensor's own
-  floor, so an all-zero tensor gives zeros, not NaN.
+- Scales are float32, from an amax floored at 2^-64, so an all-zero tensor quantizes to zeros, not NaN.
 - XLA:CPU emulates the float8 types, so the CPU runs this same code; only the speed is the GPU's.
 """
 
