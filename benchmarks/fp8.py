@@ -80,8 +80,10 @@ def main() -> None:
         print(f"| {'bfloat16' if name == 'auto' else 'fp8'} | {fmt_bytes(r.step.peak)} | {counts} | "
               f"{_s(r.step.compiler_s)} | {_s(r.est.step_s)} | {r.mfu(r.est.step_s):.1%} |", flush=True)
     bf16, fp8 = rows["auto"], rows["fp8"]
+    delta = fp8.step.peak - bf16.step.peak
     print(f"\nFP8 over bfloat16: shardlm's estimate {bf16.est.step_s / fp8.est.step_s:.2f}x faster, peak "
-          f"{fp8.step.peak / bf16.step.peak:.2f}x; XLA:GPU's estimate "
+          f"{fp8.step.peak / bf16.step.peak:.4f}x ({fmt_bytes(abs(delta))} {'above' if delta > 0 else 'below'}); "
+          "XLA:GPU's estimate "
           + (f"{bf16.step.compiler_s / fp8.step.compiler_s:.2f}x faster" if bf16.step.compiler_s and
              fp8.step.compiler_s else "-"))
     lone = {fp8: lone_gemm_seconds(fp8) for fp8 in (False, True)}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardlm.kernels.fp8 import E4M3, E5M2, fp8_einsum, quantize
+from shardlm.kernels.fp8 import E4M3, E5M2, fp8_einsum, fp8_einsums, quantize
 
 # Rounding to a float8 format with m mantissa bits moves a normal value by at most 2^-(m+1) of itself, and a value
 # in the subnormal range by at most half the smallest subnormal (e4m3: 2^-9, e5m2: 2^-16), in scaled units.
@@ -60,6 +60,27 @@ def test_fp8_product_and_gradients_are_within_float8_rounding_of_float64(magnitu
 def test_a_zero_tensor_quantizes_to_zeros():
     q, scale = quantize(jnp.zeros((4, 8)), E4M3)
     assert np.all(np.asarray(q.astype(jnp.float32)) == 0.0) and np.isfinite(float(scale)) and float(scale) > 0
+
+
+def test_products_sharing_an_input_quantize_it_once_and_each_equals_its_own_call():
+    """`fp8_einsums` (query, key and value; gate and up) quantizes x once: each output and each weight's gradient
+    is bit for bit the separate call's, and x's gradient is the separate calls' gradients summed in float32."""
+    ks = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(ks[0], (32, 64), jnp.bfloat16)
+    ws = [jax.random.normal(k, (64, n), jnp.bfloat16) * 0.05 for k, n in zip(ks[1:3], (48, 16))]
+    gs = [jax.random.normal(k, (32, n), jnp.bfloat16) for k, n in zip(ks[3:], (48, 16))]
+    ys, vjp = jax.vjp(lambda x, ws: fp8_einsums("td,df->tf", x, ws), x, tuple(ws))
+    dx, dws = vjp(tuple(gs))
+    dx_sum = jnp.zeros(x.shape, jnp.float32)
+    for y, dw, w, g in zip(ys, dws, ws, gs):
+        y1, vjp1 = jax.vjp(lambda x, w: fp8_einsum("td,df->tf", x, w), x, w)
+        dx1, dw1 = vjp1(g)
+        assert np.array_equal(np.asarray(y), np.asarray(y1)) and np.array_equal(np.asarray(dw), np.asarray(dw1))
+        dx_sum = dx_sum + dx1.astype(jnp.float32)
+    assert dx.dtype == jnp.bfloat16 and np.array_equal(np.asarray(dx), np.asarray(dx_sum.astype(jnp.bfloat16)))
+    text = jax.jit(lambda x, ws: fp8_einsums("td,df->tf", x, ws)).lower(x, tuple(ws)).as_text()
+    n_quantized = sum(1 for line in text.splitlines() if "convert" in line and "tensor<32x64xf8E4M3FN>" in line)
+    assert n_quantized == 1, n_quantized  # x, once (separate calls: once per weight)
 
 
 # FSDP with the heads and the MLP split over tensor (the batch split as data-parallel replicas split it, and the

@@ -16,6 +16,9 @@ Design choices:
   offered here. With no history there is nothing to checkpoint, shard or restore.
 - The forward pass keeps the float8 operands and their scales for the backward pass, so a matmul that keeps its
   input keeps it in half a bfloat16 copy's bytes.
+- Products that share an input (the query, key and value projections; a gated MLP's gate and up) quantize it
+  once (`fp8_einsums`): separate calls kept one float8 copy of it per product (XLA did not merge them) and took
+  its amax as often, which put a step's peak memory above bfloat16's.
 - Scales are float32, from an amax floored at 2^-64, so an all-zero tensor quantizes to zeros, not NaN.
 - XLA:CPU emulates the float8 types, so the CPU runs this same code; only the speed is the GPU's.
 """
@@ -60,24 +63,37 @@ def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, grad_dtype=None) -> jax.Ar
     """`jnp.einsum(spec, x, w)` ("btd,df->btf": x's indices, the weight's, the output's) with e4m3 operands, in
     x's dtype; its gradient with an e5m2 output gradient. `grad_dtype`: the dtype the weight's gradient is
     produced in (and so summed across devices, `shardlm.models.precision.matmul`), default w's."""
-    x_spec, w_spec, out = _operand_specs(spec)
-    x_dtype, w_dtype = x.dtype, w.dtype
-    grad_dtype = grad_dtype or w_dtype
+    return fp8_einsums(spec, x, (w,), grad_dtype)[0]
 
-    def forward(x, w):
-        (xq, sx), (wq, sw) = quantize(x, E4M3), quantize(w, E4M3)
-        return _scaled_einsum(spec, xq, wq, sx * sw, x_dtype), (xq, sx, wq, sw)
+
+def fp8_einsums(spec: str, x: jax.Array, ws, grad_dtype=None) -> tuple:
+    """`fp8_einsum(spec, x, w)` for each weight of `ws`, with x quantized once: the query, key and value projections
+    (or a gated MLP's gate and up) read the same input, and three separate calls would keep three float8 copies of
+    it and take its amax three times. x's gradient is the sum of each product's, accumulated in float32."""
+    x_spec, w_spec, out = _operand_specs(spec)
+    x_dtype = x.dtype
+    w_dtypes = [w.dtype for w in ws]
+    grad_dtypes = [grad_dtype or d for d in w_dtypes]
+
+    def forward(x, ws):
+        xq, sx = quantize(x, E4M3)
+        wqs = [quantize(w, E4M3) for w in ws]
+        ys = tuple(_scaled_einsum(spec, xq, wq, sx * sw, x_dtype) for wq, sw in wqs)
+        return ys, (xq, sx, wqs)
 
     @jax.custom_vjp
-    def product(x, w):
-        return forward(x, w)[0]
+    def products(x, ws):
+        return forward(x, ws)[0]
 
-    def backward(saved, g):
-        xq, sx, wq, sw = saved
-        gq, sg = quantize(g, E5M2)
-        dx = _scaled_einsum(f"{out},{w_spec}->{x_spec}", gq, wq, sg * sw, x_dtype)
-        dw = _scaled_einsum(f"{x_spec},{out}->{w_spec}", xq, gq, sx * sg, grad_dtype)
-        return dx, dw.astype(w_dtype)
+    def backward(saved, gs):
+        xq, sx, wqs = saved
+        dx, dws = None, []
+        for (wq, sw), g, grad_dt, w_dt in zip(wqs, gs, grad_dtypes, w_dtypes):
+            gq, sg = quantize(g, E5M2)
+            part = _scaled_einsum(f"{out},{w_spec}->{x_spec}", gq, wq, sg * sw, x_dtype).astype(jnp.float32)
+            dx = part if dx is None else dx + part
+            dws.append(_scaled_einsum(f"{x_spec},{out}->{w_spec}", xq, gq, sx * sg, grad_dt).astype(w_dt))
+        return dx.astype(x_dtype), tuple(dws)
 
-    product.defvjp(forward, backward)
-    return product(x, w)
+    products.defvjp(forward, backward)
+    return products(x, tuple(ws))

@@ -51,7 +51,7 @@ from shardlm.kernels.splash import splash_attention
 from shardlm.models import remat
 from shardlm.models.head import head_loss
 from shardlm.models.pipeline import row_order, run_pipeline
-from shardlm.models.precision import CAST_WHERE_READ, READ_IN_FLOAT32, add_bias, compute_view, matmul
+from shardlm.models.precision import CAST_WHERE_READ, READ_IN_FLOAT32, add_bias, compute_view, matmul, matmuls
 from shardlm.models.stack import LAYERS, LayerCache, build_blocks, layer_rngs, run_blocks
 from shardlm.sharding import active_degree, active_mesh, active_spec, constrain, sharded_lookup
 from shardlm.sharding.rules import as_axes
@@ -358,13 +358,15 @@ class Attention(nnx.Module):
     def __call__(self, x, cache: LayerCache | None, ctx: Context):
         """x [batch, T, embed] -> ([batch, T, embed], cache); see `self_attention` for the cache's three modes."""
 
-        def project(w, b, heads_axis):
-            y = add_bias(matmul("bte,ehd->bthd", x, use(w, self.dtype), self.reduce_dtype, self.fp8), b)
+        def project(y, b, heads_axis):
+            y = add_bias(y, b)
             return remat.named(constrain(y, "batch", "seq", heads_axis, "head_dim"), remat.QKV_PROJ)
 
-        q = project(self.wq, self.q_bias, "act_heads")
-        k = project(self.wk, self.k_bias, "act_kv_heads")
-        v = project(self.wv, self.v_bias, "act_kv_heads")
+        q, k, v = matmuls("bte,ehd->bthd", x, [use(w, self.dtype) for w in (self.wq, self.wk, self.wv)],
+                          self.reduce_dtype, self.fp8)
+        q = project(q, self.q_bias, "act_heads")
+        k = project(k, self.k_bias, "act_kv_heads")
+        v = project(v, self.v_bias, "act_kv_heads")
         if ctx.rope is not None:
             q, k = apply_rope(q, ctx.rope), apply_rope(k, ctx.rope)
         y, cache = self_attention(q, k, v, cache, ctx)

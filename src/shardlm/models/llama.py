@@ -37,7 +37,7 @@ from shardlm.models.layers import (
     rope_tables,
     use,
 )
-from shardlm.models.precision import matmul
+from shardlm.models.precision import matmul, matmuls
 from shardlm.models.moe import MoeMLP
 from shardlm.sharding import constrain
 
@@ -65,9 +65,9 @@ class SwiGLU(nnx.Module):
                             ("mlp", "embed"), pd)
 
     def __call__(self, x):
-        gate, up = (remat.named(constrain(matmul("btd,df->btf", x, use(w, self.dtype), self.reduce_dtype, self.fp8),
-                                          "batch", "seq", "act_mlp"), remat.MLP_HIDDEN)
-                    for w in (self.w_gate, self.w_up))
+        gate, up = (remat.named(constrain(y, "batch", "seq", "act_mlp"), remat.MLP_HIDDEN)
+                    for y in matmuls("btd,df->btf", x, [use(w, self.dtype) for w in (self.w_gate, self.w_up)],
+                                     self.reduce_dtype, self.fp8))
         return matmul("btf,fd->btd", jax.nn.silu(gate) * up, use(self.w_down, self.dtype), self.reduce_dtype,
                       self.fp8)
 

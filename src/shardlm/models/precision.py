@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlm.kernels.fp8 import fp8_einsum
+from shardlm.kernels.fp8 import fp8_einsum, fp8_einsums
 from shardlm.sharding import compute_copy
 
 # Metadata keys of a parameter. READ_IN_FLOAT32: its compute copy stays float32 (norms, routers, biases).
@@ -93,6 +93,15 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, reduce_dtype=None, fp8: bool =
 
     product.defvjp(forward, backward)
     return product(x, w)
+
+
+def matmuls(spec: str, x: jax.Array, ws, reduce_dtype=None, fp8: bool = False) -> list[jax.Array]:
+    """`matmul(spec, x, w, ...)` for each weight of `ws` (the query, key and value projections; a gated MLP's gate
+    and up). In FP8, x is quantized once for all of them (`shardlm.kernels.fp8.fp8_einsums`); in the compute
+    dtype they are separate products, which XLA schedules as it likes."""
+    if fp8:
+        return list(fp8_einsums(spec, x, ws, grad_dtype=reduce_dtype))
+    return [matmul(spec, x, w, reduce_dtype) for w in ws]
 
 
 def add_bias(y: jax.Array, bias: nnx.Param | None) -> jax.Array:
