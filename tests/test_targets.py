@@ -297,6 +297,30 @@ def test_plan_and_compile_only_take_a_target(capsys):
     assert "\nattention: cuDNN's fused kernel (an NVIDIA GPU" in out
 
 
+def test_plan_compares_fp8_with_bfloat16_each_at_its_own_peak():
+    """`plan --target h100 --matmul-dtype auto,fp8`: each strategy compiled both ways, the FP8 step's GEMMs in
+    float8 and the other's in bfloat16, each costed and its MFU held against its own dense peak (989 and 1,979
+    TFLOP/s), the table naming the variant and its override, and a line comparing the two steps."""
+    from shardlm.perf.planner import format_plan, plan
+    from shardlm.perf.strategies import Strategy
+
+    cfg = config_for(H100, "model=tiny", "model.vocab_size=512", "train.batch_size=4")
+    hw = H100.hardware("bfloat16", 2)
+    p = plan(cfg, 2, hw, strategies=[Strategy(1, 2, 1)], target=H100, matmul_dtypes=["auto", "fp8"])
+    rows = {r.matmul_dtype: r for r in p.strategies}
+    assert sorted(rows) == ["auto", "fp8"]
+    gemm_dtypes = {m: {k.dtype for k in r.program.kernels() if k.kind == "gemm"} for m, r in rows.items()}
+    assert gemm_dtypes["auto"] == {"bf16"} and {"f8e4m3fn", "f8e5m2"} <= gemm_dtypes["fp8"], gemm_dtypes
+    for m, peak in (("auto", 989e12), ("fp8", 1979e12)):
+        r = rows[m]
+        assert r.mfu(r.est.step_s, hw) == pytest.approx(r.model_flops / 2 / r.est.step_s / peak)
+        assert r.overrides()[-1] == f"model.matmul_dtype={m}" and r.to_dict(hw)["matmul_dtype"] == m
+    text = format_plan(p)
+    assert " fsdp2 matmul_dtype=fp8 " in text and " fsdp2 matmul_dtype=auto " in text
+    speedup = rows["auto"].est.step_s / rows["fp8"].est.step_s
+    assert f"FP8 matmuls against the compute dtype's, per strategy: fsdp2: {speedup:.2f}x faster" in text
+
+
 def test_a_compiler_failure_is_one_line_naming_the_strategy(capsys, monkeypatch):
     """A compiler that fails (here XLA:CPU, made to fail as XLA:GPU fails when ptxas does) on one strategy of a
     plan: that strategy's line says so and the others rank, as text and as JSON; on every strategy, or under
@@ -348,6 +372,8 @@ def test_a_compiler_failure_is_one_line_naming_the_strategy(capsys, monkeypatch)
     (["explain", "--devices", "8"], "pass --target too"),
     (["plan", "--target", "tpu-v5e", "--devices", "3", "model=tiny"], "power-of-two number of chips"),
     (["train", "--compile-only", "--target", "a100-80gb", "--devices", "8", "model=tiny", "model.matmul_dtype=fp8"],
+     "model.matmul_dtype=fp8 needs FP8 matrix units"),
+    (["plan", "--target", "a100-80gb", "--devices", "2", "--matmul-dtype", "auto,fp8", "model=tiny"],
      "model.matmul_dtype=fp8 needs FP8 matrix units"),
 ])
 def test_bad_target_input_is_one_line(capsys, argv, message):

@@ -140,6 +140,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--remat", metavar="LIST",
                       help="compile each strategy under each of these remat policies (e.g. none,save_attention,full)"
                            " and name the cheapest that fits each; default: model.remat alone")
+    plan.add_argument("--matmul-dtype", metavar="LIST",
+                      help="compile each strategy with each of these matmul dtypes for the blocks (auto,fp8: FP8 "
+                           "against bfloat16, on H100s) and say how they compare; default: model.matmul_dtype alone")
     plan.add_argument("--peak-tflops", type=float, default=None, metavar="T",
                       help="peak FLOP/s per device for the cost model (default: H100 SXM dense for model.dtype, "
                            "494.5 float32 as TF32, 989 bfloat16)")
@@ -362,6 +365,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
+    import dataclasses
     import json
 
     import jax
@@ -375,10 +379,13 @@ def _plan(args: argparse.Namespace) -> None:
     n = args.devices or (1 if target else jax.device_count())
     cfg = _load_for(target, args)
     memory = parse_bytes(args.memory) if args.memory else None
+    matmul_dtypes = [m.strip() for m in args.matmul_dtype.split(",") if m.strip()] if args.matmul_dtype else None
+    # compared: the hardware at the compute dtype's peak, each FP8 row at the FP8 peak (`Hardware.for_matmuls`)
+    model = dataclasses.replace(cfg.model, matmul_dtype="auto") if matmul_dtypes else cfg.model
     if target:
-        hw = target.hardware(peak_dtype(cfg.model), n, args.hosts, memory, args.inter_host_bandwidth)
+        hw = target.hardware(peak_dtype(model), n, args.hosts, memory, args.inter_host_bandwidth)
     else:
-        hw = hardware_for(n, peak_dtype(cfg.model), memory_bytes=memory or 80e9, peak_tflops=args.peak_tflops,
+        hw = hardware_for(n, peak_dtype(model), memory_bytes=memory or 80e9, peak_tflops=args.peak_tflops,
                           intra_node_gbs=args.intra_node_gbs, hosts=args.hosts,
                           devices_per_node=args.devices_per_node, inter_host_bandwidth=args.inter_host_bandwidth,
                           inter_node_gbs=args.inter_node_gbs, latency_us=args.latency_us)
@@ -387,7 +394,7 @@ def _plan(args: argparse.Namespace) -> None:
     strategies = parse_strategies(args.strategies, n) if args.strategies is not None else None
     remats = [r.strip() for r in args.remat.split(",") if r.strip()] if args.remat else None
     p = plan(cfg, n if target else args.devices, hw, strategies=strategies, log=report_progress, target=target,
-             hosts=args.hosts, remats=remats)
+             hosts=args.hosts, remats=remats, matmul_dtypes=matmul_dtypes)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s"
                     + (f" ({len(p.pruned)} more pruned: they cannot win)" if p.pruned else ""))

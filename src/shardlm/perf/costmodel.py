@@ -52,6 +52,14 @@ class Hardware:
     memory_bw: float = 3.35232e12  # HBM bytes/s per device
     efficiency: str = "h100"  # the efficiency table of `perf/efficiency/` its kernels are costed with ("": none)
     host_link_bw: float = 64e9  # bytes/s to and from host memory, one direction (a PCIe Gen5 x16 link)
+    fp8_peak_flops: float | None = None  # dense FP8 peak per device, where it has FP8 matrix units
+
+    def for_matmuls(self, matmul_dtype: str) -> "Hardware":
+        """This hardware as a step whose blocks multiply in `matmul_dtype` (`model.matmul_dtype`) is held against:
+        at its FP8 peak for "fp8" (what `shardlm.flops.peak_dtype` picks for a run's MFU), else as it is."""
+        if matmul_dtype == "fp8" and self.fp8_peak_flops:
+            return dataclasses.replace(self, peak_flops=self.fp8_peak_flops)
+        return self
 
     def rates(self) -> Rates:
         """What kernels reach on this hardware: its efficiency table's measurements where it has one, else the

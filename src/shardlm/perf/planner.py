@@ -77,21 +77,24 @@ class StrategyPlan:
     host_temps: int = 0  # temporaries in host memory (activations offloaded by `model.remat_offload`)
     remat: str = ""  # the remat policy it was compiled with, when the plan compares several (`--remat`)
     program: Program | None = None  # its kernels in schedule order: what `rank_strategies` costs on any hardware
+    matmul_dtype: str = ""  # the blocks' matmul dtype it was compiled with, when the plan compares several
 
     @property
     def label(self) -> str:
-        """The strategy's name, and its remat policy when the plan compares several."""
-        return self.strategy.name + (f" remat={self.remat}" if self.remat else "")
+        """The strategy's name, and its remat policy and matmul dtype when the plan compares several."""
+        return self.strategy.name + variant_suffix(self.remat, self.matmul_dtype)
 
     def overrides(self) -> list[str]:
         """The `key=value` overrides that train with it."""
-        return self.strategy.overrides() + ([f"model.remat={self.remat}"] if self.remat else [])
+        return (self.strategy.overrides() + ([f"model.remat={self.remat}"] if self.remat else [])
+                + ([f"model.matmul_dtype={self.matmul_dtype}"] if self.matmul_dtype else []))
 
     def mfu(self, step_s: float | None, hardware: Hardware) -> float | None:
-        """Model FLOPs per device per second over the peak, for a step of `step_s`."""
+        """Model FLOPs per device per second over the peak (the FP8 peak for FP8 matmuls), for a step of `step_s`."""
         from shardlm.flops import mfu  # JAX-importing: planning_flags runs before JAX starts
 
-        return mfu(self.model_flops / self.strategy.devices, step_s, hardware.peak_flops)
+        return mfu(self.model_flops / self.strategy.devices, step_s,
+                   hardware.for_matmuls(self.matmul_dtype).peak_flops)
 
     @property
     def flops(self) -> float:
@@ -118,6 +121,7 @@ class StrategyPlan:
             "rank": self.rank,
             "name": self.strategy.name,
             "remat": self.remat or None,
+            "matmul_dtype": self.matmul_dtype or None,
             "mesh": self.strategy.mesh,
             "bytes_per_device": {"params": self.params, "optimizer": self.optimizer, "gradients": self.gradients,
                                  "temporaries": self.temporaries, "peak": self.peak, "total": self.peak,
@@ -170,7 +174,8 @@ class Plan:
     def to_list(self) -> list[dict]:
         """One object per strategy, ranked; then one per strategy the compiler failed on (`failed`: its words)."""
         return [s.to_dict(self.hardware) for s in self.strategies] + [
-            {"rank": None, "name": c.strategy.name, "remat": c.remat or None, "mesh": c.strategy.mesh,
+            {"rank": None, "name": c.strategy.name, "remat": c.remat or None,
+             "matmul_dtype": c.matmul_dtype or None, "mesh": c.strategy.mesh,
              "fits": False, "failed": why} for c, why in self.failed]
 
     def rerank(self, hardware: Hardware) -> "Plan":
@@ -263,12 +268,15 @@ def _devices(n_devices: int | None, target: Target | None, hosts: int | None) ->
 
 def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = None, *, vocab_size: int | None = None,
          strategies: list[Strategy] | None = None, workers: int | None = None, log=None,
-         target: Target | None = None, hosts: int | None = None, remats: list[str] | None = None) -> Plan:
+         target: Target | None = None, hosts: int | None = None, remats: list[str] | None = None,
+         matmul_dtypes: list[str] | None = None) -> Plan:
     """Compile the train step of `cfg` for every strategy over `n_devices` (default: all devices JAX sees, or one
     device of `target`), or only for `strategies`, and rank them. Without a target JAX must already see that many
     devices (the CLI's `--devices` simulates them on a CPU host); with one, they are its abstract devices over
     `hosts` hosts. `hardware` defaults to the target's, or an H100 SXM at its dense peak for `model.dtype`.
-    `remats`: compile each strategy under each of these remat policies (`model.remat`), not the config's alone."""
+    `remats`: compile each strategy under each of these remat policies (`model.remat`), not the config's alone;
+    `matmul_dtypes` likewise for the blocks' matmuls (`model.matmul_dtype`: auto, fp8), each costed and held against
+    the peak of its own (`Hardware.for_matmuls`)."""
     from shardlm.train.source import model_flops_per_step
     from shardlm.train.data import tokenizer_vocab
 
@@ -276,6 +284,10 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
         hardware = (target.hardware(peak_dtype(cfg.model), n_devices or 1, hosts) if target
                     else Hardware(peak_flops=h100_peak(peak_dtype(cfg.model))))
     t0 = time.perf_counter()
+    # each strategy under each policy and matmul dtype, checked before anything is prepared: the policies in the
+    # order given (the cheapest in FLOPs first, as a rule)
+    accelerator = target.accelerator if target else None
+    compiled_as = {(r, m): _with_variant(cfg, r, m, accelerator) for r in remats or [""] for m in matmul_dtypes or [""]}
     devices = _devices(n_devices, target, hosts)
     n = len(devices)
     log = log or (lambda m: None)
@@ -293,13 +305,13 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     platform = target.platform if target else devices[0].platform
     param_count = _param_count(cfg, vocab)
-    bounds = {s: lower_bound(cfg, s, hardware, model_flops_per_step(cfg, vocab, s.tensor), param_count)
+    # one bound for every variant: at the highest peak any of them is held against
+    bound_hw = hardware.for_matmuls("fp8") if "fp8" in (matmul_dtypes or [cfg.model.matmul_dtype]) else hardware
+    bounds = {s: lower_bound(cfg, s, bound_hw, model_flops_per_step(cfg, vocab, s.tensor), param_count)
               for s in candidates}
     if strategies is None:  # the likeliest winners first, so that the rest can be pruned against them
         candidates.sort(key=lambda s: bounds[s].step_s)
-    # each strategy under each policy: the policies in the order given (the cheapest in FLOPs first, as a rule)
-    compiled_as = {r: _with_remat(cfg, r) for r in remats or [""]}
-    candidates = [Candidate(s, r) for s in candidates for r in compiled_as]
+    candidates = [Candidate(s, r, m) for s in candidates for r, m in compiled_as]
     pruned: list[tuple[Candidate, str]] = []
     failed: list[tuple[Candidate, str]] = []
     best: list = [None]  # (estimated step time, strategy) of the fastest fitting strategy compiled so far
@@ -319,7 +331,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                          step.flops_per_device, model_flops_per_step(cfg, vocab, s.tensor), None, False,
                          step.compile_s, compiler_s=step.compiler_s, refusal=step.refusal,
                          hidden=step.schedule.hidden_by_kind() if step.schedule else None,
-                         host_temps=step.host_temp_bytes, remat=c.remat, program=step.program)
+                         host_temps=step.host_temp_bytes, remat=c.remat, program=step.program,
+                         matmul_dtype=c.matmul_dtype)
         rank_strategies([r], hardware)
         if r.fits and (best[0] is None or r.est.step_s < best[0][0]):
             best[0] = (r.est.step_s, c)
@@ -333,7 +346,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending = []
         for c in candidates:
-            s, cfg_c = c.strategy, compiled_as[c.remat]
+            s, cfg_c = c.strategy, compiled_as[c.remat, c.matmul_dtype]
             for item in [p for p in pending if p[3].done()]:
                 pending.remove(item)
                 read(*item)
@@ -359,24 +372,36 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A strategy to compile, under a remat policy ("" = the config's)."""
+    """A strategy to compile, under a remat policy and a matmul dtype ("" = the config's)."""
 
     strategy: Strategy
     remat: str = ""
+    matmul_dtype: str = ""
 
     @property
     def name(self) -> str:
-        return self.strategy.name + (f" remat={self.remat}" if self.remat else "")
+        return self.strategy.name + variant_suffix(self.remat, self.matmul_dtype)
 
 
-def _with_remat(cfg: Config, remat: str) -> Config:
-    """`cfg` with `model.remat` set to `remat` ("" = as it is), checked."""
-    if not remat:
+def variant_suffix(remat: str, matmul_dtype: str) -> str:
+    """What follows a strategy's name when the plan compares remat policies or matmul dtypes."""
+    return (f" remat={remat}" if remat else "") + (f" matmul_dtype={matmul_dtype}" if matmul_dtype else "")
+
+
+def _with_variant(cfg: Config, remat: str, matmul_dtype: str, accelerator=None) -> Config:
+    """`cfg` with `model.remat` and `model.matmul_dtype` set ("" = as it is), checked (FP8 against `accelerator`,
+    the target compiled for, or the local devices')."""
+    if not remat and not matmul_dtype:
         return cfg
+    from shardlm.accelerator import current
+    from shardlm.config import check_fp8
     from shardlm.models.config import check_model
 
-    model = dataclasses.replace(cfg.model, remat=remat)
+    model = dataclasses.replace(cfg.model, **({"remat": remat} if remat else {}),
+                                **({"matmul_dtype": matmul_dtype} if matmul_dtype else {}))
     check_model(model)
+    if model.matmul_dtype == "fp8":
+        check_fp8(accelerator or current())
     return dataclasses.replace(cfg, model=model)
 
 
@@ -384,7 +409,8 @@ def rank_strategies(results: list[StrategyPlan], hardware: Hardware) -> list[Str
     """Estimate every strategy's step on `hardware` and order them: those that fit its memory by estimated step
     time, then the rest by peak memory. Cheap: re-rank a plan for other hardware without compiling again."""
     for r in results:
-        r.est = step_estimate(r.program, r.flops_per_device, r.collectives, r.strategy.devices, hardware)
+        r.est = step_estimate(r.program, r.flops_per_device, r.collectives, r.strategy.devices,
+                              hardware.for_matmuls(r.matmul_dtype))
         r.fits = r.peak <= hardware.memory_bytes and r.refusal is None
     ordered = sorted(results, key=lambda r: (not r.fits, r.est.step_s if r.fits else r.peak))
     for i, r in enumerate(ordered, 1):
@@ -468,14 +494,16 @@ def format_plan(p: Plan) -> str:
                  "where the schedule overlaps them with compute (`shardlm.perf.timeline`)")
     from shardlm.train.source import flops_convention  # imports JAX: planning_flags runs before JAX starts
 
-    lines.append(f"MFU = model FLOPs ({flops_convention(p.cfg)}) per device per second over the peak")
+    lines.append(f"MFU = model FLOPs ({flops_convention(p.cfg)}) per device per second over the peak"
+                 + (" (the FP8 peak for matmul_dtype=fp8)" if any(r.matmul_dtype == "fp8" for r in p.strategies)
+                    else ""))
     if target:
         lines.append(_compiler_note(p))
     if p.platform == "cpu" and p.cfg.model.dtype != "float32":
         lines.append(f"note: XLA:CPU emulates {p.cfg.model.dtype} in float32, so temps and collectives above are "
                      "float32-sized (or more, with the conversions); a GPU or TPU computes it natively and needs "
                      "less: check there with `shardlm bench`")
-    lines += attention_lines(p) + pipeline_lines(p) + remat_lines(p)
+    lines += attention_lines(p) + pipeline_lines(p) + remat_lines(p) + matmul_lines(p)
     for s, why in p.pruned:
         lines.append(f"pruned (not compiled): {s.name}: {why}")
     for c, why in p.failed:
@@ -492,9 +520,10 @@ def cheapest_remats(p: Plan) -> dict[str, StrategyPlan | None]:
     None if none does."""
     out: dict[str, StrategyPlan | None] = {}
     for r in p.strategies:  # ranked: fitting ones by estimated step first
-        out.setdefault(r.strategy.name, None)
-        if r.fits and out[r.strategy.name] is None:
-            out[r.strategy.name] = r
+        name = r.strategy.name + variant_suffix("", r.matmul_dtype)
+        out.setdefault(name, None)
+        if r.fits and out[name] is None:
+            out[name] = r
     return out
 
 
@@ -523,6 +552,25 @@ def remat_lines(p: Plan) -> list[str]:
     parts = [f"{name}: {r.remat} ({_format_seconds(r.est.step_s)}, peak {fmt_bytes(r.peak)})" if r else
              f"{name}: none of them fits" for name, r in cheapest_remats(p).items()]
     return ["cheapest remat policy that fits, per strategy: " + "; ".join(parts)]
+
+
+def matmul_lines(p: Plan) -> list[str]:
+    """FP8 matmuls against the compute dtype's, per strategy and remat policy, when the plan compared them
+    (`--matmul-dtype auto,fp8`): how much faster the estimate is, and the two peaks."""
+    pairs: dict[str, dict[str, StrategyPlan]] = {}
+    for r in p.strategies:
+        if r.matmul_dtype:
+            pairs.setdefault(r.strategy.name + variant_suffix(r.remat, ""), {})[r.matmul_dtype] = r
+    parts = []
+    for name, rows in pairs.items():
+        if {"auto", "fp8"} <= rows.keys():
+            base, fp8 = rows["auto"], rows["fp8"]
+            compiler = (f", the compiler's {base.compiler_s / fp8.compiler_s:.2f}x" if base.compiler_s and
+                        fp8.compiler_s else "")
+            parts.append(f"{name}: {base.est.step_s / fp8.est.step_s:.2f}x faster ({_format_seconds(fp8.est.step_s)} "
+                         f"vs {_format_seconds(base.est.step_s)}{compiler}), peak {fmt_bytes(fp8.peak)} vs "
+                         f"{fmt_bytes(base.peak)}")
+    return ["FP8 matmuls against the compute dtype's, per strategy: " + "; ".join(parts)] if parts else []
 
 
 def pipeline_lines(p: Plan) -> list[str]:

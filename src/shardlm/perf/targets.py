@@ -71,7 +71,8 @@ class Target:
         return Hardware(name=self.label, peak_flops=self.peak_flops[dtype],
                         memory_bytes=memory_bytes or self.memory_bytes, intra_node_bw=self.link_bw,
                         inter_node_bw=network, devices_per_node=per_host, latency_s=10e-6,
-                        memory_bw=self.memory_bw, efficiency=self.efficiency)
+                        memory_bw=self.memory_bw, efficiency=self.efficiency,
+                        fp8_peak_flops=self.peak_flops.get("fp8"))
 
 
 GiB = 2**30
