@@ -5,7 +5,8 @@ the real train step compiled twice, with the blocks' matmuls in bfloat16 and in 
 per device, the GEMMs of one step by operand dtype (read from the optimised HLO: a float8 GEMM's first operand is
 e4m3 forward and e5m2 for an input's gradient), XLA:GPU's own estimate of the step, shardlm's per-kernel estimate
 (`shardlm.perf.timeline`: an FP8 GEMM at twice the bfloat16 rate the efficiency table measured for its shape) with
-the MFU it implies against each run's own peak, and the ratios.
+the MFU it implies against each run's own peak, and the ratios; then the share of the FP8 step's kernel time in
+kernels that take an amax, the most that delayed scaling could save over current scaling.
 
 Then one GEMM alone (8192 x 8192 x 8192 per device, 8 devices, nothing exchanged), compiled both ways, and the time
 XLA:GPU's latency model gives it: the check of whether its step estimate can compare the two at all.
@@ -30,6 +31,33 @@ def gemms_by_dtype(report) -> Counter:
         if k.kind == "gemm":
             counts[k.dtype] += k.times
     return counts
+
+
+def amax_seconds(report) -> tuple[float, float, int]:
+    """(seconds of the step's kernels that take an amax, seconds of all its kernels, those kernels' launches),
+    by shardlm's per-kernel estimate: an upper bound on what delayed scaling (an amax history, the cast fused with
+    the amax it records) could save over current scaling, whose amax must be taken before the cast."""
+    import re
+
+    from shardlm.perf import hlo
+    from shardlm.perf.timeline import kernel_seconds
+
+    instructions = hlo._parse(report.step.hlo_text)
+    by_computation: dict[str, set] = {}
+    for ins in instructions:
+        by_computation.setdefault(ins.computation, set()).add(ins.opcode)
+    takes_amax = {c for c, ops in by_computation.items() if {"abs", "reduce"} <= ops}
+    calls = {ins.name: m.group(1) for ins in instructions if ins.opcode == "fusion"
+             and (m := re.search(r"calls=%?([\w.\-]+)", ins.attrs))}
+    rates = report.hardware.rates()
+    total = amax = 0.0
+    launches = 0
+    for k in report.step.program.kernels():
+        t = kernel_seconds(k, rates) * k.times
+        total += t
+        if calls.get(k.name) in takes_amax:
+            amax, launches = amax + t, launches + k.times
+    return amax, total, launches
 
 
 def lone_gemm_seconds(fp8: bool) -> float | None:
@@ -86,6 +114,9 @@ def main() -> None:
           "XLA:GPU's estimate "
           + (f"{bf16.step.compiler_s / fp8.step.compiler_s:.2f}x faster" if bf16.step.compiler_s and
              fp8.step.compiler_s else "-"))
+    amax, total, launches = amax_seconds(fp8)
+    print(f"current scaling's amax: the FP8 step's kernels that take one are {amax:.3f} s of {total:.3f} s "
+          f"({amax / total:.1%}, {launches} launches): the most delayed scaling could save")
     lone = {fp8: lone_gemm_seconds(fp8) for fp8 in (False, True)}
     flops = 2.0 * 8192**3
     print("one 8192^3 GEMM per device, XLA:GPU's estimate: " + ", ".join(
