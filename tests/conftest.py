@@ -31,6 +31,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+from pathlib import Path  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -39,6 +41,13 @@ MICRO = [
     "model.n_layers=2", "model.n_heads=4", "model.d_model=64", "model.d_mlp=128", "model.seq_len=32",
     "train.batch_size=16", "train.steps=20", "train.warmup_steps=5", "train.lr=1e-2",
 ]
+
+
+# A two-source mixture (`data.sources`): the built-in corpus and a page of this repository's docs, 3:1. The
+# checkpoint and multi-process tests train on it, so that exact resumption and every process reading its rows
+# cover mixtures (one source is the same code with one stream).
+DOCS_PAGE = str(Path(__file__).resolve().parents[1] / "docs" / "strategies.md")
+MIXTURE = f"data.sources=[{{name: plays, path: shakespeare, weight: 0.75}}, {{name: docs, path: '{DOCS_PAGE}', weight: 0.25}}]"
 
 
 # (data, fsdp, tensor) degrees that every model family must train identically on (the parity tests).

@@ -24,14 +24,16 @@ from shardlm.checkpoint import RunCheckpoints
 from shardlm.train import stored
 from shardlm.train.loop import train
 from shardlm.train.state import abstract_train_state
+from conftest import MIXTURE
 from test_cli import assert_one_line_error, shardlm
 
 # Dropout on, so that exactness also covers the RNG stream; a checkpoint every 3 steps of 10. The blocks' matmuls
-# in FP8 (`model.matmul_dtype=fp8`): its checkpoints resume bit for bit and move across meshes like any other.
+# in FP8 (`model.matmul_dtype=fp8`), on a two-source mixture (`conftest.MIXTURE`): their checkpoints resume bit
+# for bit and move across meshes like any other.
 RUN = ["model.n_layers=2", "model.d_model=64", "model.d_mlp=128", "model.seq_len=32", "model.dropout=0.1",
        "train.batch_size=16", "train.steps=10", "train.warmup_steps=2", "train.log_interval=1",
        "train.eval_interval=4", "train.eval_batches=2", "train.sample_tokens=0", "data.tokenizer=bytes",
-       "checkpoint.every=3", "model.matmul_dtype=fp8"]
+       "checkpoint.every=3", "model.matmul_dtype=fp8", MIXTURE]
 FSDP8 = ["mesh.fsdp=-1"]
 VOCAB = 257  # the byte tokenizer's
 EXACT = ("step", "loss", "lr", "grad_norm", "eval_loss", "eval_bpb")

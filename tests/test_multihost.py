@@ -21,13 +21,15 @@ from shardlm.config import load_config
 from shardlm.checkpoint import RunCheckpoints
 from shardlm.train.loop import train
 
+from conftest import MIXTURE
+
 # Dropout on, so that parity also covers the RNG stream across processes. An evaluation mid-run and at the end,
-# checkpoints at 4, 8 and 12.
+# checkpoints at 4, 8 and 12. A two-source mixture: each process reads its rows of the mixed stream.
 STEPS = 12
 RUN = ["model.n_layers=2", "model.n_heads=4", "model.d_model=64", "model.d_mlp=128", "model.seq_len=32",
        "model.dropout=0.1", "train.batch_size=16", f"train.steps={STEPS}", "train.warmup_steps=5", "train.lr=1e-2",
        "train.log_interval=1", "train.eval_interval=6", "train.eval_batches=2", "train.sample_tokens=0",
-       "data.tokenizer=bytes", "checkpoint.every=4"]
+       "data.tokenizer=bytes", "checkpoint.every=4", MIXTURE]
 FSDP4_TP2 = ["mesh.fsdp=4", "mesh.tensor=2"]
 # Pipeline stages outermost: on 4 processes of 2 devices each stage spans two processes, and the hand-offs between
 # stages cross processes (gloo), as between hosts.
@@ -288,7 +290,7 @@ def test_processes_given_different_configs_or_data_stop_with_one_line(tmp_path):
     for i, h in enumerate(hosts):
         h.mkdir()
         (h / "corpus.txt").write_text(f"host {i} has its own text. " * 3000)
-    same = ["train", *micro, "data.path=corpus.txt", "data.val_fraction=0.2"]
+    same = ["train", *micro, "data.sources=[]", "data.path=corpus.txt", "data.val_fraction=0.2"]
     results = start_by_hand(tmp_path, free_port(), [same, same], cwds=hosts)
     assert_error_on_every_process(results, "the training data differs between processes: process 1 has "
                                            "train_sha256=")
@@ -329,7 +331,8 @@ def test_wrong_process_count_id_or_coordinator(tmp_path):
 
 def test_explain_across_hosts_and_data_prepared_once(tmp_path):
     """`explain` on 4 processes of 2 devices says which axes cross hosts and warns that tensor 4 does; the text
-    behind data.path is prepared by one process while the others wait, into a cache no one prepared yet."""
+    behind each source of the mixture is prepared by one process while the others wait, into a cache no one
+    prepared yet."""
     env = dict(os.environ, SHARDLM_CACHE_DIR=str(tmp_path / "cache"))
     cmd = shardlm_command("launch", "--processes", "4", "--cpu-devices", "2", "--log-dir", str(tmp_path / "logs"),
                           "--", "explain", "--json", *RUN, "mesh.data=2", "mesh.tensor=4")
@@ -339,7 +342,7 @@ def test_explain_across_hosts_and_data_prepared_once(tmp_path):
     assert ex["axes_across_hosts"] == {"data": 2, "tensor": 2}
     assert "warning: mesh.tensor=4 spans 2 hosts" in proc.stderr
     outputs = [proc.stderr] + [(tmp_path / "logs" / f"process-{i}.log").read_text() for i in range(1, 4)]
-    assert "data: preparing" in outputs[0] and len(list((tmp_path / "cache" / "data").glob("[!.]*"))) == 1
+    assert outputs[0].count("data: preparing") == 2 and len(list((tmp_path / "cache" / "data").glob("[!.]*"))) == 2
     assert all("data: preparing" not in o and "is up to date; nothing to do" in o for o in outputs[1:]), outputs
 
 

@@ -69,6 +69,9 @@ class DataConfig:
     val_fraction: float = 0.05
     text_field: str = "text"  # the JSONL field / Parquet column holding the text
     invalid_utf8: str = "error"  # or "replace": bad bytes become U+FFFD, counted in meta.json
+    # A mixture: a list of {path, weight, name} read as one stream by the weights (`shardlm.data.mixture`), each
+    # source evaluated on its own; empty = the one source data.path names.
+    sources: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -207,6 +210,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     elif tp is bool and isinstance(value, bool):
+        return value
+    elif tp is list and isinstance(value, list):
         return value
     elif tp is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
@@ -445,6 +450,10 @@ def validate(cfg: Config) -> None:
         raise ShardlmError(f"data.invalid_utf8 must be error or replace, got {d.invalid_utf8!r}")
     if not d.path or not d.text_field:
         raise ShardlmError("data.path and data.text_field must not be empty")
+    if d.sources:
+        from shardlm.data.mixture import parse_sources
+
+        parse_sources(d.sources, d.path)
     if d.tokenizer_vocab < 257:
         raise ShardlmError(f"data.tokenizer_vocab must be at least 257 (bytes + end of text), got {d.tokenizer_vocab}")
     if cfg.init.from_ and not is_hf(cfg.init.from_):

@@ -24,6 +24,7 @@ import grain
 import jax
 import numpy as np
 
+from shardlm.data.mixture import mixed, shuffled_windows
 from shardlm.errors import ShardlmError
 
 
@@ -86,22 +87,29 @@ def process_rows(sharding, batch_size: int, row_len: int) -> range:
 
 class BatchLoader:
     """Global batches of shape [batch_size, seq_len + 1], as jax.Arrays with `sharding`. `rows` (default: from the
-    sharding) are the rows of each global batch this process reads."""
+    sharding) are the rows of each global batch this process reads. `tokens` is one source's token array, or a
+    mixture's: a list of arrays with their `weights` (`shardlm.data.mixture`), each source shuffled from its own
+    seed (seed + its index) and repeated, the streams interleaved by the weights."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, sharding, *, seed: int, shuffle: bool,
-                 name: str = "training", hint: str = "use more text", rows: range | None = None):
-        source = TokenWindows(tokens, seq_len)
-        if len(source) < batch_size:
+    def __init__(self, tokens: np.ndarray | list[np.ndarray], seq_len: int, batch_size: int, sharding, *, seed: int,
+                 shuffle: bool, name: str = "training", hint: str = "use more text", rows: range | None = None,
+                 weights: list[float] | None = None, names: list[str] | None = None):
+        parts = tokens if isinstance(tokens, list) else [tokens]
+        sources = [TokenWindows(t, seq_len) for t in parts]
+        if len(sources) == 1 and len(sources[0]) < batch_size:
             raise ShardlmError(
-                f"the {name} split holds {len(source)} windows of {seq_len + 1} tokens, fewer than one batch of "
+                f"the {name} split holds {len(sources[0])} windows of {seq_len + 1} tokens, fewer than one batch of "
                 f"{batch_size}; {hint}, or use a smaller train.batch_size or model.seq_len"
             )
+        for source, label in zip(sources, names or []):
+            if len(source) == 0:
+                raise ShardlmError(f"source {label}'s {name} split holds no window of {seq_len + 1} tokens; give it "
+                                   "more text, or a weight of 0")
         rows = process_rows(sharding, batch_size, seq_len + 1) if rows is None else rows
-        windows = grain.MapDataset.source(source)
-        if shuffle:
-            windows = windows.shuffle(seed=seed)
-        self.windows_per_epoch = len(source)
-        self.windows = windows.repeat()  # window j of the run's stream
+        self.windows_per_epoch = len(sources[0])
+        self.windows_per_source_epoch = [len(s) for s in sources]
+        self.windows = mixed([shuffled_windows(s, seed + i, shuffle) for i, s in enumerate(sources)],
+                             weights or [1.0])  # window j of the run's stream
         # Batch i of this process = its rows of global batch i = stream windows [i*B + rows.start, i*B + rows.stop).
         n_blocks = batch_size // len(rows)
         self.local = self.windows.batch(len(rows))[rows.start // len(rows) :: n_blocks]

@@ -403,6 +403,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "shardlm"
 
 
+def tokenizer_identity(data: PreparedData) -> tuple:
+    """What makes two prepared directories' tokens the same vocabulary: the tokenizer's kind, its BPE file's
+    SHA-256 (a trained BPE), and the document separator's id."""
+    bpe = data.path / TOKENIZER_FILE
+    return data.meta["tokenizer"], _sha256(bpe) if data.meta["tokenizer"] == "bpe" and bpe.is_file() else None, \
+        data.meta["eot_id"]
+
+
+def describe_tokenizer(data: PreparedData) -> str:
+    kind = data.meta["tokenizer"]
+    return f"the BPE of {data.path / TOKENIZER_FILE}" if kind == "bpe" else f"the {kind} tokenizer"
+
+
+def shared_tokenizer(spec: str, first: PreparedData) -> str:
+    """The tokenizer spec that prepares text into `first`'s vocabulary: for auto or bpe (a BPE trained on the text),
+    the BPE `first` holds; otherwise `spec` itself."""
+    if spec in ("auto", "bpe") and first.meta["tokenizer"] == "bpe":
+        return f"bpe:{first.path / TOKENIZER_FILE}"
+    return first.meta["tokenizer"] if spec == "auto" else spec
+
+
 def training_data(d, *, progress: bool = True, log: Callable[[str], None] = print) -> PreparedData:
     """The data a run trains on: a prepared directory as is, or text (or the built-in corpus) prepared once into
     the cache. `d` is the config's DataConfig."""

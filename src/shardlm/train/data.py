@@ -5,30 +5,68 @@
 run would).
 """
 
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
 from tqdm.auto import tqdm
 
 from shardlm import distributed
 from shardlm.config import Config
-from shardlm.data.prepare import PreparedData, training_data
+from shardlm.data.mixture import Source, parse_sources
+from shardlm.data.prepare import (META_FILE, PreparedData, describe_tokenizer, shared_tokenizer, tokenizer_identity,
+                                  training_data)
 from shardlm.errors import ShardlmError
 
 
 def load_data(cfg: Config, progress: bool = False, log=None) -> PreparedData:
-    """The prepared data (preparing text into the cache first if needed), checked against model.vocab_size. In a
-    run of several processes, process 0 prepares text while the others wait, then they find it ready (on a
-    filesystem they share; elsewhere each host prepares its own copy, and `agree` checks that they match)."""
+    """The prepared data (preparing text into the cache first if needed), checked against model.vocab_size: a
+    mixture's first source (`load_sources`)."""
+    return load_sources(cfg, progress, log)[0][1]
+
+
+def load_sources(cfg: Config, progress: bool = False, log=None) -> list[tuple[Source, PreparedData]]:
+    """Each source of `data.sources` (or the one `data.path` names) prepared, with one tokenizer: `data.tokenizer`,
+    or for auto the first source's (text after the first is prepared with the BPE trained on the first); a source
+    prepared with another is a one-line error. Checked against model.vocab_size. In a run of several processes,
+    process 0 prepares text while the others wait, then they find it ready (on a filesystem they share; elsewhere
+    each host prepares its own copy, and `agree` checks that they match)."""
+    sources = parse_sources(cfg.data.sources, cfg.data.path)
+    log = log or tqdm.write
     if distributed.is_multiprocess() and not distributed.is_primary():
         distributed.barrier("data-prepared")
-    data = training_data(cfg.data, progress=progress, log=log or tqdm.write)
+    first = training_data(dataclasses.replace(cfg.data, path=sources[0].path), progress=progress, log=log)
+    prepared = [(sources[0], first)]
+    shared = shared_tokenizer(cfg.data.tokenizer, first)
+    for src in sources[1:]:
+        is_prepared = (Path(src.path) / META_FILE).is_file()
+        d = dataclasses.replace(cfg.data, path=src.path, tokenizer=cfg.data.tokenizer if is_prepared else shared)
+        prepared.append((src, training_data(d, progress=progress, log=log)))
     if distributed.is_multiprocess() and distributed.is_primary():
         distributed.barrier("data-prepared")
+    for src, data in prepared[1:]:
+        if tokenizer_identity(data) != tokenizer_identity(first):
+            raise ShardlmError(f"data.sources: {src.name} ({data.path}) is tokenized with {describe_tokenizer(data)}, "
+                               f"{sources[0].name} with {describe_tokenizer(first)}; every source must share one "
+                               "tokenizer: prepare them with the same --tokenizer (or leave text unprepared)")
+    data = first
     vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size and cfg.model.vocab_size < vocab:
         raise ShardlmError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}; "
             "set model.vocab_size=0 to use the tokenizer's"
         )
-    return data
+    return prepared
+
+
+def stream_identity(prepared: list[tuple[Source, PreparedData]]) -> str:
+    """What a checkpoint records of the training stream, checked when a run resumes: one source's training split's
+    SHA-256 (as before mixtures), or a digest of every source's name, split and weight."""
+    if len(prepared) == 1:
+        return prepared[0][1].meta["splits"]["train"]["sha256"]
+    parts = [[src.name, data.meta["splits"]["train"]["sha256"], src.weight] for src, data in prepared]
+    return "mixture:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 def tokenizer_vocab(cfg: Config, log=None) -> int:

@@ -47,7 +47,8 @@ from shardlm.foreign.modules import file_sha256, is_py
 from shardlm.generate import sample_text
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, local_steps
-from shardlm.train.data import load_data
+from shardlm.train.data import load_sources, stream_identity
+from shardlm.train.evaluation import Evaluation, epochs_seen
 from shardlm.train.init_from import check_checkpoint, import_params, with_checkpoint_defaults
 from shardlm.train.metrics import MetricsLogger
 from shardlm.train.preemption import StopOnSignal
@@ -82,8 +83,9 @@ def _log(msg: str) -> None:
     tqdm.write(msg)
 
 
-def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int]) -> dict:
-    """What every checkpoint records besides the arrays (the step is added per save)."""
+def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int], stream: str) -> dict:
+    """What every checkpoint records besides the arrays (the step is added per save). `stream`: the training
+    stream's identity (`train.data.stream_identity`)."""
     import orbax.checkpoint
 
     import shardlm
@@ -93,13 +95,19 @@ def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
         "vocab": {"real": vocab[0], "padded": vocab[1]},
-        "data": {"path": str(data.path), "train_sha256": data.meta["splits"]["train"]["sha256"]},
+        "data": {"path": str(data.path), "train_sha256": stream},
         # Dropout keys are a pure function of the seed and the optimizer's step (see `step`): the step restored
         # with the optimizer state and this seed give the identical stream.
         "rng": {"seed": cfg.seed, "dropout_key": "fold_in(key(seed), optimizer step)",
                 "prng_impl": str(jax.config.jax_default_prng_impl)},
         "versions": {"shardlm": shardlm.__version__, "jax": jax.__version__, "orbax": orbax.checkpoint.__version__},
     }
+
+
+def per_source(row: dict) -> str:
+    """A mixture's eval loss per source, for a log line: ' (plays 4.12, notes 5.03)'; '' for one source."""
+    losses = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items() if k.startswith("eval_loss/")]
+    return f" ({', '.join(losses)})" if losses else ""
 
 
 def model_file(cfg: Config) -> dict:
@@ -109,11 +117,13 @@ def model_file(cfg: Config) -> dict:
     return {"model_file": {"spec": cfg.model.preset, "sha256": file_sha256(cfg.model.preset)}}
 
 
-def check_same_run(meta: dict, mesh, data: PreparedData, vocab: tuple[int, int], run_dir: Path) -> None:
-    """The checks of a resume that need the data: the same training tokens, vocabulary and RNG."""
-    if meta["data"]["train_sha256"] != data.meta["splits"]["train"]["sha256"]:
-        raise ShardlmError(f"the training data ({data.path}) differs from the data the run in {run_dir} trained on "
-                           f"({meta['data']['path']}); resume on the same data, or pass another --run-dir")
+def check_same_run(meta: dict, mesh, data: PreparedData, vocab: tuple[int, int], run_dir: Path, stream: str) -> None:
+    """The checks of a resume that need the data: the same training stream (`stream`), vocabulary and RNG."""
+    if meta["data"]["train_sha256"] != stream:
+        mixture = stream.startswith("mixture:") or meta["data"]["train_sha256"].startswith("mixture:")
+        raise ShardlmError(f"the training data ({'data.sources' if mixture else data.path}) differs from the data the "
+                           f"run in {run_dir} trained on ({meta['data']['path']}); resume on the same data"
+                           + (" (the same sources and weights)" if mixture else "") + ", or pass another --run-dir")
     if meta["vocab"]["real"] != vocab[0]:
         raise ShardlmError(f"the tokenizer's vocabulary ({vocab[0]}) differs from the run's ({meta['vocab']['real']});"
                            " resume with the run's tokenizer, or pass another --run-dir")
@@ -208,14 +218,21 @@ class Training:
     # --- before the run directory is touched ------------------------------------------------------------------
     def open_data(self, progress: bool) -> None:
         cfg = self.cfg
-        data = load_data(cfg, progress and self.primary, log=_log)
-        tokenizer, splits = data.tokenizer, data.meta["splits"]
-        distributed.agree("data", {"train_sha256": splits["train"]["sha256"], "val_sha256": splits["val"]["sha256"]},
+        prepared = load_sources(cfg, progress and self.primary, log=_log)
+        data = prepared[0][1]
+        tokenizer = data.tokenizer
+        named = (lambda src: "") if len(prepared) == 1 else (lambda src: f"{src.name}.")  # noqa: E731
+        distributed.agree("data", {f"{named(src)}{split}_sha256": d.meta["splits"][split]["sha256"]
+                                   for src, d in prepared for split in ("train", "val")},
                           "the training data", "give every process the same data.path, prepared from the same "
                                                "inputs (a shared filesystem, or identical copies)")
-        _log(f"data: {data.path} | {data.meta['tokenizer']} tokenizer, vocabulary {tokenizer.vocab_size} | "
-             f"{splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} validation tokens, "
-             f"{data.meta['num_documents']:,} documents")
+        total = sum(src.weight for src, _ in prepared)
+        for src, d in prepared:
+            splits = d.meta["splits"]
+            _log(f"data: {d.path} | {d.meta['tokenizer']} tokenizer, vocabulary {tokenizer.vocab_size} | "
+                 f"{splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} validation tokens, "
+                 f"{d.meta['num_documents']:,} documents"
+                 + (f" | source {src.name}, weight {src.weight / total:.3g}" if len(prepared) > 1 else ""))
         # `auto` resolved (gpt2, bytes or bpe = the run's tokenizer.json), so the run names its tokenizer; an
         # explicit choice (bpe:PATH) stays as given, so that replaying config.yaml prepares the same data.
         if cfg.data.tokenizer == "auto":
@@ -224,15 +241,21 @@ class Training:
         self.vocab = vocab_sizes(cfg, tokenizer.vocab_size, self.mesh.shape["tensor"])
         if self.source.placeholder_vocab is None:  # a file's model: its plan checked for the real vocabulary
             check_shardable(cfg, self.mesh, self.vocab[0])
+        self.stream = stream_identity(prepared)
         if self.start.meta is not None:
-            check_same_run(self.start.meta, self.mesh, data, self.vocab, self.run_dir)
-        self.data, self.tokenizer = data, tokenizer
+            check_same_run(self.start.meta, self.mesh, data, self.vocab, self.run_dir, self.stream)
+        self.data, self.tokenizer, self.sources = data, tokenizer, [src for src, _ in prepared]
         bsh = self.source.batch_sharding(self.mesh)
         seq, bsz = cfg.model.seq_len, cfg.train.batch_size
-        self.train_data = BatchLoader(data.tokens("train"), seq, bsz, bsh, seed=cfg.seed, shuffle=True)
-        self.eval_data = BatchLoader(data.tokens("val"), seq, bsz, bsh, seed=cfg.seed, shuffle=False,
-                                     name="validation",
-                                     hint="use more validation text (data.val_fraction, or --val when preparing)")
+        active = [(src, d) for src, d in prepared if src.weight > 0]
+        self.train_data = BatchLoader([d.tokens("train") for _, d in active], seq, bsz, bsh, seed=cfg.seed,
+                                      shuffle=True, weights=[src.weight for src, _ in active],
+                                      names=[src.name for src, _ in active])
+        hint = "use more validation text (data.val_fraction, or --val when preparing)"
+        self.evaluation = Evaluation(
+            [(src, BatchLoader(d.tokens("val"), seq, bsz, bsh, seed=cfg.seed, shuffle=False, hint=hint,
+                               name="validation" if len(prepared) == 1 else f"{src.name} source's validation"))
+             for src, d in prepared], cfg.train.eval_batches, bsz)
         self.batches = self.train_data.iterator()
 
     def initial_state(self) -> None:
@@ -278,7 +301,7 @@ class Training:
             self.tokenizer.save(self.run_dir)
         distributed.barrier("run-dir-claimed")  # no process opens the checkpoints before process 0 cleared them
         self.ckpts = RunCheckpoints(self.run_dir, keep=self.cfg.checkpoint.keep, also_keep=(self.cfg.train.steps,))
-        self.meta = checkpoint_meta(self.cfg, self.mesh, self.data, self.vocab)
+        self.meta = checkpoint_meta(self.cfg, self.mesh, self.data, self.vocab, self.stream)
 
     def compile(self) -> None:
         cfg, ts, mesh = self.cfg, self.ts, self.mesh
@@ -292,14 +315,15 @@ class Training:
         _log(f"compiled in {self.compile_s:.1f}s | {self.flops_per_token / 1e6:.1f} MFLOP/token "
              f"({self.source.flops_convention}) | "
              f"peak {self.peak / 1e12:.3f} TFLOP/s per device ({self.peak_label})")
-        n_eval = min(cfg.train.eval_batches, self.eval_data.windows_per_epoch // cfg.train.batch_size)
-        self.eval_batches = [self.eval_data.get(i) for i in range(n_eval)]
+        self.evaluation.load()
 
-    def evaluate(self, state) -> tuple[float, float]:
-        """(mean loss, bits per byte) over the fixed validation batches."""
-        out = jax.device_get([self.eval_fn(state, b) for b in self.eval_batches])
-        nats, nbytes = sum(float(o["nats"]) for o in out), sum(float(o["bytes"]) for o in out)
-        return float(np.mean([o["loss"] for o in out])), nats / (math.log(2) * max(nbytes, 1.0))
+    def evaluate(self, state, step: int) -> dict:
+        """The eval numbers over the fixed validation batches (`evaluation`), and a mixture's epochs per source."""
+        row = self.evaluation.run(self.eval_fn, state)
+        if self.evaluation.mixture:
+            active = [s for s in self.sources if s.weight > 0]
+            row.update(epochs_seen(active, self.train_data.windows_per_source_epoch, step * self.cfg.train.batch_size))
+        return row
 
     def save(self, step: int, reason: str) -> None:
         t = time.perf_counter()
@@ -313,12 +337,13 @@ class Training:
         self.logger = MetricsLogger(self.run_dir, resume_step=self.start.resume_step, write=self.primary)
         self.state = self.ts.state
         if self.start.resume_step is None:
-            self.first_eval = self.evaluate(self.state)
-            self.logger.log({"step": 0, "eval_loss": self.first_eval[0], "eval_bpb": self.first_eval[1]})
-            _log(f"step 0 | eval loss {self.first_eval[0]:.4f} | {self.first_eval[1]:.3f} bits/byte")
+            self.first_eval = self.evaluate(self.state, 0)
+            self.logger.log({"step": 0, **self.first_eval})
+            _log(f"step 0 | eval loss {self.first_eval['eval_loss']:.4f} | {self.first_eval['eval_bpb']:.3f} "
+                 f"bits/byte{per_source(self.first_eval)}")
         else:
             base = next((r for r in self.logger.rows if r.get("step") == 0 and "eval_loss" in r), {})
-            self.first_eval = base.get("eval_loss", math.nan), base.get("eval_bpb", math.nan)
+            self.first_eval = {k: base.get(k, math.nan) for k in ("eval_loss", "eval_bpb")}
 
     def loop(self, stop: StopOnSignal) -> str | None:
         """Train from the step after `resumed` to `train.steps`; the name of the signal that stopped it early."""
@@ -381,8 +406,8 @@ class Training:
         if not np.isfinite(row["loss"]):
             raise ShardlmError(f"loss became {row['loss']} at step {step}; lower train.lr or raise warmup_steps")
         if is_eval:  # after the step's time was read: eval time is not step time. Also when stopping on an eval
-            self.last_eval = self.evaluate(self.state)  # step, so that the resumed run's metrics miss nothing
-            row["eval_loss"], row["eval_bpb"] = self.last_eval
+            self.last_eval = self.evaluate(self.state, step)  # step, so that the resumed run's metrics miss nothing
+            row.update(self.last_eval)
         self.logger.log(row)
         self.last_row = row
         if not self.progress:
@@ -391,7 +416,8 @@ class Training:
                  + (f" | aux {row['aux_loss']:.3f}, expert load {row['expert_load_min']:.2f}-"
                     f"{row['expert_load_max']:.2f}x" if "aux_loss" in row else "")
                  + (f", {row['moe_dropped']:.1%} dropped" if row.get("moe_dropped") else "")
-                 + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb" if "eval_loss" in row else ""))
+                 + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb{per_source(row)}"
+                    if "eval_loss" in row else ""))
         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{row['mfu']:.1%}")
 
     def write_samples(self) -> None:
@@ -422,8 +448,8 @@ class Training:
                  f"resume with: shardlm train --run-dir {run_dir}")
             return {"steps": step, "finished": False, "stopped_by": stopped, "resumed_from": self.resumed,
                     "final_loss": self.last_row.get("loss"), "wall_s": time.perf_counter() - t_start}
-        first_eval, first_bpb = self.first_eval
-        last_eval, last_bpb = self.last_eval
+        first_eval, first_bpb = self.first_eval["eval_loss"], self.first_eval["eval_bpb"]
+        last_eval, last_bpb = self.last_eval["eval_loss"], self.last_eval["eval_bpb"]
         row, ex = self.last_row, self.explanation
         _log(f"step {steps} | loss {row['loss']:.4f} | eval loss {last_eval:.4f} (first {first_eval:.4f}, "
              f"ratio {last_eval / first_eval:.3f}) | {last_bpb:.3f} bits/byte")

@@ -1,0 +1,105 @@
+"""Data mixtures: several sources, each with a weight, read as one stream of training windows.
+
+    data:
+      sources:
+        - {name: plays, path: shakespeare, weight: 0.7}
+        - {name: notes, path: my_notes.txt, weight: 0.3}
+
+Design choices:
+- `data.sources` is a list of {path, weight, name}; `data.path` is the one-source case and stays the default. A
+  source's `path` is whatever `data.path` takes (a prepared directory, a text file or folder, the built-in corpus);
+  its `name` (default: the path's stem) labels its metrics. A weight of 0 removes a source; weights need not sum
+  to 1 (they are normalised).
+- The stream: each source's windows shuffled from the seed and repeated (each epoch reshuffled), exactly as one
+  source's are, then interleaved by Grain's `MapDataset.mix` with the weights. Grain's mix is deterministic, not
+  sampled: of the first k windows of the stream, source i gives its share of k to within one window. So window j
+  is a pure function of (seed, j) as for one source, and everything built on that holds unchanged: the position is
+  one number, each process reads only its rows, a resumed run sees exactly the uninterrupted run's batches.
+- A source too small for its share repeats with a new shuffle (its epochs are counted from the stream's indices,
+  `epochs_seen`), as one source does.
+- Evaluation: each source's validation split on its own (loss and bits per byte per source); the mixture's eval
+  loss is their weighted mean, the loss the training mixture's next window is expected to have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from shardlm.errors import ShardlmError
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    name: str
+    path: str
+    weight: float
+
+
+def parse_sources(raw: list, path: str) -> list[Source]:
+    """`data.sources` checked (each entry {path, weight[, name]}, weights >= 0 and not all 0, names unique), or the
+    one source `data.path` names when the list is empty."""
+    if not raw:
+        return [Source(_default_name(path), path, 1.0)]
+    if not isinstance(raw, list):
+        raise ShardlmError(f"data.sources must be a list of {{path, weight, name}}, got {raw!r}")
+    out = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
+            raise ShardlmError(f"data.sources[{i}] must be {{path: ..., weight: ...}} with a path, got {entry!r}")
+        unknown = set(entry) - {"path", "weight", "name"}
+        if unknown:
+            raise ShardlmError(f"data.sources[{i}] has unknown keys {sorted(unknown)}; a source takes path, weight "
+                               "and name")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight < 0:
+            raise ShardlmError(f"data.sources[{i}] ({entry['path']}) has weight {weight!r}; a weight is a number >= 0 "
+                               "(0 removes the source)")
+        name = str(entry.get("name") or _default_name(entry["path"]))
+        out.append(Source(name, entry["path"], float(weight)))
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ShardlmError(f"data.sources names {twice} more than one source; give each a distinct name")
+    if sum(s.weight for s in out) <= 0:
+        raise ShardlmError("data.sources' weights sum to 0, so nothing would be read; give at least one source a "
+                           "weight above 0")
+    return out
+
+
+def _default_name(path: str) -> str:
+    p = Path(path.rstrip("/"))
+    return p.stem or p.name or path
+
+
+def shuffled_windows(source, seed: int, shuffle: bool) -> grain.MapDataset:
+    """Windows of one source (a random-access source of windows), shuffled from `seed` and repeated without end,
+    each epoch reshuffled: window j of its stream."""
+    windows = grain.MapDataset.source(source)
+    if shuffle:
+        windows = windows.shuffle(seed=seed)
+    return windows.repeat()
+
+
+def mixed(streams: list[grain.MapDataset], weights: list[float]) -> grain.MapDataset:
+    """The streams interleaved by `weights` (Grain's deterministic mix); a single stream as it is, so that one
+    source reads exactly as before mixtures existed."""
+    if len(streams) == 1:
+        return streams[0]
+    return grain.MapDataset.mix(streams, weights)
+
+
+def source_of_windows(weights: list[float]) -> grain.MapDataset:
+    """Which source window j of the mixed stream comes from (the same mix over endless constant streams): what
+    `windows_per_source` counts, without reading any tokens."""
+    return mixed([grain.MapDataset.source([i]).repeat() for i in range(len(weights))], weights)
+
+
+def windows_per_source(weights: list[float], n_windows: int) -> list[int]:
+    """How many of the stream's first `n_windows` windows each source gives."""
+    labels = source_of_windows(weights)
+    counts = np.bincount([labels[j] for j in range(n_windows)], minlength=len(weights))
+    return [int(c) for c in counts]
