@@ -47,7 +47,8 @@ MICRO = [
 # checkpoint and multi-process tests train on it, so that exact resumption and every process reading its rows
 # cover mixtures (one source is the same code with one stream).
 DOCS_PAGE = str(Path(__file__).resolve().parents[1] / "docs" / "strategies.md")
-MIXTURE = f"data.sources=[{{name: plays, path: shakespeare, weight: 0.75}}, {{name: docs, path: '{DOCS_PAGE}', weight: 0.25}}]"
+MIXTURE = (f"data.sources=[{{name: plays, path: shakespeare, weight: 0.75}}, "
+           f"{{name: docs, path: '{DOCS_PAGE}', weight: 0.25}}]")
 
 
 # (data, fsdp, tensor) degrees that every model family must train identically on (the parity tests).

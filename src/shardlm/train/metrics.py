@@ -67,6 +67,9 @@ def plot_losses(rows: list[dict], path: Path) -> None:
         ax.plot(*zip(*train), label="train loss")
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
+    for name in dict.fromkeys(k.split("/", 1)[1] for r in rows for k in r if k.startswith("eval_loss/")):
+        points = [(r["step"], r[f"eval_loss/{name}"]) for r in rows if f"eval_loss/{name}" in r]
+        ax.plot(*zip(*points), "o--", label=f"eval loss: {name}")  # a mixture's sources, beside the mixture's
     ax.set_xlabel("step")
     ax.set_ylabel("cross entropy (nats/token)")
     ax.grid(alpha=0.3)

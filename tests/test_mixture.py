@@ -1,0 +1,144 @@
+"""Data mixtures (`data.sources`, `shardlm.data.mixture`): the stream follows the weights, each process reads its rows
+of it, a resumed iterator continues it exactly, small sources repeat reshuffled, each source is evaluated and
+logged on its own, and bad mixtures are one line. (Exact resumption of whole runs on a mixture, on 8 devices and
+on 2 processes x 4: test_checkpoint and test_multihost, whose runs train on `conftest.MIXTURE`.)"""
+
+import struct
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardlm.config import load_config
+from shardlm.data.loader import BatchLoader
+from shardlm.data.mixture import windows_per_source
+from shardlm.errors import ShardlmError
+from shardlm.train.evaluation import epochs_seen
+
+SEQ, BATCH = 16, 32
+WEIGHTS = [0.6, 0.3, 0.1]
+# three sources whose tokens say where they come from: source i holds i * 100000 + its position
+SIZES = [20_000, 6_000, 500]
+
+
+def _loader(rows=None):
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    tokens = [np.arange(i * 100_000, i * 100_000 + n, dtype=np.int32) for i, n in enumerate(SIZES)]
+    return BatchLoader(tokens, SEQ, BATCH, NamedSharding(mesh, P("d")), seed=3, shuffle=True, weights=WEIGHTS,
+                       names=["web", "code", "notes"], rows=rows)
+
+
+def test_three_sources_follow_their_weights_and_processes_and_resumes_read_the_same_stream():
+    full = _loader()
+    batches = [np.asarray(full.local[i]) for i in range(63)]  # 2,016 sequences
+    source = np.concatenate([b[:, 0] // 100_000 for b in batches])[:2000]
+    shares = np.bincount(source, minlength=3) / len(source)
+    assert np.all(np.abs(shares - WEIGHTS) <= 0.02), shares  # Grain's mix: exact to a window, not sampled
+    assert windows_per_source(WEIGHTS, 2000) == np.bincount(source, minlength=3).tolist()
+    # two processes, each reading its half of every global batch: together, the one-process batches
+    halves = [_loader(rows=range(0, 16)), _loader(rows=range(16, 32))]
+    for i in (0, 7, 62):
+        assert np.array_equal(np.concatenate([np.asarray(h.local[i]) for h in halves]), batches[i])
+    # an iterator stopped at batch 5 and a new one sought there continue with the same tokens
+    it = full.iterator(prefetch=0)
+    for _ in range(5):
+        next(it)
+    resumed = _loader().iterator(prefetch=0)
+    resumed.seek(it.position)
+    assert it.position == 5 and all(np.array_equal(np.asarray(next(resumed)), batches[i]) for i in range(5, 9))
+
+
+def test_a_small_source_repeats_reshuffled_and_its_epochs_are_counted():
+    """`notes` holds 31 windows and gives a tenth of the stream: each epoch is all its windows once, in a new
+    order each time; `epochs_seen` reads the count off the stream's indices."""
+    full = _loader()
+    starts = [int(s) for i in range(63) for s in np.asarray(full.local[i])[:, 0] if s >= 200_000]
+    per_epoch = full.windows_per_source_epoch[2]
+    assert per_epoch == (SIZES[2] - 1) // SEQ == 31 and len(starts) > 3 * per_epoch
+    epochs = [starts[k * per_epoch:(k + 1) * per_epoch] for k in range(3)]
+    assert all(sorted(e) == sorted(epochs[0]) for e in epochs) and len(set(epochs[0])) == per_epoch
+    assert epochs[0] != epochs[1] != epochs[2]  # reshuffled
+    from shardlm.data.mixture import Source
+
+    seen = epochs_seen([Source("web", "", 0.6), Source("code", "", 0.3), Source("notes", "", 0.1)],
+                       full.windows_per_source_epoch, 63 * BATCH)
+    assert seen["epochs/notes"] == pytest.approx(len(starts) / per_epoch)
+
+
+@pytest.mark.parametrize("sources, message", [
+    ("[{path: a.txt, weight: 0}, {path: b.txt, weight: 0}]", "weights sum to 0"),
+    ("[{path: a.txt, weight: -0.5}]", "has weight -0.5; a weight is a number >= 0"),
+    ("[{path: a.txt, weight: 1}, {path: b/a.txt, weight: 1}]", "names ['a'] more than one source"),
+    ("[{weight: 1}]", "must be {path: ..., weight: ...} with a path"),
+])
+def test_a_bad_mixture_is_one_line(sources, message):
+    with pytest.raises(ShardlmError, match=None) as e:
+        load_config(None, [f"data.sources={sources}"])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sources_with_different_tokenizers_or_without_validation_text_stop_before_the_run(tmp_path):
+    from shardlm.data.prepare import prepare
+    from shardlm.train.loop import train
+
+    text = tmp_path / "notes.txt"
+    text.write_text("a small note about nothing much. " * 400)
+    prepare([str(text)], tmp_path / "as-bytes", tokenizer="bytes", vocab_size=0, val_fraction=0.05,
+            text_field="text", invalid_utf8="error", force=True, progress=False, log=lambda m: None)
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("too short to hold a validation batch. " * 40)
+    base = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.seq_len=32",
+            "train.batch_size=8", "train.steps=2", "train.sample_tokens=0", "data.tokenizer=auto"]
+    cases = [(f"[{{path: shakespeare}}, {{path: '{tmp_path / 'as-bytes'}'}}]",
+              "is tokenized with the bytes tokenizer, shakespeare with the BPE of"),
+             (f"[{{path: shakespeare, weight: 0.9}}, {{name: tiny, path: '{tiny}', weight: 0.1}}]",
+              "the tiny source's validation split holds")]
+    for sources, message in cases:
+        run_dir = tmp_path / "run"
+        with pytest.raises(ShardlmError) as e:
+            train(load_config(None, base + [f"data.sources={sources}"]), run_dir, progress=False)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert not run_dir.exists()  # nothing written
+
+
+def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a run's TensorBoard event files: tag -> [(step, value)], read from the TFRecord framing."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list] = {}
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def test_each_source_is_evaluated_and_logged(tmp_path):
+    """A run on the two-source mixture logs each source's eval loss and bits per byte, and its epochs, in
+    metrics.jsonl and TensorBoard; the mixture's eval loss is their mean by the training weights."""
+    import json
+
+    from conftest import MICRO, MIXTURE
+    from shardlm.train.loop import train
+
+    run_dir = tmp_path / "run"
+    train(load_config(None, MICRO + [MIXTURE, "data.tokenizer=bytes", "train.steps=4", "train.eval_interval=2",
+                                     "train.eval_batches=2", "train.sample_tokens=0"]), run_dir, progress=False)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    for r in evals:
+        assert r["eval_loss"] == pytest.approx(0.75 * r["eval_loss/plays"] + 0.25 * r["eval_loss/docs"])
+        assert r["eval_bpb/plays"] > 0 and r["eval_bpb/docs"] > 0
+    assert evals[-1]["eval_loss/docs"] < evals[0]["eval_loss/docs"]
+    assert evals[0]["epochs/plays"] == 0 and 0 < evals[-1]["epochs/docs"] and evals[-1]["epochs/plays"] > 0
+    scalars = tensorboard_scalars(run_dir)
+    for tag in ("eval_loss/plays", "eval_loss/docs", "eval_bpb/docs", "epochs/docs"):
+        assert [s for s, _ in scalars[tag]] == [0, 2, 4], tag
+        assert [v for _, v in scalars[tag]] == pytest.approx([r[tag] for r in evals], rel=1e-6), tag
