@@ -50,6 +50,33 @@ def test_three_sources_follow_their_weights_and_processes_and_resumes_read_the_s
     assert it.position == 5 and all(np.array_equal(np.asarray(next(resumed)), batches[i]) for i in range(5, 9))
 
 
+def test_new_weights_on_resume_are_followed_from_that_batch_and_each_source_continues_its_stream():
+    """Annealing: weights 0.5/0.5/0 for 10 batches, then 0.8/0.1/0.1. The first 10 batches are the unchanged
+    mixture's, token for token; from batch 10 on the shares are the new weights'; each source's windows over the
+    whole run are its own stream's, in order, none repeated or skipped across the change."""
+    from shardlm.data.loader import TokenWindows
+    from shardlm.data.mixture import shuffled_windows
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    tokens = [np.arange(i * 100_000, i * 100_000 + n, dtype=np.int32) for i, n in enumerate(SIZES)]
+
+    def loader(schedule):
+        return BatchLoader(tokens, SEQ, BATCH, NamedSharding(mesh, P("d")), seed=3, shuffle=True, schedule=schedule)
+
+    before = loader([(0, [0.5, 0.5, 0.0])])
+    annealed = loader([(0, [0.5, 0.5, 0.0]), (10 * BATCH, [0.8, 0.1, 0.1])])
+    batches = [np.asarray(annealed.local[i]) for i in range(73)]
+    assert all(np.array_equal(batches[i], np.asarray(before.local[i])) for i in range(10))
+    after = np.concatenate([b[:, 0] // 100_000 for b in batches[10:]])[:2000]
+    assert np.all(np.abs(np.bincount(after, minlength=3) / 2000 - [0.8, 0.1, 0.1]) <= 0.02)
+    for i in range(3):
+        seen = [int(s) for b in batches for s in b[:, 0] if s // 100_000 == i]
+        own = shuffled_windows(TokenWindows(tokens[i], SEQ), 3 + i, True)
+        assert seen == [int(own[m][0]) for m in range(len(seen))], i
+    assert windows_per_source([], 73 * BATCH, [(0, [0.5, 0.5, 0.0]), (10 * BATCH, [0.8, 0.1, 0.1])]) == [
+        int(np.sum(np.concatenate([b[:, 0] for b in batches]) // 100_000 == i)) for i in range(3)]
+
+
 def test_a_small_source_repeats_reshuffled_and_its_epochs_are_counted():
     """`notes` holds 31 windows and gives a tenth of the stream: each epoch is all its windows once, in a new
     order each time; `epochs_seen` reads the count off the stream's indices."""
@@ -142,3 +169,17 @@ def test_each_source_is_evaluated_and_logged(tmp_path):
     for tag in ("eval_loss/plays", "eval_loss/docs", "eval_bpb/docs", "epochs/docs"):
         assert [s for s, _ in scalars[tag]] == [0, 2, 4], tag
         assert [v for _, v in scalars[tag]] == pytest.approx([r[tag] for r in evals], rel=1e-6), tag
+    # annealing: resumed at step 4 with the weights turned around, trained to step 8 by them, the change recorded
+    annealed = MIXTURE.replace("0.75", "w1").replace("0.25", "0.75").replace("w1", "0.25")
+    summary = train(load_config(None, MICRO + [annealed, "data.tokenizer=bytes", "train.steps=8",
+                                               "train.eval_interval=2", "train.eval_batches=2",
+                                               "train.sample_tokens=0"]), run_dir, progress=False)
+    assert summary["resumed_from"] == 4
+    assert summary["data_schedule"] == [[0, {"plays": 0.75, "docs": 0.25}], [4, {"plays": 0.25, "docs": 0.75}]]
+    rows = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert rows[8]["eval_loss"] == pytest.approx(0.25 * rows[8]["eval_loss/plays"] + 0.75 * rows[8]["eval_loss/docs"])
+    windows = lambda step, name: rows[step][f"epochs/{name}"] * full_epoch[name]  # noqa: E731
+    full_epoch = {name: 1 / (rows[2][f"epochs/{name}"] / (2 * 16 * share))
+                  for name, share in (("plays", 0.75), ("docs", 0.25))}  # windows per epoch, from steps 1-2
+    assert windows(8, "docs") - windows(4, "docs") == pytest.approx(4 * 16 * 0.75, abs=1)
+    assert windows(8, "plays") - windows(4, "plays") == pytest.approx(4 * 16 * 0.25, abs=1)

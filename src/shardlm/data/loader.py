@@ -24,7 +24,7 @@ import grain
 import jax
 import numpy as np
 
-from shardlm.data.mixture import mixed, shuffled_windows
+from shardlm.data.mixture import scheduled, shuffled_windows
 from shardlm.errors import ShardlmError
 
 
@@ -89,27 +89,31 @@ class BatchLoader:
     """Global batches of shape [batch_size, seq_len + 1], as jax.Arrays with `sharding`. `rows` (default: from the
     sharding) are the rows of each global batch this process reads. `tokens` is one source's token array, or a
     mixture's: a list of arrays with their `weights` (`shardlm.data.mixture`), each source shuffled from its own
-    seed (seed + its index) and repeated, the streams interleaved by the weights."""
+    seed (seed + its index) and repeated, the streams interleaved by the weights; or by a `schedule` of weights
+    that change along the stream ([(first window, weights)], `mixture.scheduled`)."""
 
     def __init__(self, tokens: np.ndarray | list[np.ndarray], seq_len: int, batch_size: int, sharding, *, seed: int,
                  shuffle: bool, name: str = "training", hint: str = "use more text", rows: range | None = None,
-                 weights: list[float] | None = None, names: list[str] | None = None):
+                 weights: list[float] | None = None, names: list[str] | None = None,
+                 schedule: list[tuple[int, list[float]]] | None = None):
         parts = tokens if isinstance(tokens, list) else [tokens]
         sources = [TokenWindows(t, seq_len) for t in parts]
+        schedule = schedule or [(0, weights or [1.0] * len(sources))]
         if len(sources) == 1 and len(sources[0]) < batch_size:
             raise ShardlmError(
                 f"the {name} split holds {len(sources[0])} windows of {seq_len + 1} tokens, fewer than one batch of "
                 f"{batch_size}; {hint}, or use a smaller train.batch_size or model.seq_len"
             )
-        for source, label in zip(sources, names or []):
-            if len(source) == 0:
+        for i, (source, label) in enumerate(zip(sources, names or [])):
+            if len(source) == 0 and any(w[i] > 0 for _, w in schedule):
                 raise ShardlmError(f"source {label}'s {name} split holds no window of {seq_len + 1} tokens; give it "
                                    "more text, or a weight of 0")
         rows = process_rows(sharding, batch_size, seq_len + 1) if rows is None else rows
         self.windows_per_epoch = len(sources[0])
         self.windows_per_source_epoch = [len(s) for s in sources]
-        self.windows = mixed([shuffled_windows(s, seed + i, shuffle) for i, s in enumerate(sources)],
-                             weights or [1.0])  # window j of the run's stream
+        # window j of the run's stream
+        self.windows = scheduled([shuffled_windows(s, seed + i, shuffle) if len(s) else None  # never read: weight 0
+                                  for i, s in enumerate(sources)], schedule)
         # Batch i of this process = its rows of global batch i = stream windows [i*B + rows.start, i*B + rows.stop).
         n_blocks = batch_size // len(rows)
         self.local = self.windows.batch(len(rows))[rows.start // len(rows) :: n_blocks]

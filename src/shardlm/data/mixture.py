@@ -92,14 +92,62 @@ def mixed(streams: list[grain.MapDataset], weights: list[float]) -> grain.MapDat
     return grain.MapDataset.mix(streams, weights)
 
 
-def source_of_windows(weights: list[float]) -> grain.MapDataset:
-    """Which source window j of the mixed stream comes from (the same mix over endless constant streams): what
-    `windows_per_source` counts, without reading any tokens."""
-    return mixed([grain.MapDataset.source([i]).repeat() for i in range(len(weights))], weights)
+# The length of an endless index stream (Grain's MapDatasets have a length; mixing takes the shortest).
+_ENDLESS = 2**62
 
 
-def windows_per_source(weights: list[float], n_windows: int) -> list[int]:
-    """How many of the stream's first `n_windows` windows each source gives."""
-    labels = source_of_windows(weights)
-    counts = np.bincount([labels[j] for j in range(n_windows)], minlength=len(weights))
-    return [int(c) for c in counts]
+def _selection(weights: list[float]) -> grain.MapDataset:
+    """(source, its window) of each window of a stream mixed by `weights`, sources of weight 0 left out: the same
+    interleaving as `mixed`, over index streams, so it reads no tokens."""
+    active = [i for i, w in enumerate(weights) if w > 0]
+    indices = [grain.MapDataset.range(_ENDLESS).map(lambda m, i=i: (i, m)) for i in active]
+    return indices[0] if len(indices) == 1 else grain.MapDataset.mix(indices, [weights[i] for i in active])
+
+
+def scheduled(streams: list[grain.MapDataset], schedule: list[tuple[int, list[float]]]) -> grain.MapDataset:
+    """The streams mixed by weights that change along the stream (annealing): `schedule` is [(first window,
+    weights per stream)], the first at window 0. From each change on the windows follow the new weights, and
+    each source continues its own stream where the earlier segments left it (no window repeated or skipped before
+    its epoch ends). One segment is `mixed` itself, so a run whose weights never changed reads as before."""
+    if len(schedule) == 1:
+        weights = schedule[0][1]
+        active = [i for i, w in enumerate(weights) if w > 0]
+        return mixed([streams[i] for i in active], [weights[i] for i in active])
+    segments = []  # (first window, selection, each stream's windows read before it)
+    read = [0] * len(streams)
+    for k, (start, weights) in enumerate(schedule):
+        segments.append((start, _selection(weights), list(read)))
+        if k + 1 < len(schedule):
+            read = [a + b for a, b in zip(read, _counts(weights, schedule[k + 1][0] - start, len(streams)))]
+    starts = [start for start, _, _ in segments]
+
+    def window(j: int):
+        k = int(np.searchsorted(starts, j, side="right")) - 1
+        start, selection, before = segments[k]
+        i, m = selection[j - start]
+        return streams[i][before[i] + m]
+
+    return grain.MapDataset.range(_ENDLESS).map(window)
+
+
+def _counts(weights: list[float], n_windows: int, n_streams: int) -> list[int]:
+    """How many of the first `n_windows` windows of a stream mixed by `weights` each stream gives."""
+    counts = [0] * n_streams
+    selection = _selection(weights)
+    for j in range(n_windows):
+        i, m = selection[j]
+        counts[i] = m + 1
+    return counts
+
+
+def windows_per_source(weights: list[float], n_windows: int,
+                       schedule: list[tuple[int, list[float]]] | None = None) -> list[int]:
+    """How many of the stream's first `n_windows` windows each source gives, under `weights` or a `schedule`."""
+    schedule = schedule or [(0, weights)]
+    counts = [0] * len(schedule[0][1])
+    for k, (start, w) in enumerate(schedule):
+        if start >= n_windows:
+            break
+        end = min(n_windows, schedule[k + 1][0]) if k + 1 < len(schedule) else n_windows
+        counts = [a + b for a, b in zip(counts, _counts(w, end - start, len(counts)))]
+    return counts

@@ -61,12 +61,27 @@ def load_sources(cfg: Config, progress: bool = False, log=None) -> list[tuple[So
 
 
 def stream_identity(prepared: list[tuple[Source, PreparedData]]) -> str:
-    """What a checkpoint records of the training stream, checked when a run resumes: one source's training split's
-    SHA-256 (as before mixtures), or a digest of every source's name, split and weight."""
+    """What a checkpoint records of the training sources, checked when a run resumes: one source's training split's
+    SHA-256 (as before mixtures), or a digest of every source's name and split, in order (each source's shuffle
+    is seeded by its place). The weights may change (`weight_schedule`)."""
     if len(prepared) == 1:
         return prepared[0][1].meta["splits"]["train"]["sha256"]
-    parts = [[src.name, data.meta["splits"]["train"]["sha256"], src.weight] for src, data in prepared]
+    parts = [[src.name, data.meta["splits"]["train"]["sha256"]] for src, data in prepared]
     return "mixture:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def weight_schedule(sources: list[Source], meta: dict | None, resume_step: int) -> list[list]:
+    """[[first step, {source name: weight}], ...]: the weights a run has trained with and the steps they took
+    effect at, from its checkpoint's `meta` (None: a new run), with the configured weights appended at
+    `resume_step` when they differ from the last (annealing: the batches follow them from there on)."""
+    now = {s.name: s.weight for s in sources}
+    if meta is None:
+        return [[0, now]]
+    saved = meta["data"].get("schedule")
+    if not saved:  # a checkpoint from before schedules: its config's sources
+        data = meta["config"]["data"]
+        saved = [[0, {s.name: s.weight for s in parse_sources(data.get("sources") or [], data["path"])}]]
+    return saved if saved[-1][1] == now else [*saved, [resume_step, now]]
 
 
 def tokenizer_vocab(cfg: Config, log=None) -> int:

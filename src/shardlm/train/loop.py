@@ -47,7 +47,7 @@ from shardlm.foreign.modules import file_sha256, is_py
 from shardlm.generate import sample_text
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, local_steps
-from shardlm.train.data import load_sources, stream_identity
+from shardlm.train.data import load_sources, stream_identity, weight_schedule
 from shardlm.train.evaluation import Evaluation, epochs_seen
 from shardlm.train.init_from import check_checkpoint, import_params, with_checkpoint_defaults
 from shardlm.train.metrics import MetricsLogger
@@ -83,9 +83,10 @@ def _log(msg: str) -> None:
     tqdm.write(msg)
 
 
-def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int], stream: str) -> dict:
+def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int], stream: str,
+                    schedule: list) -> dict:
     """What every checkpoint records besides the arrays (the step is added per save). `stream`: the training
-    stream's identity (`train.data.stream_identity`)."""
+    sources' identity (`train.data.stream_identity`); `schedule`: their weights and the steps they changed at."""
     import orbax.checkpoint
 
     import shardlm
@@ -95,7 +96,7 @@ def checkpoint_meta(cfg: Config, mesh, data: PreparedData, vocab: tuple[int, int
         "mesh": dict(mesh.shape),
         "processes": jax.process_count(),
         "vocab": {"real": vocab[0], "padded": vocab[1]},
-        "data": {"path": str(data.path), "train_sha256": stream},
+        "data": {"path": str(data.path), "train_sha256": stream, "schedule": schedule},
         # Dropout keys are a pure function of the seed and the optimizer's step (see `step`): the step restored
         # with the optimizer state and this seed give the identical stream.
         "rng": {"seed": cfg.seed, "dropout_key": "fold_in(key(seed), optimizer step)",
@@ -123,7 +124,8 @@ def check_same_run(meta: dict, mesh, data: PreparedData, vocab: tuple[int, int],
         mixture = stream.startswith("mixture:") or meta["data"]["train_sha256"].startswith("mixture:")
         raise ShardlmError(f"the training data ({'data.sources' if mixture else data.path}) differs from the data the "
                            f"run in {run_dir} trained on ({meta['data']['path']}); resume on the same data"
-                           + (" (the same sources and weights)" if mixture else "") + ", or pass another --run-dir")
+                           + (" (the same sources in the same order; their weights may change)" if mixture else "")
+                           + ", or pass another --run-dir")
     if meta["vocab"]["real"] != vocab[0]:
         raise ShardlmError(f"the tokenizer's vocabulary ({vocab[0]}) differs from the run's ({meta['vocab']['real']});"
                            " resume with the run's tokenizer, or pass another --run-dir")
@@ -247,10 +249,14 @@ class Training:
         self.data, self.tokenizer, self.sources = data, tokenizer, [src for src, _ in prepared]
         bsh = self.source.batch_sharding(self.mesh)
         seq, bsz = cfg.model.seq_len, cfg.train.batch_size
-        active = [(src, d) for src, d in prepared if src.weight > 0]
-        self.train_data = BatchLoader([d.tokens("train") for _, d in active], seq, bsz, bsh, seed=cfg.seed,
-                                      shuffle=True, weights=[src.weight for src, _ in active],
-                                      names=[src.name for src, _ in active])
+        self.schedule = weight_schedule(self.sources, self.start.meta, self.resumed)
+        if len(self.schedule) > 1 and self.schedule[-1][0] == self.resumed:
+            before, after = self.schedule[-2][1], self.schedule[-1][1]
+            _log(f"data: the mixture's weights change at step {self.resumed}: " + ", ".join(
+                f"{name} {before.get(name, 0):g} -> {w:g}" for name, w in after.items()))
+        self.train_data = BatchLoader([d.tokens("train") for _, d in prepared], seq, bsz, bsh, seed=cfg.seed,
+                                      shuffle=True, names=[src.name for src, _ in prepared],
+                                      schedule=self.window_schedule())
         hint = "use more validation text (data.val_fraction, or --val when preparing)"
         self.evaluation = Evaluation(
             [(src, BatchLoader(d.tokens("val"), seq, bsz, bsh, seed=cfg.seed, shuffle=False, hint=hint,
@@ -301,7 +307,7 @@ class Training:
             self.tokenizer.save(self.run_dir)
         distributed.barrier("run-dir-claimed")  # no process opens the checkpoints before process 0 cleared them
         self.ckpts = RunCheckpoints(self.run_dir, keep=self.cfg.checkpoint.keep, also_keep=(self.cfg.train.steps,))
-        self.meta = checkpoint_meta(self.cfg, self.mesh, self.data, self.vocab, self.stream)
+        self.meta = checkpoint_meta(self.cfg, self.mesh, self.data, self.vocab, self.stream, self.schedule)
 
     def compile(self) -> None:
         cfg, ts, mesh = self.cfg, self.ts, self.mesh
@@ -321,9 +327,14 @@ class Training:
         """The eval numbers over the fixed validation batches (`evaluation`), and a mixture's epochs per source."""
         row = self.evaluation.run(self.eval_fn, state)
         if self.evaluation.mixture:
-            active = [s for s in self.sources if s.weight > 0]
-            row.update(epochs_seen(active, self.train_data.windows_per_source_epoch, step * self.cfg.train.batch_size))
+            row.update(epochs_seen(self.sources, self.train_data.windows_per_source_epoch,
+                                   step * self.cfg.train.batch_size, self.window_schedule()))
         return row
+
+    def window_schedule(self) -> list[tuple[int, list[float]]]:
+        """The weight schedule by window of the stream: [(first window, each source's weight, in order)]."""
+        bsz = self.cfg.train.batch_size
+        return [(step * bsz, [weights.get(s.name, 0.0) for s in self.sources]) for step, weights in self.schedule]
 
     def save(self, step: int, reason: str) -> None:
         t = time.perf_counter()
@@ -457,6 +468,7 @@ class Training:
             "steps": steps, "finished": True, "resumed_from": self.resumed, "trained_now": steps - self.resumed,
             "first_eval_loss": first_eval, "final_eval_loss": last_eval,
             "first_eval_bpb": first_bpb, "final_eval_bpb": last_bpb, "data": str(self.data.path),
+            **({"data_schedule": self.schedule} if len(self.sources) > 1 else {}),
             "tokenizer": self.data.meta["tokenizer"],
             "final_loss": row["loss"], "tokens_per_s": row["tokens_per_s"],
             "tflops_per_device": row["tflops_per_device"], "mfu": row["mfu"],
