@@ -183,3 +183,26 @@ def test_each_source_is_evaluated_and_logged(tmp_path):
                   for name, share in (("plays", 0.75), ("docs", 0.25))}  # windows per epoch, from steps 1-2
     assert windows(8, "docs") - windows(4, "docs") == pytest.approx(4 * 16 * 0.75, abs=1)
     assert windows(8, "plays") - windows(4, "plays") == pytest.approx(4 * 16 * 0.25, abs=1)
+
+
+def test_data_inspect_reports_each_sources_tokens_share_and_epochs(tmp_path, capsys):
+    """`shardlm data inspect`: three sources at 0.6/0.3/0.1, their shares of the first 63 batches (2,016
+    sequences) within 2 points of the weights, and the epochs each will see in train.steps."""
+    import json
+
+    from conftest import DOCS_PAGE
+    from shardlm import cli
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a note on the weather, and on nothing else. " * 600)
+    sources = (f"data.sources=[{{name: plays, path: shakespeare, weight: 6}}, {{name: docs, path: '{DOCS_PAGE}', "
+               f"weight: 3}}, {{name: notes, path: '{notes}', weight: 1}}]")
+    code = cli.main(["data", "inspect", "--batches", "63", "--json", sources, "data.tokenizer=bytes",
+                     "model.seq_len=32", "train.batch_size=32", "train.steps=500"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and [r["name"] for r in report["sources"]] == ["plays", "docs", "notes"]
+    for r, weight in zip(report["sources"], (0.6, 0.3, 0.1)):
+        assert r["weight"] == pytest.approx(weight) and abs(r["share"] - weight) <= 0.02
+        windows = (r["train_tokens"] - 1) // 32
+        assert r["epochs"] == pytest.approx(500 * 32 * weight / windows, abs=1 / windows)
+    assert report["sources"][2]["epochs"] > 1  # the small source repeats

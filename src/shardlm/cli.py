@@ -207,6 +207,14 @@ def _data_parser(sub) -> argparse.ArgumentParser:
     _reading_options(prep)
     prep.add_argument("--force", action="store_true", help="replace DIR if it holds other prepared data")
     prep.add_argument("--no-progress", action="store_true")
+    inspect = data_sub.add_parser(
+        "inspect", help="a run's data sources: tokens, weights, their shares of the first batches and the epochs "
+                        "each will see in train.steps")
+    inspect.add_argument("--config", metavar="FILE", help="YAML config file (overrides apply on top)")
+    inspect.add_argument("--batches", type=int, default=100, metavar="N",
+                         help="the first N global batches to count each source's share in (default 100)")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.sources=[...]")
     return data
 
 
@@ -283,6 +291,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = commands[argv[0]].parse_intermixed_args(argv[1:])
     args.command = argv[0]
     return args
+
+
+def _data(args: argparse.Namespace) -> None:
+    if args.data_command == "inspect":
+        _data_inspect(args)
+    else:
+        _data_prepare(args)
+
+
+def _data_inspect(args: argparse.Namespace) -> None:
+    import json
+
+    from shardlm.config import load_config
+    from shardlm.train.data import format_inspection, inspect_sources
+
+    if args.batches < 1:
+        raise ShardlmError(f"--batches must be at least 1, got {args.batches}")
+    if cpu_unless_accelerator():  # reading data imports JAX: its start-up quiet, as for the model commands
+        start_cpu_quietly()
+    report = inspect_sources(load_config(args.config, args.overrides), args.batches, log=_to_stderr)
+    print(json.dumps(report, indent=2) if args.json else format_inspection(report))
 
 
 def _data_prepare(args: argparse.Namespace) -> None:
@@ -594,7 +623,7 @@ def _simulate_devices(args: argparse.Namespace) -> None:
 
 
 # Commands that run no model: no devices to simulate, no run of several processes to join.
-LOCAL_COMMANDS = {"launch": _launch, "data": _data_prepare, "tokenizer": _tokenizer_train}
+LOCAL_COMMANDS = {"launch": _launch, "data": _data, "tokenizer": _tokenizer_train}
 MODEL_COMMANDS = {"train": _train, "generate": _generate, "explain": _explain, "plan": _plan, "bench": _bench,
                   "profile": _profile, "export": _export}
 

@@ -88,3 +88,37 @@ def tokenizer_vocab(cfg: Config, log=None) -> int:
     """The vocabulary the model is built for: `model.vocab_size`, else the data's tokenizer's (preparing the data
     first if it is text that was never prepared)."""
     return cfg.model.vocab_size or load_data(cfg, log=log).tokenizer.vocab_size
+
+
+def inspect_sources(cfg: Config, batches: int, log=None) -> dict:
+    """What `shardlm data inspect` prints: per source its tokens, weight, share of the first `batches` global
+    batches of the stream and epochs of its training split in a run of `train.steps` (from the stream's indices,
+    reading no tokens); preparing text that was never prepared first, as a run would."""
+    from shardlm.data.mixture import windows_per_source
+
+    prepared = load_sources(cfg, log=log)
+    seq, bsz, steps = cfg.model.seq_len, cfg.train.batch_size, cfg.train.steps
+    weights = [src.weight for src, _ in prepared]
+    first = windows_per_source(weights, batches * bsz)
+    run = windows_per_source(weights, steps * bsz)
+    total = sum(weights)
+    rows = []
+    for (src, data), n_first, n_run in zip(prepared, first, run):
+        splits = data.meta["splits"]
+        per_epoch = max(0, (splits["train"]["num_tokens"] - 1) // seq)
+        rows.append({"name": src.name, "path": str(data.path), "train_tokens": splits["train"]["num_tokens"],
+                     "val_tokens": splits["val"]["num_tokens"], "weight": src.weight / total,
+                     "share": n_first / (batches * bsz), "epochs": n_run / per_epoch if per_epoch else 0.0})
+    return {"batches": batches, "steps": steps, "batch_size": bsz, "seq_len": seq, "sources": rows}
+
+
+def format_inspection(report: dict) -> str:
+    lines = [f"{'source':<12} {'train tokens':>14} {'val tokens':>12} {'weight':>7} "
+             f"{'share of ' + str(report['batches']) + ' batches':>22} {'epochs in ' + str(report['steps']) + ' steps':>18}"
+             "  path"]
+    for r in report["sources"]:
+        lines.append(f"{r['name']:<12} {r['train_tokens']:>14,} {r['val_tokens']:>12,} {r['weight']:>7.3f} "
+                     f"{r['share']:>22.3f} {r['epochs']:>18.3f}  {r['path']}")
+    lines.append(f"windows of {report['seq_len'] + 1} tokens, {report['batch_size']} per batch; shares and epochs "
+                 "are read off the mixed stream's indices (Grain's mix), exact")
+    return "\n".join(lines)
