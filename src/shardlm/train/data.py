@@ -113,9 +113,8 @@ def inspect_sources(cfg: Config, batches: int, log=None) -> dict:
 
 
 def format_inspection(report: dict) -> str:
-    lines = [f"{'source':<12} {'train tokens':>14} {'val tokens':>12} {'weight':>7} "
-             f"{'share of ' + str(report['batches']) + ' batches':>22} {'epochs in ' + str(report['steps']) + ' steps':>18}"
-             "  path"]
+    share, epochs = f"share of {report['batches']} batches", f"epochs in {report['steps']} steps"
+    lines = [f"{'source':<12} {'train tokens':>14} {'val tokens':>12} {'weight':>7} {share:>22} {epochs:>18}  path"]
     for r in report["sources"]:
         lines.append(f"{r['name']:<12} {r['train_tokens']:>14,} {r['val_tokens']:>12,} {r['weight']:>7.3f} "
                      f"{r['share']:>22.3f} {r['epochs']:>18.3f}  {r['path']}")
