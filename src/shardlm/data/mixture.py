@@ -131,12 +131,18 @@ def scheduled(streams: list[grain.MapDataset], schedule: list[tuple[int, list[fl
 
 
 def _counts(weights: list[float], n_windows: int, n_streams: int) -> list[int]:
-    """How many of the first `n_windows` windows of a stream mixed by `weights` each stream gives."""
+    """How many of the first `n_windows` windows of a stream mixed by `weights` each stream gives: the index in its
+    own stream of its first window at or after `n_windows` (a few lookups, about total / weight for the lightest
+    source, whatever `n_windows` is)."""
     counts = [0] * n_streams
     selection = _selection(weights)
-    for j in range(n_windows):
+    pending, j = {i for i, w in enumerate(weights) if w > 0}, n_windows
+    while pending:
         i, m = selection[j]
-        counts[i] = m + 1
+        if i in pending:
+            counts[i] = m
+            pending.discard(i)
+        j += 1
     return counts
 
 
