@@ -16,7 +16,8 @@ Design choices:
   in the background (see `checkpoint`).
 - SIGTERM or Ctrl-C ends the run after the current step with a checkpoint (see `preemption`).
 - Eval loss and bits per byte are measured at step 0 (the untrained baseline), every `train.eval_interval` steps
-  and at the end, on the same fixed batches of the validation split each time.
+  and at the end, on the same fixed batches of the validation split each time (each source's, for a mixture:
+  `evaluation`).
 - Several processes (`shardlm.distributed`) run this same code in lockstep: they check that they were given the
   same config and read the same data, follow process 0's decision about the run directory, and each take part in
   every step, evaluation, checkpoint and sample. Only process 0 writes the run's files and draws the progress
@@ -223,18 +224,7 @@ class Training:
         prepared = load_sources(cfg, progress and self.primary, log=_log)
         data = prepared[0][1]
         tokenizer = data.tokenizer
-        named = (lambda src: "") if len(prepared) == 1 else (lambda src: f"{src.name}.")  # noqa: E731
-        distributed.agree("data", {f"{named(src)}{split}_sha256": d.meta["splits"][split]["sha256"]
-                                   for src, d in prepared for split in ("train", "val")},
-                          "the training data", "give every process the same data.path, prepared from the same "
-                                               "inputs (a shared filesystem, or identical copies)")
-        total = sum(src.weight for src, _ in prepared)
-        for src, d in prepared:
-            splits = d.meta["splits"]
-            _log(f"data: {d.path} | {d.meta['tokenizer']} tokenizer, vocabulary {tokenizer.vocab_size} | "
-                 f"{splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} validation tokens, "
-                 f"{d.meta['num_documents']:,} documents"
-                 + (f" | source {src.name}, weight {src.weight / total:.3g}" if len(prepared) > 1 else ""))
+        self.announce_data(prepared)
         # `auto` resolved (gpt2, bytes or bpe = the run's tokenizer.json), so the run names its tokenizer; an
         # explicit choice (bpe:PATH) stays as given, so that replaying config.yaml prepares the same data.
         if cfg.data.tokenizer == "auto":
@@ -247,6 +237,27 @@ class Training:
         if self.start.meta is not None:
             check_same_run(self.start.meta, self.mesh, data, self.vocab, self.run_dir, self.stream)
         self.data, self.tokenizer, self.sources = data, tokenizer, [src for src, _ in prepared]
+        self.open_loaders(prepared)
+
+    def announce_data(self, prepared) -> None:
+        """Every process has the same sources (or all stop with one line), and the log says what they hold."""
+        named = (lambda src: "") if len(prepared) == 1 else (lambda src: f"{src.name}.")  # noqa: E731
+        distributed.agree("data", {f"{named(src)}{split}_sha256": d.meta["splits"][split]["sha256"]
+                                   for src, d in prepared for split in ("train", "val")},
+                          "the training data", "give every process the same data.path, prepared from the same "
+                                               "inputs (a shared filesystem, or identical copies)")
+        total = sum(src.weight for src, _ in prepared)
+        for src, d in prepared:
+            splits = d.meta["splits"]
+            _log(f"data: {d.path} | {d.meta['tokenizer']} tokenizer, vocabulary {d.tokenizer.vocab_size} | "
+                 f"{splits['train']['num_tokens']:,} train / {splits['val']['num_tokens']:,} validation tokens, "
+                 f"{d.meta['num_documents']:,} documents"
+                 + (f" | source {src.name}, weight {src.weight / total:.3g}" if len(prepared) > 1 else ""))
+
+    def open_loaders(self, prepared) -> None:
+        """The training stream (by the weight schedule: a resume with new weights adds to it) and the evaluation's
+        fixed batches of each source."""
+        cfg = self.cfg
         bsh = self.source.batch_sharding(self.mesh)
         seq, bsz = cfg.model.seq_len, cfg.train.batch_size
         self.schedule = weight_schedule(self.sources, self.start.meta, self.resumed)
