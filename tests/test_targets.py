@@ -304,7 +304,8 @@ def test_plan_compares_fp8_with_bfloat16_each_at_its_own_peak():
     from shardlm.perf.planner import format_plan, plan
     from shardlm.perf.strategies import Strategy
 
-    cfg = config_for(H100, "model=tiny", "model.vocab_size=512", "train.batch_size=4")
+    cfg = config_for(H100, "model=tiny", "model.n_layers=1", "model.vocab_size=512", "model.seq_len=64",
+                     "train.batch_size=2")
     hw = H100.hardware("bfloat16", 2)
     p = plan(cfg, 2, hw, strategies=[Strategy(1, 2, 1)], target=H100, matmul_dtypes=["auto", "fp8"])
     rows = {r.matmul_dtype: r for r in p.strategies}
