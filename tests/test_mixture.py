@@ -36,7 +36,7 @@ def test_three_sources_follow_their_weights_and_processes_and_resumes_read_the_s
     source = np.concatenate([b[:, 0] // 100_000 for b in batches])[:2000]
     shares = np.bincount(source, minlength=3) / len(source)
     assert np.all(np.abs(shares - WEIGHTS) <= 0.02), shares  # Grain's mix: exact to a window, not sampled
-    assert windows_per_source(WEIGHTS, 2000) == np.bincount(source, minlength=3).tolist()
+    assert windows_per_source([(0, WEIGHTS)], 2000) == np.bincount(source, minlength=3).tolist()
     # two processes, each reading its half of every global batch: together, the one-process batches
     halves = [_loader(rows=range(0, 16)), _loader(rows=range(16, 32))]
     for i in (0, 7, 62):
@@ -73,7 +73,7 @@ def test_new_weights_on_resume_are_followed_from_that_batch_and_each_source_cont
         seen = [int(s) for b in batches for s in b[:, 0] if s // 100_000 == i]
         own = shuffled_windows(TokenWindows(tokens[i], SEQ), 3 + i, True)
         assert seen == [int(own[m][0]) for m in range(len(seen))], i
-    assert windows_per_source([], 73 * BATCH, [(0, [0.5, 0.5, 0.0]), (10 * BATCH, [0.8, 0.1, 0.1])]) == [
+    assert windows_per_source([(0, [0.5, 0.5, 0.0]), (10 * BATCH, [0.8, 0.1, 0.1])], 73 * BATCH) == [
         int(np.sum(np.concatenate([b[:, 0] for b in batches]) // 100_000 == i)) for i in range(3)]
 
 

@@ -394,14 +394,12 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    import dataclasses
     import json
 
     import jax
 
-    from shardlm.flops import peak_dtype
     from shardlm.perf.costmodel import hardware_for
-    from shardlm.perf.planner import format_plan, plan, report_progress
+    from shardlm.perf.planner import format_plan, plan, plan_peak_dtype, report_progress
     from shardlm.perf.strategies import parse_strategies
 
     target = _target(args)
@@ -409,12 +407,11 @@ def _plan(args: argparse.Namespace) -> None:
     cfg = _load_for(target, args)
     memory = parse_bytes(args.memory) if args.memory else None
     matmul_dtypes = [m.strip() for m in args.matmul_dtype.split(",") if m.strip()] if args.matmul_dtype else None
-    # compared: the hardware at the compute dtype's peak, each FP8 row at the FP8 peak (`Hardware.for_matmuls`)
-    model = dataclasses.replace(cfg.model, matmul_dtype="auto") if matmul_dtypes else cfg.model
+    dtype = plan_peak_dtype(cfg, matmul_dtypes)
     if target:
-        hw = target.hardware(peak_dtype(model), n, args.hosts, memory, args.inter_host_bandwidth)
+        hw = target.hardware(dtype, n, args.hosts, memory, args.inter_host_bandwidth)
     else:
-        hw = hardware_for(n, peak_dtype(model), memory_bytes=memory or 80e9, peak_tflops=args.peak_tflops,
+        hw = hardware_for(n, dtype, memory_bytes=memory or 80e9, peak_tflops=args.peak_tflops,
                           intra_node_gbs=args.intra_node_gbs, hosts=args.hosts,
                           devices_per_node=args.devices_per_node, inter_host_bandwidth=args.inter_host_bandwidth,
                           inter_node_gbs=args.inter_node_gbs, latency_us=args.latency_us)

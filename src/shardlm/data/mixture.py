@@ -8,8 +8,8 @@
 Design choices:
 - `data.sources` is a list of {path, weight, name}; `data.path` is the one-source case and stays the default. A
   source's `path` is whatever `data.path` takes (a prepared directory, a text file or folder, the built-in corpus);
-  its `name` (default: the path's stem) labels its metrics. A weight of 0 removes a source; weights need not sum
-  to 1 (they are normalised).
+  its `name` (default: the path's stem) labels its metrics. A weight of 0 takes a source out of the training
+  stream (it is still evaluated: a held-out domain); weights need not sum to 1 (they are normalised).
 - The stream: each source's windows shuffled from the seed and repeated (each epoch reshuffled), exactly as one
   source's are, then interleaved by Grain's `MapDataset.mix` with the weights. Grain's mix is deterministic, not
   sampled: of the first k windows of the stream, source i gives its share of k to within one window. So window j
@@ -146,10 +146,9 @@ def _counts(weights: list[float], n_windows: int, n_streams: int) -> list[int]:
     return counts
 
 
-def windows_per_source(weights: list[float], n_windows: int,
-                       schedule: list[tuple[int, list[float]]] | None = None) -> list[int]:
-    """How many of the stream's first `n_windows` windows each source gives, under `weights` or a `schedule`."""
-    schedule = schedule or [(0, weights)]
+def windows_per_source(schedule: list[tuple[int, list[float]]], n_windows: int) -> list[int]:
+    """How many of the stream's first `n_windows` windows each source gives, under a `schedule` of weights
+    ([(first window, weights)]; fixed weights are [(0, weights)])."""
     counts = [0] * len(schedule[0][1])
     for k, (start, w) in enumerate(schedule):
         if start >= n_windows:

@@ -281,8 +281,9 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     from shardlm.train.data import tokenizer_vocab
 
     if hardware is None:
-        hardware = (target.hardware(peak_dtype(cfg.model), n_devices or 1, hosts) if target
-                    else Hardware(peak_flops=h100_peak(peak_dtype(cfg.model))))
+        dtype = plan_peak_dtype(cfg, matmul_dtypes)
+        hardware = (target.hardware(dtype, n_devices or 1, hosts) if target
+                    else Hardware(peak_flops=h100_peak(dtype)))
     t0 = time.perf_counter()
     # each strategy under each policy and matmul dtype, checked before anything is prepared: the policies in the
     # order given (the cheapest in FLOPs first, as a rule)
@@ -368,6 +369,13 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
         raise ShardlmError("no strategy compiled: " + "; ".join(f"{c.name}: {why}" for c, why in failed))
     return Plan(cfg, n, hardware, rank_strategies(results, hardware), rejected, param_count,
                 time.perf_counter() - t0, platform, target, pruned, failed)
+
+
+def plan_peak_dtype(cfg: Config, matmul_dtypes: list[str] | None = None) -> str:
+    """The dtype whose dense peak a plan's hardware is built at: the run's own (`flops.peak_dtype`), or, when the
+    plan compares matmul dtypes, the compute dtype's, each FP8 row then held against the FP8 peak
+    (`Hardware.for_matmuls`)."""
+    return peak_dtype(dataclasses.replace(cfg.model, matmul_dtype="auto") if matmul_dtypes else cfg.model)
 
 
 @dataclasses.dataclass(frozen=True)

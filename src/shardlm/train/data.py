@@ -45,8 +45,9 @@ def load_sources(cfg: Config, progress: bool = False, log=None) -> list[tuple[So
         prepared.append((src, training_data(d, progress=progress, log=log)))
     if distributed.is_multiprocess() and distributed.is_primary():
         distributed.barrier("data-prepared")
+    identity = tokenizer_identity(first)
     for src, data in prepared[1:]:
-        if tokenizer_identity(data) != tokenizer_identity(first):
+        if tokenizer_identity(data) != identity:
             raise ShardlmError(f"data.sources: {src.name} ({data.path}) is tokenized with {describe_tokenizer(data)}, "
                                f"{sources[0].name} with {describe_tokenizer(first)}; every source must share one "
                                "tokenizer: prepare them with the same --tokenizer (or leave text unprepared)")
@@ -94,18 +95,19 @@ def inspect_sources(cfg: Config, batches: int, log=None) -> dict:
     """What `shardlm data inspect` prints: per source its tokens, weight, share of the first `batches` global
     batches of the stream and epochs of its training split in a run of `train.steps` (from the stream's indices,
     reading no tokens); preparing text that was never prepared first, as a run would."""
+    from shardlm.data.loader import TokenWindows
     from shardlm.data.mixture import windows_per_source
 
     prepared = load_sources(cfg, log=log)
     seq, bsz, steps = cfg.model.seq_len, cfg.train.batch_size, cfg.train.steps
     weights = [src.weight for src, _ in prepared]
-    first = windows_per_source(weights, batches * bsz)
-    run = windows_per_source(weights, steps * bsz)
+    first = windows_per_source([(0, weights)], batches * bsz)
+    run = windows_per_source([(0, weights)], steps * bsz)
     total = sum(weights)
     rows = []
     for (src, data), n_first, n_run in zip(prepared, first, run):
         splits = data.meta["splits"]
-        per_epoch = max(0, (splits["train"]["num_tokens"] - 1) // seq)
+        per_epoch = len(TokenWindows(data.tokens("train"), seq))
         rows.append({"name": src.name, "path": str(data.path), "train_tokens": splits["train"]["num_tokens"],
                      "val_tokens": splits["val"]["num_tokens"], "weight": src.weight / total,
                      "share": n_first / (batches * bsz), "epochs": n_run / per_epoch if per_epoch else 0.0})

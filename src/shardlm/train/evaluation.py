@@ -63,6 +63,7 @@ def epochs_seen(sources: list[Source], windows_per_epoch: list[int], n_windows: 
                 schedule: list[tuple[int, list[float]]] | None = None) -> dict:
     """{"epochs/<name>": epochs of its training split read} after the stream's first `n_windows` windows (mixed by
     the sources' weights, or by a `schedule` of them), for every source trained on at some point."""
-    counts = windows_per_source([s.weight for s in sources], n_windows, schedule)
-    used = [any(w[i] > 0 for _, w in schedule or [(0, [s.weight for s in sources])]) for i in range(len(sources))]
+    schedule = schedule or [(0, [s.weight for s in sources])]
+    counts = windows_per_source(schedule, n_windows)
+    used = [any(w[i] > 0 for _, w in schedule) for i in range(len(sources))]
     return {f"epochs/{s.name}": c / n for s, c, n, u in zip(sources, counts, windows_per_epoch, used) if u and n}
