@@ -64,6 +64,11 @@ def test_tail_cut_rules():
     # Three long documents: no boundary within [F/2, 2F] of the tail, so the tail starts mid-document.
     assert prep._tail_cut(3000, np.array([0, 1000, 2000]), 0.05) == (2850, True)
     assert prep._tail_cut(500, np.array([0]), 0.1) == (450, True)
+    # A floor above the fraction sizes the tail exactly (mid-document unless it falls on a start), up to half.
+    assert prep._tail_cut(1000, starts, 0.05, min_tokens=200) == (800, False)
+    assert prep._tail_cut(1000, starts, 0.05, min_tokens=150) == (850, True)
+    assert prep._tail_cut(1000, starts, 0.05, min_tokens=900) == (500, False)
+    assert prep._tail_cut(1000, starts, 0.3, min_tokens=200) == (700, False)  # below the fraction: no effect
 
 
 def test_explicit_validation_inputs(stories_file, tmp_path):
@@ -186,6 +191,12 @@ def test_training_data_prepares_text_once_and_checks_the_tokenizer(stories_file,
     assert training_data(load_config(None, [f"data.path={data.path}"]).data, **QUIET).path == data.path
     with pytest.raises(ShardlmError, match="prepared with the bytes tokenizer, not gpt2"):
         training_data(load_config(None, [f"data.path={data.path}", "data.tokenizer=gpt2"]).data, **QUIET)
+    # Text too small for evaluation's floor (what a run asks: 8 windows) gets a larger validation split, said.
+    floor = 8 * 256 + 1
+    small = training_data(cfg.data, progress=False, log=logs.append, min_val_tokens=floor)
+    assert small.path != data.path and small.meta["val_split"]["min_tokens"] == floor
+    assert small.meta["splits"]["val"]["num_tokens"] == floor > 0.05 * small.meta["num_tokens"]
+    assert "the validation split holds" in logs[-2] and "not 0.05" in logs[-2]
     (data.path / "train.bin").write_bytes(b"\0\0")
     with pytest.raises(ShardlmError, match="incomplete or changed; prepare it again"):
         open_prepared(data.path)

@@ -15,7 +15,9 @@ Design choices:
 - The validation split is `val_inputs` when given, else the last `val_fraction` of the tokens. It starts at the
   document boundary nearest the cut when that keeps its size within [F/2, 2F]; otherwise (a corpus of a few long
   documents) it starts mid-document, meta.json says so, and that document counts in both splits' `num_documents`
-  (the top-level `num_documents` counts it once).
+  (the top-level `num_documents` counts it once). `min_val_tokens` (text a run prepares: a few windows of its
+  sequence) is a floor on the tail: a small text's split grows past `val_fraction` to hold it, up to half the
+  tokens, so that any text a run can train on can also be evaluated.
 - Atomic: all files are written into a hidden sibling `.DIR.partial-PID`, then renamed into place. An error or
   Ctrl-C removes it; the leftover of a killed process is removed by the next prepare. One preparer per DIR runs
   at a time (a `flock` on `.DIR.lock`, so concurrent runs and hosts sharing a filesystem wait, then find the data
@@ -117,7 +119,8 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _settings(inputs, val_inputs, tokenizer, vocab_size, val_fraction, text_field, invalid_utf8) -> dict:
+def _settings(inputs, val_inputs, tokenizer, vocab_size, val_fraction, text_field, invalid_utf8,
+              min_val_tokens=0) -> dict:
     """Everything that changes the tokens; its hash is the fingerprint."""
     tok = {"spec": tokenizer}
     if tokenizer == "bpe":
@@ -129,6 +132,8 @@ def _settings(inputs, val_inputs, tokenizer, vocab_size, val_fraction, text_fiel
         "inputs": identity(inputs), "val_inputs": identity(val_inputs), "tokenizer": tok,
         "val_fraction": None if val_inputs else val_fraction, "text_field": text_field,
         "invalid_utf8": invalid_utf8, "version": VERSION,
+        # only when set: directories prepared without the floor keep their fingerprints
+        **({"min_val_tokens": min_val_tokens} if min_val_tokens and not val_inputs else {}),
     }
 
 
@@ -214,10 +219,15 @@ def _write_tokens(docs: Iterator[str], tokenizer: Tokenizer, token_bytes: np.nda
     return (np.concatenate(starts) if starts else np.zeros((0,), np.int64)), nbytes
 
 
-def _tail_cut(n: int, starts: np.ndarray, fraction: float) -> tuple[int, bool]:
-    """Where the validation tail begins, and whether that is inside a document."""
+def _tail_cut(n: int, starts: np.ndarray, fraction: float, min_tokens: int = 0) -> tuple[int, bool]:
+    """Where the validation tail begins, and whether that is inside a document: the last `fraction` of the `n`
+    tokens, or at least `min_tokens` of them (up to half)."""
     if fraction == 0 or n < 2:
         return n, False
+    floor = min(min_tokens, n // 2)
+    if floor > fraction * n:
+        cut = n - floor  # the floor is the split's size: a boundary would make it smaller or larger
+        return cut, not bool(np.isin(cut, starts))
     target = min(max(int(round(n * (1 - fraction))), 1), n - 1)
     i = int(np.searchsorted(starts, target))
     near = [int(s) for s in starts[max(i - 1, 0) : i + 1] if 0 < s < n]
@@ -273,9 +283,9 @@ def save_tokenizer_file(tok: Tokenizer, out: str | Path) -> None:
 def prepare(inputs: list[str], out: str | Path, *, tokenizer: str = "bpe", vocab_size: int = 2048,
             val_inputs: Iterable[str] = (), val_fraction: float = 0.05, text_field: str = "text",
             invalid_utf8: str = "error", force: bool = False, progress: bool = True,
-            log: Callable[[str], None] = print, what: str = "input") -> PreparedData:
+            log: Callable[[str], None] = print, what: str = "input", min_val_tokens: int = 0) -> PreparedData:
     """Tokenize `inputs` into `out` (see the module docstring); returns the opened directory.
-    `val_fraction` applies only without `val_inputs`."""
+    `val_fraction` and `min_val_tokens` apply only without `val_inputs`."""
     check_spec(tokenizer, "--tokenizer")
     if not val_inputs and not 0.0 < val_fraction < 0.5:  # nan fails too
         raise ShardlmError(f"the validation fraction must be in (0, 0.5), got {val_fraction}: training evaluates on "
@@ -291,7 +301,8 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str = "bpe", vocab
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ShardlmError(f"--out {out} is a file; pass a directory path")
-    settings = _settings(files, val_files, tokenizer, vocab_size, val_fraction, text_field, invalid_utf8)
+    settings = _settings(files, val_files, tokenizer, vocab_size, val_fraction, text_field, invalid_utf8,
+                         min_val_tokens)
     fp = _fingerprint(settings)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out, log):
@@ -304,8 +315,8 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str = "bpe", vocab
         tmp = partial_sibling(out)
         tmp.mkdir()
         try:
-            meta = _write(tmp, files, val_files, tok, token_dtype(tok.vocab_size), val_fraction, text_field,
-                          invalid_utf8, progress, log)
+            meta = _write(tmp, files, val_files, tok, token_dtype(tok.vocab_size), (val_fraction, min_val_tokens),
+                          text_field, invalid_utf8, progress, log)
             meta |= {"settings": settings, "fingerprint": fp}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
             swap_into_place(tmp, out)  # a kill between its renames is undone by the next `_clear_leftovers`
@@ -338,8 +349,9 @@ def _up_to_date(out: Path, fingerprint: str, force: bool) -> bool:
     return False
 
 
-def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_fraction, text_field, invalid_utf8, progress,
-           log) -> dict:
+def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_split: tuple[float, int], text_field,
+           invalid_utf8, progress, log) -> dict:
+    val_fraction, min_val_tokens = val_split
     t0 = time.perf_counter()
     total_in = input_bytes(files) + (input_bytes(val_files) if val_files else 0)
     stats = ReadStats()
@@ -362,7 +374,10 @@ def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_fraction, tex
             for k in ("documents", "text_bytes", "empty_skipped", "invalid_utf8_replaced"):
                 setattr(stats, k, getattr(stats, k) + getattr(val_stats, k))
         else:
-            cut, mid_document = _tail_cut(n, starts, val_fraction)
+            cut, mid_document = _tail_cut(n, starts, val_fraction, min_val_tokens)
+            if min(min_val_tokens, n // 2) > val_fraction * n:
+                log(f"data: the validation split holds {(n - cut) / n:.0%} of the tokens, not {val_fraction:g}: "
+                    f"the text is small, and evaluation takes at least {min_val_tokens:,} (or half)")
             train_tokens = np.memmap(tmp / "train.bin", dtype=dtype, mode="r", shape=(n,))
             train_tokens[cut:].tofile(tmp / "val.bin")
             val_bytes = _split_bytes(train_tokens[cut:], token_bytes)  # the short tail only
@@ -390,7 +405,8 @@ def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_fraction, tex
         "num_tokens": sum(s["num_tokens"] for s in splits.values()), "num_text_bytes": stats.text_bytes,
         "empty_documents_skipped": stats.empty_skipped, "invalid_utf8_replaced": stats.invalid_utf8_replaced,
         "val_split": ({"inputs": [str(f) for f in val_files]} if val_files
-                      else {"fraction": val_fraction, "starts_mid_document": mid_document}),
+                      else {"fraction": val_fraction, "starts_mid_document": mid_document,
+                            **({"min_tokens": min_val_tokens} if min_val_tokens else {})}),
         "splits": splits, "prepare_seconds": round(seconds, 3),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -424,9 +440,11 @@ def shared_tokenizer(spec: str, first: PreparedData) -> str:
     return first.meta["tokenizer"] if spec == "auto" else spec
 
 
-def training_data(d, *, progress: bool = True, log: Callable[[str], None] = print) -> PreparedData:
+def training_data(d, *, progress: bool = True, log: Callable[[str], None] = print,
+                  min_val_tokens: int = 0) -> PreparedData:
     """The data a run trains on: a prepared directory as is, or text (or the built-in corpus) prepared once into
-    the cache. `d` is the config's DataConfig."""
+    the cache, its validation split at least `min_val_tokens` (up to half the text). `d` is the config's
+    DataConfig."""
     path = Path(d.path)
     if path.is_dir() and (path / META_FILE).exists():
         data = open_prepared(path)
@@ -444,7 +462,7 @@ def training_data(d, *, progress: bool = True, log: Callable[[str], None] = prin
     spec = "bpe" if d.tokenizer == "auto" else d.tokenizer
     resolve_inputs([d.path], "data.path")  # a missing or empty input fails before anything is announced
     key_settings = [str(path.resolve()) if path.exists() else d.path, spec, d.tokenizer_vocab, d.val_fraction,
-                    d.text_field, d.invalid_utf8]
+                    d.text_field, d.invalid_utf8, min_val_tokens]
     key = hashlib.sha256(json.dumps(key_settings).encode()).hexdigest()[:12]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.name or "data")[:40]
     tag = "bpe" + str(d.tokenizer_vocab) if spec == "bpe" else re.sub(r"[^A-Za-z0-9]+", "", spec.split(":")[0])
@@ -453,4 +471,4 @@ def training_data(d, *, progress: bool = True, log: Callable[[str], None] = prin
         log(f"data: preparing {d.path} into {out} (once; later runs reuse it)")
     return prepare([d.path], out, tokenizer=spec, vocab_size=d.tokenizer_vocab, val_fraction=d.val_fraction,
                    text_field=d.text_field, invalid_utf8=d.invalid_utf8, force=True, progress=progress, log=log,
-                   what="data.path")
+                   what="data.path", min_val_tokens=min_val_tokens)

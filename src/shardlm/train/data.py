@@ -18,6 +18,7 @@ from shardlm.data.mixture import Source, parse_sources
 from shardlm.data.prepare import (META_FILE, PreparedData, describe_tokenizer, shared_tokenizer, tokenizer_identity,
                                   training_data)
 from shardlm.errors import ShardlmError
+from shardlm.train.evaluation import MIN_VAL_WINDOWS
 
 
 def load_data(cfg: Config, progress: bool = False, log=None) -> PreparedData:
@@ -36,13 +37,15 @@ def load_sources(cfg: Config, progress: bool = False, log=None) -> list[tuple[So
     log = log or tqdm.write
     if distributed.is_multiprocess() and not distributed.is_primary():
         distributed.barrier("data-prepared")
-    first = training_data(dataclasses.replace(cfg.data, path=sources[0].path), progress=progress, log=log)
+    floor = MIN_VAL_WINDOWS * cfg.model.seq_len + 1  # text's validation split holds this many windows at least
+    first = training_data(dataclasses.replace(cfg.data, path=sources[0].path), progress=progress, log=log,
+                          min_val_tokens=floor)
     prepared = [(sources[0], first)]
     shared = shared_tokenizer(cfg.data.tokenizer, first)
     for src in sources[1:]:
         is_prepared = (Path(src.path) / META_FILE).is_file()
         d = dataclasses.replace(cfg.data, path=src.path, tokenizer=cfg.data.tokenizer if is_prepared else shared)
-        prepared.append((src, training_data(d, progress=progress, log=log)))
+        prepared.append((src, training_data(d, progress=progress, log=log, min_val_tokens=floor)))
     if distributed.is_multiprocess() and distributed.is_primary():
         distributed.barrier("data-prepared")
     identity = tokenizer_identity(first)

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from shardlm import distributed
 from shardlm.config import Config, agree_on_config, check_resolved, describe
-from shardlm.data.loader import BatchLoader
+from shardlm.data.loader import BatchLoader, TokenWindows
 from shardlm.data.prepare import PreparedData
 from shardlm.data.tokenizer import EOT
 from shardlm.errors import ShardlmError
@@ -49,7 +49,7 @@ from shardlm.generate import sample_text
 from shardlm.mesh import check_tensor_inside_hosts, describe_hosts, describe_mesh, mesh_from_config
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, local_steps
 from shardlm.train.data import load_sources, stream_identity, weight_schedule
-from shardlm.train.evaluation import Evaluation, epochs_seen
+from shardlm.train.evaluation import Evaluation, epochs_seen, eval_batch_size
 from shardlm.train.init_from import check_checkpoint, import_params, with_checkpoint_defaults
 from shardlm.train.metrics import MetricsLogger
 from shardlm.train.preemption import StopOnSignal
@@ -66,6 +66,7 @@ from shardlm.train.rundir import (
 from shardlm.train.state import (
     TrainState,
     abstract_train_state,
+    batch_unit,
     check_batch,
     check_shardable,
     create_train_state,
@@ -268,12 +269,23 @@ class Training:
         self.train_data = BatchLoader([d.tokens("train") for _, d in prepared], seq, bsz, bsh, seed=cfg.seed,
                                       shuffle=True, names=[src.name for src, _ in prepared],
                                       schedule=self.window_schedule())
-        hint = "use more validation text (data.val_fraction, or --val when preparing)"
-        self.evaluation = Evaluation(
-            [(src, BatchLoader(d.tokens("val"), seq, bsz, bsh, seed=cfg.seed, shuffle=False, hint=hint,
-                               name="validation" if len(prepared) == 1 else f"{src.name} source's validation"))
-             for src, d in prepared], cfg.train.eval_batches, bsz)
+        self.evaluation = Evaluation([(src, self.validation_loader(src, d, len(prepared) > 1))
+                                      for src, d in prepared], cfg.train.eval_batches)
         self.batches = self.train_data.iterator()
+
+    def validation_loader(self, src, data: PreparedData, mixture: bool) -> BatchLoader:
+        """A source's fixed validation batches: of train.batch_size windows, or fewer for a small split (said)."""
+        cfg = self.cfg
+        seq, bsz = cfg.model.seq_len, cfg.train.batch_size
+        name = f"{src.name} source's validation split" if mixture else "validation split"
+        tokens = data.tokens("val")
+        windows = len(TokenWindows(tokens, seq))
+        size = eval_batch_size(bsz, batch_unit(cfg, self.mesh), windows, name)
+        if size < bsz:
+            _log(f"note: the {name} holds {windows} windows of {seq + 1} tokens, fewer than train.batch_size={bsz}; "
+                 f"evaluating on batches of {size}")
+        return BatchLoader(tokens, seq, size, self.source.batch_sharding(self.mesh), seed=cfg.seed, shuffle=False,
+                           name=name)
 
     def initial_state(self) -> None:
         cfg, mesh = self.cfg, self.mesh
@@ -325,7 +337,12 @@ class Training:
         t0 = time.perf_counter()
         self.first = next(self.batches)
         self.step_fn = train_step_for(cfg, ts, mesh).lower(ts.state, self.first).compile()
-        self.eval_fn = eval_step_for(cfg, ts, mesh, self.tokenizer.token_bytes()).lower(ts.state, self.first).compile()
+        eval_step = eval_step_for(cfg, ts, mesh, self.tokenizer.token_bytes())
+        compiled = {size: eval_step.lower(ts.state, jax.ShapeDtypeStruct((size, *self.first.shape[1:]),
+                                                                          self.first.dtype,
+                                                                          sharding=self.first.sharding)).compile()
+                    for size in self.evaluation.batch_sizes}
+        self.eval_fn = lambda state, batch: compiled[batch.shape[0]](state, batch)
         self.compile_s = time.perf_counter() - t0
         self.peak, self.peak_label = device_peak(list(mesh.devices.flat), peak_dtype(cfg.model))
         self.flops_per_token = self.source.flops_per_token(self.vocab[0], mesh.shape["tensor"])

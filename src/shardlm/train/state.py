@@ -9,6 +9,7 @@ global context, is the one place that decides placement.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -111,11 +112,24 @@ def check_shardable(cfg: Config, mesh, vocab_size: int | None = None) -> None:
             source.state_shardings(nnx.state(nnx.eval_shape(_builder(cfg, mesh, vocab))), mesh)
 
 
+def batch_split(cfg: Config, mesh) -> tuple[int, str]:
+    """The devices a batch's rows are split over (data x fsdp, or what a plan's `inputs` say), and their axes."""
+    rows = model_source(cfg).batch_sharding(mesh).spec[0]
+    return axis_degree(mesh, rows), " x ".join(as_axes(rows)) or "no axis"
+
+
+def batch_unit(cfg: Config, mesh) -> int:
+    """The smallest batch a forward pass of `cfg` takes on `mesh` (what an evaluation batch is a multiple of): a
+    row per device the batch is split over, times the pipeline's microbatches, and a multiple of the processes."""
+    dp, _ = batch_split(cfg, mesh)
+    unit = dp * microbatch_count(cfg.model.pipeline_microbatches, mesh.shape.get("stage", 1))
+    return math.lcm(unit, jax.process_count())
+
+
 def check_batch(cfg: Config, mesh) -> None:
     """Raise if the global batch (or each of its `train.grad_accum` microbatches) does not split over data x fsdp,
     or over the processes."""
-    rows = model_source(cfg).batch_sharding(mesh).spec[0]  # data x fsdp, or what a plan's `inputs` say
-    dp, axes = axis_degree(mesh, rows), " x ".join(as_axes(rows)) or "no axis"
+    dp, axes = batch_split(cfg, mesh)
     if cfg.train.batch_size % dp:
         raise ShardlmError(
             f"train.batch_size={cfg.train.batch_size} is split over {axes} = {dp} devices, which does not "
