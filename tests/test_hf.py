@@ -3,13 +3,11 @@ builds random-weight GPT-2 and Llama models from configs (no network) and comput
 continuations; shardlm's own code is never the reference. Also GPT-2's tokenizer end to end offline, from the
 copy of its file that openai-whisper's source package ships."""
 
-import hashlib
 import json
 import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import jax
@@ -23,6 +21,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
                           LlamaForCausalLM)
 
 from shardlm.config import load_config
+from shardlm.data.gpt2_ranks import RegistryFetchError, fetch_gpt2_ranks
 from shardlm.errors import ShardlmError
 from shardlm.generate import Generator
 from shardlm.exporter import export
@@ -309,30 +308,17 @@ def test_export_shards_above_the_size_limit_and_is_atomic(trained, tmp_path, mon
 
 # --- GPT-2's tokenizer, offline ----------------------------------------------------------------------------------
 
-R50K = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
-R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-
-
 @pytest.fixture(scope="session")
 def gpt2_tiktoken_dir(tmp_path_factory, request):
-    """A tiktoken cache holding GPT-2's ranks (r50k_base), taken from openai-whisper's source distribution on the
-    package registry (pip download, nothing installed) and kept in pytest's cache for later sessions."""
+    """A tiktoken cache holding GPT-2's ranks (r50k_base), put there from openai-whisper's source distribution on the
+    package registry by shardlm's own `fetch_gpt2_ranks` (the gpt2 tokenizer's fallback), and kept in pytest's cache
+    for later sessions."""
     cache = (request.config.cache.mkdir("gpt2-tiktoken") if getattr(request.config, "cache", None)
              else tmp_path_factory.mktemp("gpt2-tiktoken"))
-    target = Path(cache) / hashlib.sha1(R50K.encode()).hexdigest()
-    if not target.is_file():
-        sdist = tmp_path_factory.mktemp("whisper-sdist")
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                               "--no-build-isolation", "openai-whisper==20250625", "-d", str(sdist)],
-                              capture_output=True, text=True, timeout=300)
-        archives = list(sdist.glob("openai_whisper-*.tar.gz"))
-        if proc.returncode or not archives:
-            pytest.skip(f"the package registry did not give openai-whisper's source: {proc.stderr.strip()[-200:]}")
-        with tarfile.open(archives[0]) as tar:
-            member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
-            data = tar.extractfile(member).read()
-        assert hashlib.sha256(data).hexdigest() == R50K_SHA256  # exactly tiktoken's file
-        target.write_bytes(data)
+    try:
+        fetch_gpt2_ranks(cache, log=None)
+    except RegistryFetchError as e:
+        pytest.skip(f"the package registry did not give openai-whisper's source: {e}")
     return Path(cache)
 
 

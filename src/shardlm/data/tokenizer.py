@@ -2,9 +2,9 @@
 
 - `gpt2`: OpenAI's GPT-2 BPE through tiktoken (50,257 tokens, `<|endoftext|>` = 50256): tiktoken's `r50k_base`,
   GPT-2's ranks in one file (tiktoken's `gpt2` reads the same ranks from two older files; those are used when
-  they are the ones cached). tiktoken downloads the file on first use and caches it in `$TIKTOKEN_CACHE_DIR`;
-  offline and uncached, loading fails with a message saying so instead of hanging (the download runs under a
-  timeout). The same file ships in the `openai-whisper` source distribution (`whisper/assets/gpt2.tiktoken`).
+  they are the ones cached), kept in tiktoken's cache (`$TIKTOKEN_CACHE_DIR`). Uncached, tiktoken downloads it
+  (under a timeout), and failing that shardlm takes the same file from the package registry once (openai-whisper's
+  source package ships it): `gpt2_ranks.py`.
 - `bytes`: token id = UTF-8 byte value (0-255), `<|endoftext|>` = 256. No files, no training.
 - `bpe:PATH`: a Hugging Face `tokenizers` JSON file, such as the byte-level BPE `shardlm tokenizer train` writes,
   or a Hugging Face model's `tokenizer.json`.
@@ -21,20 +21,17 @@ tokenizer-independent bits per byte. It is exact for byte-level tokenizers (all 
 
 import json
 import os
-import tempfile
-import threading
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
+from shardlm.data.gpt2_ranks import load_gpt2
 from shardlm.errors import ShardlmError
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # Hugging Face's: names the special tokens
-# Seconds to wait for tiktoken's first download of the GPT-2 files before giving up with a clear message.
-GPT2_DOWNLOAD_TIMEOUT_S = 60.0
 
 
 class Tokenizer:
@@ -175,54 +172,10 @@ class HFTokenizer(Tokenizer):
             (Path(directory) / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
-def tiktoken_cache_dir() -> str:
-    """Where tiktoken looks for its files (mirrors `tiktoken.load.read_file_cached`)."""
-    return (os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-            or os.path.join(tempfile.gettempdir(), "data-gym-cache"))
-
-
-GPT2_FILES = {  # what tiktoken downloads (and caches under the SHA-1 of the address) for each name
-    "r50k_base": ("https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",),
-    "gpt2": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-             "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"),
-}
-
-
-def tiktoken_cache_file(url: str) -> Path:
-    import hashlib
-
-    return Path(tiktoken_cache_dir()) / hashlib.sha1(url.encode()).hexdigest()
-
-
 def gpt2_tokenizer(timeout_s: float | None = None) -> TiktokenTokenizer:
-    """tiktoken's GPT-2 ranks (`r50k_base`, or `gpt2` when only its files are cached); a first download runs in a
-    daemon thread so that a dead network cannot hang us."""
-    import tiktoken
-
-    result: dict = {}
-    cached = {name: all(tiktoken_cache_file(u).is_file() for u in urls) for name, urls in GPT2_FILES.items()}
-    name = "gpt2" if cached["gpt2"] and not cached["r50k_base"] else "r50k_base"
-
-    def load():
-        try:
-            result["enc"] = tiktoken.get_encoding(name)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            result["error"] = e
-
-    worker = threading.Thread(target=load, daemon=True)
-    worker.start()
-    worker.join(GPT2_DOWNLOAD_TIMEOUT_S if timeout_s is None else timeout_s)
-    if "enc" in result:
-        return TiktokenTokenizer(result["enc"])
-    why = (f"{type(result['error']).__name__}: {str(result['error']).splitlines()[0][:120]}" if "error" in result
-           else f"no answer in {GPT2_DOWNLOAD_TIMEOUT_S if timeout_s is None else timeout_s:.0f}s")
-    raise ShardlmError(
-        f"the gpt2 tokenizer needs tiktoken's GPT-2 file, which is not in the cache ({tiktoken_cache_dir()}) and "
-        f"could not be downloaded ({why}); run once with network access, or copy a cache directory here and set "
-        "TIKTOKEN_CACHE_DIR to it (openai-whisper's source package ships the file as whisper/assets/gpt2.tiktoken: "
-        f"copy it to {tiktoken_cache_file(GPT2_FILES['r50k_base'][0])}); offline, use --tokenizer bytes or a BPE "
-        "from `shardlm tokenizer train` (data.tokenizer=bytes or bpe)"
-    )
+    """GPT-2's tokenizer: tiktoken's ranks from its cache, its download (bounded by `timeout_s`) or the package
+    registry (`shardlm.data.gpt2_ranks.load_gpt2`)."""
+    return TiktokenTokenizer(load_gpt2(timeout_s))
 
 
 def _content(value) -> str | None:
