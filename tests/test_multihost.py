@@ -139,6 +139,7 @@ def test_processes_train_like_one_process(reference, launched, processes, device
     run_dir, logs = launched(processes, devices, name, mesh)
     log = launcher_log(logs)
     assert f"{processes} processes on {processes} hosts" in log  # the run header says how the mesh sits on hosts
+    assert "[Gloo]" not in log  # gloo's line per communicator only with --verbose
     got, want = losses(run_dir), losses(ref)
     assert sorted(got) == list(range(1, STEPS + 1))  # every step logged once: one writer, process 0
     # gloo sums in another order than one process's in-memory all-reduce: equal to float32 rounding
@@ -153,13 +154,13 @@ def test_processes_train_like_one_process(reference, launched, processes, device
 
 def test_generate_on_two_processes_equals_one(launched, tmp_path):
     """`shardlm generate` joins a multi-process run too: greedy tokens equal one process's, and stdout holds only
-    the result (gloo's own lines go to stderr)."""
+    the result (gloo's own lines, shown with `launch --verbose`, go to stderr)."""
     run_dir, _ = launched(2, 4, "fsdp4_tp2", FSDP4_TP2)
     gen = ["generate", str(run_dir), "--prompt", "ROMEO:", "--max-tokens", "12", "--temperature", "0", "--json",
            "--num-samples", "2"]
     one = subprocess.run(shardlm_command(gen[0], "--cpu-devices", "8", *gen[1:]), capture_output=True, text=True,
                          timeout=LAUNCH_TIMEOUT)
-    two = subprocess.run(shardlm_command("launch", "--processes", "2", "--cpu-devices", "4", "--log-dir",
+    two = subprocess.run(shardlm_command("launch", "--processes", "2", "--cpu-devices", "4", "--verbose", "--log-dir",
                                          str(tmp_path / "logs"), "--", *gen), capture_output=True, text=True,
                          timeout=LAUNCH_TIMEOUT)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]

@@ -36,6 +36,7 @@ from shardlm.errors import ShardlmError
 from shardlm.units import parse_bytes
 
 EXIT_USAGE = 2
+VERBOSE_ENV = "SHARDLM_VERBOSE"  # `launch --verbose`, for the processes it starts
 
 
 CPU_DEVICES_HELP = "simulate N devices on the CPU host (per process; sets XLA_FLAGS before JAX starts)"
@@ -268,6 +269,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     launch.add_argument("--heartbeat-timeout", type=int, metavar="S",
                         help="the processes stop S seconds after one stops responding (default 30)")
     launch.add_argument("--port", type=int, metavar="P", help="the coordinator's port (default: a free one)")
+    launch.add_argument("--verbose", action="store_true",
+                        help="also show the collective library's own lines (gloo's, one per communicator)")
     return launch
 
 
@@ -568,6 +571,8 @@ def _launch(args: argparse.Namespace) -> int:
 
     if args.launched and args.launched[0] in ("-h", "--help"):
         raise ShardlmError("name the command to launch after --, e.g. shardlm launch --processes 2 -- train")
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # the processes inherit it
     return launch(args.processes, args.launched, cpu_devices=args.cpu_devices,
                   devices_per_process=args.devices_per_process, log_dir=args.log_dir,
                   heartbeat_timeout=args.heartbeat_timeout, port=args.port)
@@ -579,11 +584,17 @@ def _join(args: argparse.Namespace) -> None:
     if not distributed.join(distributed.JoinOptions.from_args(args), log=_to_stderr):
         return
     # gloo prints a line to the C++ stdout for every communicator it opens; stdout is the command's result (the
-    # JSON of `bench --json`, the text of `generate`), so native writes to fd 1 go to stderr from here on.
+    # JSON of `bench --json`, the text of `generate`), so native writes to fd 1 are dropped from here on (go to
+    # stderr with `launch --verbose`: nothing else in the process writes natively to fd 1).
     sys.stdout.flush()
     encoding, errors = sys.stdout.encoding, sys.stdout.errors
     result = os.dup(1)
-    os.dup2(2, 1)
+    if os.environ.get(VERBOSE_ENV):
+        os.dup2(2, 1)
+    else:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
     sys.stdout = os.fdopen(result, "w", buffering=1, encoding=encoding, errors=errors)
     if args.command != "train":
         # Outside training (which stops every process together at a step, see `train.preemption`), SIGTERM ends
