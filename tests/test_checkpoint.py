@@ -278,7 +278,9 @@ def test_readers_load_parameters_only(reference, tmp_path, capsys):
     assert main(["generate", str(run_dir), "--prompt", "ROMEO:", "--max-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("ROMEO:")
     assert main(["generate", str(tmp_path / "nowhere")]) == 2
-    assert "holds no shardlm run" in capsys.readouterr().err
+    assert f"{tmp_path / 'nowhere'} does not exist; pass the --run-dir" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path)]) == 2
+    assert "is a directory without a shardlm run (no config.yaml)" in capsys.readouterr().err
     shutil.rmtree(run_dir / "checkpoints")
     assert main(["generate", str(run_dir)]) == 2
     assert "has no complete checkpoint yet" in capsys.readouterr().err

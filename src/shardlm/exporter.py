@@ -41,7 +41,7 @@ from shardlm.load import LoadedModel, load_model, run_tokenizer
 from shardlm.models.config import FAMILY_NAMES, ModelConfig
 from shardlm.models.stack import rows_of_layers, split_layer_path
 from shardlm.checkpoint import RunCheckpoints, complete_steps
-from shardlm.train.rundir import CONFIG_FILE
+from shardlm.train.rundir import CONFIG_FILE, require_run
 from shardlm.train.source import model_source
 from shardlm.trees import path_str
 
@@ -90,8 +90,7 @@ def _check_arguments(out: Path, dtype: str, max_shard_bytes: float, force: bool)
 
 def _checkpoint_meta(run_dir: Path, step: int | None) -> dict:
     """The meta item of the checkpoint to export, after checking the run can be exported at all."""
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise ShardlmError(f"{run_dir} holds no shardlm run (no {CONFIG_FILE}); pass a training run's directory")
+    require_run(run_dir, "pass a training run's directory")
     model = read_config_file(run_dir / CONFIG_FILE).get("model", {})
     if model.get("family") not in FAMILY_NAMES:
         raise ShardlmError(f"{run_dir} trained {model.get('preset')}, a model from the user's file, whose architecture "

@@ -16,7 +16,7 @@ from shardlm.hf.config import hf_dir, is_hf
 from shardlm.mesh import mesh_from_config
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, complete_steps
 from shardlm.train.init_from import import_params
-from shardlm.train.rundir import CONFIG_FILE, check_vocab_padding, unreadable
+from shardlm.train.rundir import check_vocab_padding, require_run, unreadable
 from shardlm.train import stored
 from shardlm.train.source import model_source
 from shardlm.train.state import abstract_model, vocab_sizes
@@ -55,8 +55,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
             raise ShardlmError("--step applies to a training run's checkpoints, not to a Hugging Face directory")
         return load_hf_model(str(run_dir), overrides=overrides, devices=devices, require_tokenizer=require_tokenizer)
     run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise ShardlmError(f"{run_dir} holds no shardlm run (no {CONFIG_FILE}); pass the --run-dir of a training run")
+    require_run(run_dir)
     steps = complete_steps(run_dir)
     reader = RunCheckpoints(run_dir, read_only=True)
     try:

@@ -63,6 +63,16 @@ def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / name
 
 
+def require_run(run_dir: Path, hint: str = "pass the --run-dir of a training run") -> None:
+    """A one-line error unless `run_dir` holds a shardlm run, saying whether it exists at all."""
+    if (run_dir / CONFIG_FILE).is_file():
+        return
+    if not run_dir.exists():
+        raise ShardlmError(f"{run_dir} does not exist; {hint}")
+    what = "a directory" if run_dir.is_dir() else "a file"
+    raise ShardlmError(f"{run_dir} is {what} without a shardlm run (no {CONFIG_FILE}); {hint}")
+
+
 def holds_run(run_dir: Path) -> bool:
     return (Path(run_dir) / CONFIG_FILE).exists()
 
