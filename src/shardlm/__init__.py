@@ -1,8 +1,14 @@
 """shardlm: pretrain GPT-style language models with JAX on any device mesh.
 
-Importing `shardlm` does not import JAX, so `shardlm.mesh.simulate_cpu_devices` (and the CLI's `--cpu-devices`)
-can still take effect; the names below load on first use.
+Importing `shardlm` starts no JAX backend, so `shardlm.mesh.simulate_cpu_devices` (and the CLI's `--cpu-devices`)
+can still take effect; the names below load on first use. On a host without accelerators it makes JAX start on the
+CPU quietly (`accelerator.quiet_on_hosts_without_accelerators`): the accelerator plugins the `targets` extra
+installs would otherwise print their start-up failures into every script that imports shardlm.
 """
+
+from shardlm.accelerator import quiet_on_hosts_without_accelerators as _quiet
+
+_quiet()
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,8 @@ Design choices:
   compiles for an H100 or a TPU from a CPU host, and tests use it to resolve the GPU defaults without a GPU).
 - A module-level value, not a context variable: tracing happens on the thread that calls `lower`, and XLA's
   compile threads never read it.
-- This module imports JAX only when asked about the local devices, so configs can be read before JAX starts.
+- This module imports JAX only when asked about the host or its devices; `import shardlm` asks about the host
+  (`quiet_on_hosts_without_accelerators`), and no backend starts until the first array.
 """
 
 from __future__ import annotations
@@ -123,15 +124,50 @@ def visible_accelerator() -> bool:
 
 @contextlib.contextmanager
 def native_stderr_silenced():
-    """File descriptor 2 goes to /dev/null inside the block. libtpu and the CUDA plugin log from C++ when they
-    load on a host without their hardware ("could not determine TPU accelerator type", "Could not find cuda
+    """File descriptor 2 is kept from the terminal inside the block. libtpu and the CUDA plugin log from C++ when
+    they load on a host without their hardware ("could not determine TPU accelerator type", "Could not find cuda
     drivers"): expected there, and nothing the user can act on. Python's errors still reach the caller as
     exceptions, and Python's own writes to `sys.stderr` (progress lines from other threads) still reach the
     terminal: `sys.stderr` writes to a copy of the real descriptor meanwhile. Reentrant across threads (a plan
-    compiles in several): the first block in silences, the last one out restores, so a block ending while
-    another runs can neither restore too early nor restore /dev/null."""
+    compiles in several): the first block in redirects, the last one out restores, so a block ending while
+    another runs can neither restore too early nor restore the redirection."""
+    with _native_stderr_redirected():
+        yield
+
+
+@dataclasses.dataclass
+class NativeOutput:
+    """What native code wrote to file descriptor 2 while a `native_stderr_captured` block ran (every thread's:
+    other blocks may run at once), and the native id of the thread that ran the block, which XLA's log lines
+    carry (absl's prefix), so a reader can keep its own."""
+
+    thread_id: int
+    text: str = ""
+
+
+@contextlib.contextmanager
+def native_stderr_captured():
+    """`native_stderr_silenced`, keeping what native code wrote meanwhile: the block's `NativeOutput` holds it once
+    the block ends (a compiler's warnings, read rather than shown: `shardlm.perf.xla_log`)."""
+    import os
+
+    out = NativeOutput(threading.get_native_id())
+    with _native_stderr_redirected() as sink:
+        start = os.fstat(sink).st_size
+        try:
+            yield out
+        finally:  # read before the last block out closes the sink
+            end = os.fstat(sink).st_size
+            out.text = os.pread(sink, end - start, start).decode("utf-8", "replace")
+
+
+@contextlib.contextmanager
+def _native_stderr_redirected():
+    """Descriptor 2 into an unnamed temporary file (the sink, yielded) while any block is in: a captured block reads
+    its part of it, a silenced one does not; the file goes when the last block ends."""
     import os
     import sys
+    import tempfile
 
     with _SILENCED_LOCK:
         if _silenced["depth"] == 0:
@@ -140,12 +176,12 @@ def native_stderr_silenced():
             _silenced["stderr"] = sys.stderr
             sys.stderr = os.fdopen(os.dup(_silenced["saved"]), "w", buffering=1, encoding=sys.stderr.encoding,
                                    errors=sys.stderr.errors)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 2)
-            os.close(devnull)
+            _silenced["sink"] = tempfile.TemporaryFile()
+            os.dup2(_silenced["sink"].fileno(), 2)
         _silenced["depth"] += 1
+        sink = _silenced["sink"].fileno()
     try:
-        yield
+        yield sink
     finally:
         with _SILENCED_LOCK:
             _silenced["depth"] -= 1
@@ -155,10 +191,11 @@ def native_stderr_silenced():
                 sys.stderr = _silenced["stderr"]
                 os.dup2(_silenced["saved"], 2)
                 os.close(_silenced["saved"])
+                _silenced["sink"].close()
 
 
 _SILENCED_LOCK = threading.Lock()
-_silenced: dict = {"depth": 0, "saved": -1, "stderr": None}
+_silenced: dict = {"depth": 0, "saved": -1, "stderr": None, "sink": None}
 
 
 def cpu_unless_accelerator() -> bool:
@@ -182,6 +219,29 @@ def cpu_unless_accelerator() -> bool:
 
     jax.config.update("jax_platforms", "cpu")
     return True
+
+
+def quiet_on_hosts_without_accelerators() -> None:
+    """What `import shardlm` does so that a script (an example, a user's) starts JAX as quietly as the CLI: on a
+    host that shows no accelerator, run on the CPU unless the user chose a platform, and register JAX's plugins
+    now, with their C++ start-up lines silenced (the CUDA plugin says it found no driver even when JAX runs on
+    the CPU alone). Registering starts no backend, so `--cpu-devices`, XLA_FLAGS and `jax.distributed` still take
+    effect afterwards. A JAX without the private registration hook is left as it is: only noisier."""
+    import logging
+    import os
+
+    logging.getLogger("jax_plugins.xla_cuda12").setLevel(logging.ERROR)
+    if visible_accelerator():
+        return
+    import jax
+    from jax._src import xla_bridge
+
+    if not (os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME")):
+        jax.config.update("jax_platforms", "cpu")
+    register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+    if register is not None and not xla_bridge.backends_are_initialized():
+        with native_stderr_silenced():
+            register()
 
 
 def start_cpu_quietly() -> None:

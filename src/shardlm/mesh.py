@@ -51,6 +51,7 @@ def simulate_cpu_devices(n: int) -> None:
     if "jax" in sys.modules:
         import jax
 
+        jax.config.update("jax_platforms", "cpu")  # JAX read JAX_PLATFORMS when it was imported
         # The backend may already be up (e.g. in a notebook); then the flag would be silently ignored.
         try:
             initialised = jax._src.xla_bridge.backends_are_initialized()  # noqa: SLF001
