@@ -185,8 +185,8 @@ def fetch_gpt2_ranks(cache_dir: str | Path | None = None, *, log: Callable[[str]
     target = tiktoken_cache_file(R50K_URL, cache_dir)
     if _holds_r50k(target):
         return target
-    if log is not None:
-        before = f"tiktoken could not download its file ({why}); " if why else ""
+    if log is not None:  # a step that works, not an error: the cause is named only if this fails too
+        before = "tiktoken could not download its file; " if why else ""
         log(f"gpt2 tokenizer: {before}fetching GPT-2's ranks from the package registry ({WHISPER_REQUIREMENT}'s "
             f"source package, 0.8 MB), once, into {target}")
     with tempfile.TemporaryDirectory(prefix="shardlm-gpt2-") as tmp:
