@@ -10,7 +10,7 @@ from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.explanation import explain_state, format_explanation
 from shardlm.mesh import make_mesh
-from shardlm.sharding import batch_sharding, logical_to_spec, zero_rules
+from shardlm.sharding import batch_sharding, generation_rules, logical_to_spec, zero_rules
 from shardlm.trees import path_str
 from shardlm.train.state import create_train_state
 
@@ -106,6 +106,11 @@ def test_rule_table_gives_megatron_and_zero3_placements():
                                                                                             "tensor", None)
     assert logical_to_spec(("layers", "embed"), mesh=mesh) == P(None, ("fsdp", "context"))
     assert logical_to_spec(("layers", "embed"), mesh=make_mesh(1, 4, 1, stage=2)) == P("stage", "fsdp")
+    # A learned position table is split over context along its positions, as the tokens it is added to are (split
+    # over context along embed, XLA could reshard it only by replicating it and its gradient on every device);
+    # generation, whose context devices are replicas, reads it whole by position.
+    assert logical_to_spec(("pos", "embed"), mesh=mesh) == P("context", "fsdp")
+    assert logical_to_spec(("pos", "embed"), generation_rules(), mesh=mesh) == P(None, ("fsdp", "context"))
     assert batch_sharding(mesh).spec == P(("data", "fsdp"), None)  # rows of seq_len + 1
     assert batch_sharding(make_mesh(1, 2, 1, expert=4)).spec == P(("data", "fsdp", "expert"), None)
     # fsdp x context that does not divide an embed dimension gives way to fsdp alone.

@@ -64,6 +64,11 @@ def test_fsdp8_holds_an_eighth_of_dp8s_parameters_and_optimizer_state(plan8):
     # the compiled peak holds at least the state, and the analysis saw temporaries (activations, gradients)
     for r in (dp, fsdp):
         assert r.peak >= r.params + r.optimizer and r.temporaries > 0
+    # every row adds up as the table's footer says, its MFU is a possible one, and its compile replicated nothing
+    for r in plan8.strategies:
+        assert r.peak == r.params + r.optimizer + r.temporaries >= r.temporaries and r.compiler_temps > 0
+        assert 0 < r.mfu(r.est.step_s, plan8.hardware) <= 1 and not r.impossible_mfus(plan8.hardware)
+        assert r.rematerialisations == [] and r.to_dict(plan8.hardware)["rematerialisations"] == []
 
 
 def test_dp_all_reduces_exactly_the_gradients(plan8):
@@ -354,6 +359,11 @@ def test_plan_cli_simulates_more_devices_than_the_host_and_emits_json():
     assert gathered["dp16"] < 0.7 * gathered["fsdp16"]  # weights gathered once per step, not per use
     assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
     assert f"planned {len(rows)} strategies" in proc.stderr
+    assert_progress_counts_to(proc.stderr, 4)
+    for r in rows:  # each row adds up (peak = params + optimizer + temps), and no MFU is above 100%
+        b = r["bytes_per_device"]
+        assert b["peak"] == b["params"] + b["optimizer"] + b["temporaries"] >= b["temporaries"] > 0
+        assert 0 < r["est_mfu"] <= 1 and r["compiler_mfu"] is None and r["rematerialisations"] == []
     # a pipeline's two stages are the two hosts: its hand-offs cross between them, and it says so
     pp = next(r for r in rows if r["mesh"]["stage"] == 2)
     assert "collective-permute" in [c["kind"] for c in pp["cross_host_collectives"]]
@@ -365,6 +375,38 @@ def test_plan_cli_simulates_more_devices_than_the_host_and_emits_json():
     # reduce-scatters, the embedding rows' all-to-alls and scalars
     cross = {c["kind"]: c["bytes"] for c in tp4["cross_host_collectives"]}
     assert set(cross) == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all"} and cross["all-reduce"] < 1024
+
+
+def assert_progress_counts_to(stderr: str, total: int) -> list[str]:
+    """A plan's progress lines ("[3/57] fsdp8: compiled in 2.1 s"): one per candidate, counted 1, 2, ... against
+    a total that never changes. Returns them."""
+    import re
+
+    lines = [line for line in stderr.splitlines() if re.match(r"\[\d+/\d+\] ", line)]
+    counts = [tuple(map(int, re.match(r"\[(\d+)/(\d+)\]", line).groups())) for line in lines]
+    assert counts == [(i, total) for i in range(1, total + 1)], lines
+    return lines
+
+
+def test_progress_counts_pruned_candidates_against_a_total_fixed_from_the_start(monkeypatch):
+    """Candidates pruned while others compile (here: every one after the first, whatever their bounds) are counted
+    as they are decided, against all of them: the total never shrinks (it read [1/3], then [2/2])."""
+    from shardlm.perf import planner
+
+    asked = []
+
+    def prune_after_the_first(*_):
+        asked.append(None)
+        return "pruned by the test" if len(asked) > 1 else None
+
+    monkeypatch.setattr(planner, "_pruning", prune_after_the_first)
+    cfg = load_config(None, MICRO + [f"model.vocab_size={VOCAB}"])
+    lines = []
+    p = plan(cfg, 2, log=lines.append)
+    candidates = len(p.strategies) + len(p.pruned)
+    assert len(p.strategies) == 1 and candidates == 3, lines
+    progress = assert_progress_counts_to("\n".join(lines), candidates)
+    assert sum("pruned, not compiled: pruned by the test" in line for line in progress) == 2, progress
 
 
 def test_plan_and_bench_cli_errors(tmp_path):

@@ -238,7 +238,12 @@ def test_the_step_compiles_for_a_tpu_v5e_slice_with_activations_offloaded(device
                      "model.remat_offload=mlp_hidden")
     r = compile_train_step(cfg, target=V5E, n_devices=devices)
     assert r.step.platform == "tpu" and r.fits
-    assert r.step.compiler_s is not None and r.step.compiler_s > 0  # XLA:TPU's own estimate
+    # XLA:TPU's own estimate: given, as XLA:TPU unrolled the two layers' loop (it counts a loop's body once, so an
+    # estimate of a step that still loops is withheld: `compiled.tpu_seconds`)
+    assert hlo.loop_trips(r.step.hlo_text) == [] and r.step.compiler_withheld is None
+    assert r.step.compiler_s is not None and r.step.compiler_s > 0 and 0 < r.to_dict()["compiler_mfu"] <= 1
+    # its temporary allocation is no part of its peak; the report's temporaries are the rest of the peak
+    assert r.peak == r.params + r.optimizer + r.temporaries
     kinds = {c["kind"] for c in hlo.summarize(r.step.collectives)}
     assert "all-gather" in kinds and ("reduce-scatter" in kinds or "all-reduce" in kinds)
     head = 2 * 768 * 50304 * 8 * 256  # the fused loss's backward recomputes the logits: one more head matmul
@@ -247,6 +252,7 @@ def test_the_step_compiles_for_a_tpu_v5e_slice_with_activations_offloaded(device
     assert r.step.host_temp_bytes >= 2 * 2 * 256 * 3072 * 2 and "S(5)" in r.step.hlo_text
     text = format_report(r)
     assert "compiled by XLA:TPU" in text and "in host memory" in text
+    assert re.search(r"\nXLA:TPU's estimate of the step: [\d.]+ ms \(MFU [\d.]+%\)\n", text), text
     # attention=auto on a TPU: Pallas splash attention, the kernel's calls in the program (forward, dq, dkv)
     assert "attention: Pallas splash attention" in text and r.step.hlo_text.count('custom_call_target="tpu_custom_call"') >= 3
 
@@ -287,6 +293,15 @@ def test_plan_and_compile_only_take_a_target(capsys):
     assert code == 0, err
     rows = [line for line in out.splitlines() if re.match(r"\s+\d\s+(fsdp2|dp2|tp2)\s", line)]
     assert len(rows) >= 2 and all(" yes " in row for row in rows), out
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    for row in rows:  # params, optimizer, grads*, temps, peak: peak = params + optimizer + temps (to the rounding)
+        params, optimizer, _, temps, peak = [float(n) * units[u] for n, u in re.findall(r"([\d.]+) (B|KiB|MiB|GiB)\b",
+                                                                                        row)[:5]]
+        assert peak >= temps and peak == pytest.approx(params + optimizer + temps, rel=0.01), row
+        assert all(float(mfu) <= 100 for mfu in re.findall(r"([\d.]+)%", row)), row  # both estimators' MFU
+    from test_strategy_plan import assert_progress_counts_to
+
+    assert_progress_counts_to(err, len(rows))
     took = re.search(r"\nmesh=auto took (\S+): the fastest estimated step that fits: .* per device, on H100 SXM 80GB",
                      out)
     assert took and rows[0].split()[1] == took.group(1), out
@@ -389,6 +404,44 @@ def test_a_missing_compiler_names_the_extra(capsys, monkeypatch):
     monkeypatch.setattr(targets, "_installed", lambda package: "0.9.0" if package == "jax-cuda12-pjrt" else "0.10.2")
     code, _, err = run_cli(capsys, "train", "--compile-only", "--target", "h100")
     assert code == 2 and "jax-cuda12-pjrt 0.9.0 does not match jaxlib 0.10.2" in err
+
+
+def test_compiles_at_once_each_report_the_tensors_xla_replicated_to_reshard_them(capfd):
+    """Two programs compiled at once, as a plan compiles its strategies, each moving a table's split from its
+    columns (over context x data) to its rows (over context), which XLA's partitioner can only do by replicating
+    the table: each compile names its own tensor (whole, with its bytes, and the operation it came from), and
+    XLA's multi-line warning does not reach the terminal."""
+    import threading
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from shardlm.perf.compiled import compile_step
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "context"))
+
+    def lowered(name: str, rows: int):
+        def positions(table):
+            broadcast = jnp.broadcast_to(table[None], (1, *table.shape)) * 2
+            return jax.lax.with_sharding_constraint(broadcast, NamedSharding(mesh, P(None, "context", None)))
+
+        positions.__name__ = name  # what a plan does to tell its compiles apart (`train.step.make_train_step`)
+        return jax.jit(positions, in_shardings=NamedSharding(mesh, P(None, ("context", "data")))).lower(
+            jax.ShapeDtypeStruct((rows, 64), jnp.float32))
+
+    programs = {"step_a": lowered("step_a", 32), "step_b": lowered("step_b", 64)}
+    steps = {}
+    threads = [threading.Thread(target=lambda name=name: steps.update({name: compile_step(programs[name], 8)}))
+               for name in programs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    found = {name: [(x.shape, x.bytes, x.op_name) for x in step.rematerialisations] for name, step in steps.items()}
+    assert found == {"step_a": [("f32[1,32,64]", 32 * 64 * 4, "broadcast_in_dim")],
+                     "step_b": [("f32[1,64,64]", 64 * 64 * 4, "broadcast_in_dim")]}, found
+    assert "Involuntary" not in capfd.readouterr().err
 
 
 def test_silencing_native_stderr_from_several_threads_restores_it():

@@ -128,7 +128,8 @@ def native_stderr_silenced():
     they load on a host without their hardware ("could not determine TPU accelerator type", "Could not find cuda
     drivers"): expected there, and nothing the user can act on. Python's errors still reach the caller as
     exceptions, and Python's own writes to `sys.stderr` (progress lines from other threads) still reach the
-    terminal: `sys.stderr` writes to a copy of the real descriptor meanwhile. Reentrant across threads (a plan
+    terminal: `sys.stderr` writes to a copy of the real descriptor meanwhile (if it wrote to descriptor 2; a
+    stream of Python's own, such as a test's capture, is left as it is). Reentrant across threads (a plan
     compiles in several): the first block in redirects, the last one out restores, so a block ending while
     another runs can neither restore too early nor restore the redirection."""
     with _native_stderr_redirected():
@@ -173,9 +174,10 @@ def _native_stderr_redirected():
         if _silenced["depth"] == 0:
             sys.stderr.flush()
             _silenced["saved"] = os.dup(2)
-            _silenced["stderr"] = sys.stderr
-            sys.stderr = os.fdopen(os.dup(_silenced["saved"]), "w", buffering=1, encoding=sys.stderr.encoding,
-                                   errors=sys.stderr.errors)
+            _silenced["stderr"], _silenced["copy"] = sys.stderr, None
+            if _writes_to_descriptor_2(sys.stderr):  # else Python's lines go where they went (a test's capture)
+                _silenced["copy"] = sys.stderr = os.fdopen(os.dup(_silenced["saved"]), "w", buffering=1,
+                                                           encoding=sys.stderr.encoding, errors=sys.stderr.errors)
             _silenced["sink"] = tempfile.TemporaryFile()
             os.dup2(_silenced["sink"].fileno(), 2)
         _silenced["depth"] += 1
@@ -187,15 +189,24 @@ def _native_stderr_redirected():
             _silenced["depth"] -= 1
             if _silenced["depth"] == 0:
                 sys.stderr.flush()
-                sys.stderr.close()
-                sys.stderr = _silenced["stderr"]
+                if _silenced["copy"] is not None:
+                    _silenced["copy"].close()
+                    if sys.stderr is _silenced["copy"]:
+                        sys.stderr = _silenced["stderr"]
                 os.dup2(_silenced["saved"], 2)
                 os.close(_silenced["saved"])
                 _silenced["sink"].close()
 
 
+def _writes_to_descriptor_2(stream) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return False
+
+
 _SILENCED_LOCK = threading.Lock()
-_silenced: dict = {"depth": 0, "saved": -1, "stderr": None, "sink": None}
+_silenced: dict = {"depth": 0, "saved": -1, "stderr": None, "copy": None, "sink": None}
 
 
 def cpu_unless_accelerator() -> bool:

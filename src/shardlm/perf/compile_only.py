@@ -7,6 +7,9 @@ is laid out abstractly (nothing allocated), and the train step `shardlm train` w
 by the compiler of the devices it is for. The report says what that compiler found: bytes per device and whether
 they fit, the collectives of the step, its FLOPs, the compiler's own estimate of its time and the MFU it implies,
 beside shardlm's estimate (`shardlm.perf.timeline`). Nothing is written: no run directory, no checkpoint.
+Bytes, the compiler's estimate and MFU read as `shardlm plan` reads them: temporaries are the rest of the peak
+beside the state, XLA:TPU's estimate is withheld for a step with loops (it counts their bodies once), an MFU over
+100% is called the estimator's error, and the tensors XLA replicated to reshard them are named.
 
 A step the compiler refuses for its memory (XLA:TPU does) is reported, not raised: "does not fit" is an answer.
 """
@@ -50,10 +53,21 @@ class CompileReport:
 
     @property
     def fits(self) -> bool:
-        return self.step.refusal is None and self.step.peak <= self.hardware.memory_bytes
+        return self.step.refusal is None and self.peak <= self.hardware.memory_bytes
+
+    @property
+    def peak(self) -> int:
+        return self.step.at_peak(self.params + self.optimizer)[0]
+
+    @property
+    def temporaries(self) -> int:
+        """The rest of the peak beside the state (`CompiledStep.at_peak`), as `shardlm plan` counts them."""
+        return self.step.at_peak(self.params + self.optimizer)[1]
 
     def mfu(self, step_s: float | None) -> float | None:
-        return mfu(self.model_flops / self.devices, step_s, self.hardware.peak_flops)
+        """The MFU a step of `step_s` implies; None where it would exceed 100% (`planner.StrategyPlan.mfu`)."""
+        value = mfu(self.model_flops / self.devices, step_s, self.hardware.peak_flops)
+        return None if value is None or value > 1 else value
 
     @property
     def gemms_by_dtype(self) -> dict[str, int]:
@@ -68,14 +82,17 @@ class CompileReport:
     def to_dict(self) -> dict:
         s = self.step
         return {"target": self.target.name if self.target else None, "devices": self.devices, "mesh": self.mesh,
-                "bytes_per_device": {"params": self.params, "optimizer": self.optimizer, "temporaries": s.temp_bytes,
-                                     "peak": s.peak, "host_temporaries": s.host_temp_bytes},
+                "bytes_per_device": {"params": self.params, "optimizer": self.optimizer,
+                                     "temporaries": self.temporaries, "peak": self.peak,
+                                     "host_temporaries": s.host_temp_bytes, "compiler_temporaries": s.temp_bytes},
                 "memory_bytes": self.hardware.memory_bytes, "fits": self.fits, "refusal": s.refusal,
                 "collectives": hlo.summarize(s.collectives), "flops_per_device": s.flops_per_device,
                 "model_flops": self.model_flops, "compiler_step_s": s.compiler_s,
+                "compiler_step_withheld": s.compiler_withheld,
                 "compiler_mfu": self.mfu(s.compiler_s), "est_step_s": self.est.step_s,
                 "est_mfu": self.mfu(self.est.step_s), "compile_s": s.compile_s, "attention": self.attention,
-                "gemms_by_dtype": self.gemms_by_dtype}
+                "gemms_by_dtype": self.gemms_by_dtype,
+                "rematerialisations": [x.to_dict() for x in s.rematerialisations]}
 
 
 def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: int | None = None,
@@ -117,8 +134,22 @@ def _seconds(s: float | None) -> str:
     return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.3f} s"
 
 
-def _percent(x: float | None) -> str:
-    return "" if x is None else f" (MFU {x:.1%})"
+def _percent(r: CompileReport, step_s: float | None) -> str:
+    """The MFU a step of `step_s` implies, in parentheses; over 100%, said to be impossible rather than given."""
+    if step_s is None:
+        return ""
+    implied = mfu(r.model_flops / r.devices, step_s, r.hardware.peak_flops)
+    return (f" (MFU {implied:.1%})" if implied <= 1 else
+            f" (an MFU of {implied:.0%}, faster than the peak allows: the estimator's error, not the step's)")
+
+
+def _compiler_line(r: CompileReport, compiler: str) -> str:
+    """The target compiler's estimate of the step, or why there is none."""
+    s = r.step
+    why = ("it gives none for a program of one device" if s.compiler_s is None and s.platform == "gpu"
+           and r.devices == 1 else s.compiler_withheld)
+    return f"{compiler}'s estimate of the step: {_seconds(s.compiler_s)}{_percent(r, s.compiler_s)}" + (
+        f" ({why})" if why else "")
 
 
 def format_report(r: CompileReport) -> str:
@@ -135,7 +166,7 @@ def format_report(r: CompileReport) -> str:
         lines.append(f"fits: NO (the target has {fmt_bytes(hw.memory_bytes)} per device)")
     else:
         lines.append(f"memory per device: params {fmt_bytes(r.params)}, optimizer {fmt_bytes(r.optimizer)}, "
-                     f"temporaries {fmt_bytes(s.temp_bytes)}, peak {fmt_bytes(s.peak)} of "
+                     f"temporaries {fmt_bytes(r.temporaries)}, peak {fmt_bytes(r.peak)} of "
                      f"{fmt_bytes(hw.memory_bytes)}" + (f"; in host memory: {fmt_bytes(s.host_temp_bytes)} of "
                                                         "offloaded activations" if s.host_temp_bytes else ""))
         lines.append(f"fits: {'yes' if r.fits else 'NO'}")
@@ -151,12 +182,13 @@ def format_report(r: CompileReport) -> str:
                  f"{r.model_flops / r.devices / 1e12:.3f})" + ("; counted from the program the compiler was "
                                                                   "given, before it refused it" if s.refusal else ""))
     if s.platform != "cpu":
-        lines.append(f"{compiler}'s estimate of the step: {_seconds(s.compiler_s)}{_percent(r.mfu(s.compiler_s))}"
-                     + (" (it gives none for a program of one device)" if s.compiler_s is None and s.platform == "gpu"
-                        and r.devices == 1 else ""))
+        lines.append(_compiler_line(r, compiler))
     kinds = ", ".join(f"{k} {_seconds(v)}" for k, v in sorted(r.est.by_kind.items(), key=lambda kv: -kv[1]) if v)
-    lines.append(f"shardlm's estimate: {_seconds(r.est.step_s)}{_percent(r.mfu(r.est.step_s))} = "
+    lines.append(f"shardlm's estimate: {_seconds(r.est.step_s)}{_percent(r, r.est.step_s)} = "
                  f"{_seconds(r.est.compute_s)} of kernels{f' ({kinds})' if kinds else ''} + "
                  f"{_seconds(r.est.comm_s)} of collectives the schedule leaves exposed, of "
                  f"{_seconds(r.est.comm_total_s)} ({hw.name})")
+    if s.rematerialisations:
+        lines.append(f"{compiler} replicated to reshard (involuntary full rematerialisation): "
+                     + "; ".join(x.describe() for x in s.rematerialisations))
     return "\n".join(lines)

@@ -7,9 +7,13 @@ What each compiler gives:
 - XLA:GPU, deviceless (`--target h100`): memory analysis and the optimised HLO; no cost analysis. The time
   estimate is the latency-hiding scheduler's (`shardlm.perf.schedule`), dumped to a temporary directory. It is
   compiled with the options a run on GPUs gets (`accelerator.GPU_COMPILER_OPTIONS`).
-- XLA:TPU (`--target tpu-v5p`): memory analysis, cost analysis with `optimal_seconds` (its estimate of the
-  step's time). A program too large for the chip's memory is refused with RESOURCE_EXHAUSTED: that is reported
-  (`CompiledStep.refusal`, with the temporaries it asked for), not raised.
+- XLA:TPU (`--target tpu-v5p`): memory analysis (with its own peak), cost analysis with `optimal_seconds` (its
+  estimate of the step's time, withheld for a program with loops: `tpu_seconds`). A program too large for the
+  chip's memory is refused with RESOURCE_EXHAUSTED: that is reported (`CompiledStep.refusal`, with the
+  temporaries it asked for), not raised.
+
+What every compiler logs while compiling is captured, not shown (`xla_log`): the tensors its SPMD partitioner
+replicated to reshard them are the step's `rematerialisations`.
 
 FLOPs inside loops: XLA's cost analyses count a `while` body once, and the blocks of a scanned model, the
 microbatches of gradient accumulation and a pipeline's iterations are all loops. XLA:CPU's are counted from its
@@ -21,7 +25,6 @@ their trip counts (XLA:GPU's gradient-accumulation loop does not).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import shutil
@@ -29,9 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardlm.accelerator import GPU_COMPILER_OPTIONS, native_stderr_silenced
+from shardlm.accelerator import GPU_COMPILER_OPTIONS, native_stderr_captured
 from shardlm.errors import ShardlmError
-from shardlm.perf import hlo, kernels
+from shardlm.perf import hlo, kernels, xla_log
 from shardlm.perf.schedule import Schedule, read_schedule
 
 
@@ -50,14 +53,30 @@ class CompiledStep:
     hlo_text: str = ""
     refusal: str | None = None  # why the compiler refused the program (it does not fit), if it did
     reported_peak: int = 0  # the compiler's own peak (XLA:TPU's is what it checks against HBM), if it gives one
+    # why the compiler's estimate of the step's time is not given although it made one (XLA:TPU's, of a program
+    # with loops: `tpu_seconds`)
+    compiler_withheld: str | None = None
     host_temp_bytes: int = 0  # temporaries in host memory: activations a remat policy offloads (`model.remat_offload`)
     program: kernels.Program | None = None  # its kernels and collectives in schedule order (none if refused)
+    # tensors XLA's partitioner replicated to reshard them (`xla_log`): read from what it logged while compiling
+    rematerialisations: list[xla_log.Rematerialisation] = dataclasses.field(default_factory=list)
 
     @property
     def peak(self) -> int:
         """Everything the step holds at its peak: the compiler's figure where it gives one, else arguments +
         outputs - donated aliases + temporaries (an upper bound: a buffer may be freed before another is made)."""
         return self.reported_peak or (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes)
+
+    def at_peak(self, state_bytes: int) -> tuple[int, int]:
+        """(peak, what the step holds beside its state at the peak: activations, gradients, gathered weights, the
+        batch) per device, for a state (parameters and optimizer state) of `state_bytes` per device: so that
+        peak = state + the rest, whatever the compiler's own split. XLA:TPU's temporary allocation
+        (`temp_bytes`) is no such part: it sums temporaries that are never live together, and can exceed the
+        peak it checks against HBM (an unrolled 8-layer llama-tiny on 8 v5p chips: 35.6 MB of temporaries under
+        a peak of 8.4 MB). A refused program: the temporaries the compiler asked for, over the state."""
+        if self.refusal is not None:
+            return state_bytes + self.temp_bytes, self.temp_bytes
+        return self.peak, max(self.peak - state_bytes, 0)
 
 
 def _first(cost) -> dict:
@@ -84,14 +103,22 @@ def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops
     `matmul_flops`: the whole program's matrix-multiply FLOPs, counted from its jaxpr with every loop's trip count
     (`shardlm.flops.jaxpr_matmul_flops`): a GPU's or TPU's FLOPs per device, which their compiled programs do not
     show (cuBLAS and fusions hide the matmuls, and cost analysis counts a loop's body once). A compiler's failure
-    is raised as `CompileFailed`, one line."""
-    if platform == "gpu":
-        with native_stderr_silenced():  # XLA:GPU's C++ warnings (e.g. rematerialisation falling short): the
-            return _compile_gpu(lowered, n_devices, matmul_flops, keep_hlo)  # report says what they say
+    is raised as `CompileFailed`, one line. What the compiler logs while it compiles is read, not shown: the
+    tensors it had to replicate to reshard them become the step's `rematerialisations` (`xla_log`), and the rest
+    (a target's runtime noise about hardware this host does not have, libtpu's notes) is dropped."""
+    program = xla_log.program_name(lowered)
+    with native_stderr_captured() as said:
+        step = (_compile_gpu(lowered, n_devices, matmul_flops, keep_hlo) if platform == "gpu" else
+                _compile(lowered, n_devices, platform, matmul_flops, keep_hlo))
+    step.rematerialisations = xla_log.rematerialisations(said.text, program, said.thread_id)
+    return step
+
+
+def _compile(lowered, n_devices: int, platform: str, matmul_flops: float, keep_hlo: bool) -> CompiledStep:
+    """XLA:CPU or XLA:TPU: memory and cost analysis of the compiled step (XLA:TPU's refusal reported)."""
     t0 = time.perf_counter()
     try:
-        with native_stderr_silenced() if platform == "tpu" else contextlib.nullcontext():
-            compiled = lowered.compile()
+        compiled = lowered.compile()
     except Exception as e:  # XLA:TPU refuses a program larger than HBM (XlaRuntimeError, RESOURCE_EXHAUSTED)
         refusal = out_of_memory(str(e)) if platform == "tpu" else None
         if refusal is None:
@@ -100,7 +127,7 @@ def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     mem = compiled.memory_analysis()
-    estimate = tpu_seconds(_first(compiled.cost_analysis()), text) if platform == "tpu" else None
+    estimate, withheld = tpu_seconds(_first(compiled.cost_analysis()), text) if platform == "tpu" else (None, None)
     flops = hlo.compiled_flops(compiled) if platform == "cpu" else matmul_flops / n_devices
     ops = hlo.collectives(text, n_devices)
     return CompiledStep(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
@@ -108,7 +135,8 @@ def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops
                         compile_s, platform, estimate, hlo_text=text if keep_hlo else "",
                         # XLA:CPU's plans keep the sum below (their numbers predate this field)
                         reported_peak=0 if platform == "cpu" else getattr(mem, "peak_memory_in_bytes", 0) or 0,
-                        host_temp_bytes=host_temps(mem), program=kernels.program(text, n_devices, ops))
+                        host_temp_bytes=host_temps(mem), program=kernels.program(text, n_devices, ops),
+                        compiler_withheld=withheld)
 
 
 def host_temps(memory_analysis) -> int:
@@ -116,15 +144,28 @@ def host_temps(memory_analysis) -> int:
     return int(getattr(memory_analysis, "host_temp_size_in_bytes", 0) or 0)
 
 
-def tpu_seconds(cost: dict, hlo_text: str) -> float | None:
-    """XLA:TPU's own estimate of the step's time (`optimal_seconds`). libtpu 0.0.4x adds -1 to it for every
-    `ConcatBitcast` custom call of the program (a sentinel, seen in every program that has them), so those are
-    added back; what is still not positive is no estimate."""
+def tpu_seconds(cost: dict, hlo_text: str) -> tuple[float | None, str | None]:
+    """(XLA:TPU's own estimate of the step's time, or None; why it is withheld, if it is). The estimate is the
+    cost analysis's `optimal_seconds`. libtpu 0.0.4x adds -1 to it for every `ConcatBitcast` custom call of the
+    program (a sentinel, seen in every program that has them), so those are added back; what is still not
+    positive is no estimate. Like its FLOPs, XLA:TPU's cost analysis counts a `while` loop's body once: for a
+    step with loops (the scanned layers, gradient accumulation's microbatches, windowed einsums) it is a fraction
+    of the step (llama-tiny scanned, 2 then 8 layers: 29 then 49 us; unrolled: 38 then 111 us; llama-1b's 16
+    scanned layers on 8 v5p chips read as 399-647% MFU). There it is withheld, with the reason."""
     seconds = cost.get("optimal_seconds")
     if seconds is None:
-        return None
+        return None, None
     seconds = float(seconds) + hlo_text.count('custom_call_target="ConcatBitcast"')
-    return seconds if seconds > 0 else None
+    if seconds <= 0:
+        return None, None
+    loops = hlo.loop_trips(hlo_text)
+    if loops:
+        known = sorted({n for n in loops if n is not None}, reverse=True)
+        what = ", ".join(f"{n} iterations" for n in known) + (", " if known and None in loops else "") + (
+            "a count XLA does not say" if None in loops else "")
+        return None, (f"XLA:TPU's optimal_seconds ({seconds * 1e3:.3g} ms) counts a loop's body once, and this step "
+                      f"runs {len(loops)} loop{'s' if len(loops) > 1 else ''} ({what})")
+    return seconds, None
 
 
 # What a deviceless XLA:GPU compile changes from a run's, and why: XLA:GPU rewrites a large sort (a mixture of

@@ -174,10 +174,9 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
     for ins in instructions:
         if ins.opcode == "while":
             body = re.search(r"body=%([\w.\-]+)", ins.attrs)
-            n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
             if body:
-                parent[body.group(1)] = (ins.computation,
-                                         int(n.group(1)) if n else _counted_trips(ins, instructions) or 1)
+                trips = _loop_trips(ins, instructions)
+                parent[body.group(1)] = (ins.computation, 1 if trips is None else trips)
         elif ins.opcode in ("fusion", "call"):
             called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", ins.attrs)
             if called:
@@ -193,6 +192,21 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
         return n * times(outer, seen + (comp,))
 
     return {comp: times(comp) for comp in {i.computation for i in instructions}}
+
+
+def _loop_trips(loop: _Instruction, instructions: list[_Instruction]) -> int | None:
+    """A `while` loop's trip count: XLA's annotation, else counted from its condition (`_counted_trips`); None if
+    neither says."""
+    n = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+    return int(n.group(1)) if n else _counted_trips(loop, instructions)
+
+
+def loop_trips(hlo_text: str) -> list[int | None]:
+    """The trip count of each `while` loop of a program that may run its body more than once per execution of the
+    computation holding it (None: a count neither XLA nor its condition says), in program order."""
+    instructions = _parse(hlo_text)
+    trips = [_loop_trips(ins, instructions) for ins in instructions if ins.opcode == "while"]
+    return [n for n in trips if n is None or n > 1]
 
 
 def _counted_trips(loop: _Instruction, instructions: list[_Instruction]) -> int | None:

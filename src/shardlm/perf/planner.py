@@ -6,8 +6,10 @@ devices span hosts; to experts for a mixture of experts), the real train step (t
 `shardlm train` runs: model, AdamW, loss, gradient clipping) is lowered and compiled against N devices, and read:
 
 - bytes per device: parameters and optimizer state from the shardings of the state (exactly what each device
-  holds); gradients, sharded like the parameters once reduced; temporaries and the peak from XLA's memory analysis
-  of the compiled step (peak = arguments + outputs - donated aliases + temporaries);
+  holds); gradients, sharded like the parameters once reduced; the peak from XLA's memory analysis of the
+  compiled step (XLA:TPU's own peak, else arguments + outputs - donated aliases + temporaries), and as its
+  temporaries the rest of the peak beside the state, so that peak = params + optimizer + temporaries in every row
+  (`CompiledStep.at_peak`: XLA:TPU's temporary allocation can exceed its peak);
 - the collectives per step, from the compiled HLO (`shardlm.perf.hlo`);
 - FLOPs per device per step, from XLA's cost analysis;
 - an estimated step time from `shardlm.perf.costmodel`;
@@ -16,15 +18,21 @@ devices span hosts; to experts for a mixture of experts), the real train step (t
 
 Strategies are compiled in the order of an analytic lower bound on their step time (`shardlm.perf.bounds`);
 once one that fits has an estimate, those whose bound exceeds it are not compiled (listed as pruned, with the
-reason). Nothing is executed and no array is allocated: the state is abstract (shapes and shardings). On a CPU host the N
+reason). Progress is a line per candidate as its fate is known (compiled, failed or pruned), counted against all
+of them: the count's total never changes. What XLA logs while compiling is kept off the terminal; the tensors
+its partitioner had to replicate to reshard them are reported per strategy (`shardlm.perf.xla_log`).
+
+Nothing is executed and no array is allocated: the state is abstract (shapes and shardings). On a CPU host the N
 devices are simulated (`--xla_force_host_platform_device_count`), so 64 or 256 work on a laptop; the compiled
 program is XLA:CPU's, whose partitioning is the accelerators' but whose buffer scheduling is its own, so the
 temporaries are indicative (within tens of percent of a GPU's), not exact.
 
 With a target (`--target h100`, `shardlm.perf.targets`) the step is compiled by that accelerator's own compiler
 for abstract devices of it: memory, collectives and fits are then XLA:GPU's or XLA:TPU's, and the compiler's own
-estimate of the step's time (`compiler_s`) and the MFU it implies stand beside the cost model's. A program the
-compiler refuses for its memory (XLA:TPU does) is reported as not fitting, with the compiler's reason.
+estimate of the step's time (`compiler_s`) and the MFU it implies stand beside the cost model's (XLA:TPU's is
+withheld for a step with loops, whose bodies it counts once: `compiled.tpu_seconds`). A program the compiler
+refuses for its memory (XLA:TPU does) is reported as not fitting, with the compiler's reason. No MFU above 100% is
+shown: a step faster than the peak allows for the model's FLOPs is an estimator's error (`StrategyPlan.mfu`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import re
 import sys
 import time
 
@@ -53,6 +62,7 @@ from shardlm.perf.strategies import (
 )
 from shardlm.perf.targets import Target
 from shardlm.perf.timeline import step_estimate
+from shardlm.perf.xla_log import Rematerialisation
 from shardlm.units import fmt_bytes
 
 
@@ -62,8 +72,8 @@ class StrategyPlan:
     params: int  # bytes per device
     optimizer: int
     gradients: int  # once reduced, sharded like the parameters; these buffers are part of `temporaries`
-    temporaries: int
-    peak: int  # arguments + outputs - donated aliases + temporaries: everything the step holds at its peak
+    temporaries: int  # the rest of the peak: peak - params - optimizer (`CompiledStep.at_peak`)
+    peak: int  # everything the step holds at its peak: the compiler's, or arguments + outputs - aliases + temporaries
     collectives: list[hlo.CollectiveOp]
     flops_per_device: float
     model_flops: float  # per step, all devices (the model source's convention: 6N + 12LTd for shardlm's models)
@@ -72,12 +82,16 @@ class StrategyPlan:
     compile_s: float
     rank: int = 0
     compiler_s: float | None = None  # the target compiler's own estimate of the step's time
+    compiler_withheld: str | None = None  # why the compiler's estimate is not given although it made one
+    compiler_temps: int = 0  # the compiler's temporary allocation (XLA's temp size; XLA:TPU's exceeds the peak)
     refusal: str | None = None  # the target compiler refused the program (it does not fit): its reason
     hidden: dict | None = None  # XLA:GPU's schedule: fraction of each collective kind's time hidden by compute
     host_temps: int = 0  # temporaries in host memory (activations offloaded by `model.remat_offload`)
     remat: str = ""  # the remat policy it was compiled with, when the plan compares several (`--remat`)
     program: Program | None = None  # its kernels in schedule order: what `rank_strategies` costs on any hardware
     matmul_dtype: str = ""  # the blocks' matmul dtype it was compiled with, when the plan compares several
+    # tensors XLA replicated on every device to reshard them, as its partitioner logged them (`perf.xla_log`)
+    rematerialisations: list[Rematerialisation] = dataclasses.field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -90,11 +104,22 @@ class StrategyPlan:
                 + ([f"model.matmul_dtype={self.matmul_dtype}"] if self.matmul_dtype else []))
 
     def mfu(self, step_s: float | None, hardware: Hardware) -> float | None:
-        """Model FLOPs per device per second over the peak (the FP8 peak for FP8 matmuls), for a step of `step_s`."""
+        """Model FLOPs per device per second over the peak (the FP8 peak for FP8 matmuls), for a step of `step_s`;
+        None without a step time, or where it would exceed 100%: a step faster than the peak allows for the
+        model's FLOPs is an estimator's error, not a figure (`impossible_mfus` says which)."""
+        value = self._mfu(step_s, hardware)
+        return None if value is None or value > 1 else value
+
+    def _mfu(self, step_s: float | None, hardware: Hardware) -> float | None:
         from shardlm.flops import mfu  # JAX-importing: planning_flags runs before JAX starts
 
         return mfu(self.model_flops / self.strategy.devices, step_s,
                    hardware.for_matmuls(self.matmul_dtype).peak_flops)
+
+    def impossible_mfus(self, hardware: Hardware) -> dict[str, float]:
+        """{estimator: the MFU its step time implies} for the estimates of this step that imply more than 100%."""
+        implied = {"est": self._mfu(self.est.step_s, hardware), "compiler": self._mfu(self.compiler_s, hardware)}
+        return {k: v for k, v in implied.items() if v is not None and v > 1}
 
     @property
     def flops(self) -> float:
@@ -125,7 +150,7 @@ class StrategyPlan:
             "mesh": self.strategy.mesh,
             "bytes_per_device": {"params": self.params, "optimizer": self.optimizer, "gradients": self.gradients,
                                  "temporaries": self.temporaries, "peak": self.peak, "total": self.peak,
-                                 "host_temporaries": self.host_temps},
+                                 "host_temporaries": self.host_temps, "compiler_temporaries": self.compiler_temps},
             "collectives": hlo.summarize(self.collectives),
             "issued_collectives": issued(self.collectives),
             "comm_bytes_per_device": round(self.est.traffic_bytes),
@@ -137,6 +162,7 @@ class StrategyPlan:
             "fits": self.fits,
             "refusal": self.refusal,
             "compiler_step_s": self.compiler_s,
+            "compiler_step_withheld": self.compiler_withheld,
             "compiler_mfu": self.mfu(self.compiler_s, hardware) if hardware else None,
             "collectives_hidden": self.hidden,
             "est_mfu": self.mfu(self.est.step_s, hardware) if hardware else None,
@@ -145,6 +171,7 @@ class StrategyPlan:
             "est_comm_s": self.est.comm_s,  # the collectives' time left exposed by the schedule
             "est_comm_total_s": self.est.comm_total_s,  # hidden or not
             "est_kernels_s": self.est.by_kind,  # the kernels' time by kind: gemm, attention, memory
+            "rematerialisations": [r.to_dict() for r in self.rematerialisations],
             "overrides": self.overrides(),
         }
 
@@ -231,9 +258,10 @@ def _param_count(cfg: Config, vocab: int) -> int:
     return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
-def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target | None = None, prepared=None):
+def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target | None = None, prepared=None,
+           name: str = "step"):
     """(lowered train step, its matmul FLOPs, param bytes/device, optimizer bytes/device) for one strategy;
-    `prepared`: its `_abstract_state`, when already built."""
+    `prepared`: its `_abstract_state`, when already built; `name`: the step's (`train.step.make_train_step`)."""
     import contextlib
 
     from shardlm.flops import jaxpr_matmul_flops
@@ -243,7 +271,7 @@ def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target 
 
     mesh, (_, graphdef, abstract, shardings) = prepared or _abstract_state(cfg, strategy, vocab, devices, target)
     with tracing_for(target) if target else contextlib.nullcontext():
-        step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh)
+        step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh, name)
         traced = step.trace(abstract, batch_struct(cfg, mesh))
         lowered = traced.lower()
     return lowered, jaxpr_matmul_flops(traced.jaxpr), shard_bytes(abstract["model"]), \
@@ -320,27 +348,33 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     def compile_one(lowered, matmul_flops, devices_used):
         return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops)
 
+    def progress(c: Candidate, what: str) -> None:
+        """A line per candidate as its fate is known: compiled, failed or pruned, counted against all of them, so
+        that the count's total never changes."""
+        log(f"[{len(results) + len(failed) + len(pruned)}/{len(candidates)}] {c.name}: {what}")
+
     def read(c, p_bytes, o_bytes, future):
         try:
             step: CompiledStep = future.result()
         except CompileFailed as e:  # said in the plan beside the others, not raised: the rest may compile
             failed.append((c, str(e)))
-            log(f"[{len(results) + len(failed)}/{len(candidates) - len(pruned)}] {c.name}: {e}")
+            progress(c, str(e))
             return
         s = c.strategy
-        r = StrategyPlan(s, p_bytes, o_bytes, p_bytes, step.temp_bytes, step.peak, step.collectives,
+        peak, temporaries = step.at_peak(p_bytes + o_bytes)
+        r = StrategyPlan(s, p_bytes, o_bytes, p_bytes, temporaries, peak, step.collectives,
                          step.flops_per_device, model_flops_per_step(cfg, vocab, s.tensor), None, False,
-                         step.compile_s, compiler_s=step.compiler_s, refusal=step.refusal,
+                         step.compile_s, compiler_s=step.compiler_s, compiler_withheld=step.compiler_withheld,
+                         compiler_temps=step.temp_bytes, refusal=step.refusal,
                          hidden=step.schedule.hidden_by_kind() if step.schedule else None,
                          host_temps=step.host_temp_bytes, remat=c.remat, program=step.program,
-                         matmul_dtype=c.matmul_dtype)
+                         matmul_dtype=c.matmul_dtype, rematerialisations=step.rematerialisations)
         rank_strategies([r], hardware)
         if r.fits and (best[0] is None or r.est.step_s < best[0][0]):
             best[0] = (r.est.step_s, c)
         results.append(r)
-        log(f"[{len(results) + len(failed)}/{len(candidates) - len(pruned)}] {c.name}: compiled in "
-            f"{step.compile_s:.1f} s"
-            + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
+        progress(c, f"compiled in {step.compile_s:.1f} s"
+                 + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
 
     # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering. Results are
     # read as they finish, so that the best estimate so far can prune what is left.
@@ -352,15 +386,13 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                 pending.remove(item)
                 read(*item)
             prepared = _abstract_state(cfg_c, s, vocab, devices, target)
-            if strategies is None and (why := _cannot_fit(prepared[1][2], hardware)):
+            why = None if strategies is not None else _pruning(prepared, bounds[s], best[0], hardware)
+            if why:
                 pruned.append((c, why))
+                progress(c, f"pruned, not compiled: {why}")
                 continue
-            if strategies is None and best[0] is not None and not bounds[s].beats(best[0][0]):
-                pruned.append((c, f"cannot beat {best[0][1].name} ({_format_seconds(best[0][0])}): its lower bound "
-                                  f"is {_format_seconds(bounds[s].step_s)} ({_format_seconds(bounds[s].compute_s)} "
-                                  f"compute + {_format_seconds(bounds[s].comm_s)} of unavoidable traffic)"))
-                continue
-            lowered, matmul_flops, p_bytes, o_bytes = _lower(cfg_c, s, vocab, devices, target, prepared)
+            lowered, matmul_flops, p_bytes, o_bytes = _lower(cfg_c, s, vocab, devices, target, prepared,
+                                                             c.program_name)
             pending.append((c, p_bytes, o_bytes, pool.submit(compile_one, lowered, matmul_flops, s.devices)))
             del lowered
         while pending:  # drop each executable once read: 64 devices' worth of programs add up
@@ -369,6 +401,18 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
         raise ShardlmError("no strategy compiled: " + "; ".join(f"{c.name}: {why}" for c, why in failed))
     return Plan(cfg, n, hardware, rank_strategies(results, hardware), rejected, param_count,
                 time.perf_counter() - t0, platform, target, pruned, failed)
+
+
+def _pruning(prepared, bound, best, hardware: Hardware) -> str | None:
+    """Why a candidate (its `_abstract_state`, its lower bound) need not be compiled, or None: it cannot fit, or
+    it cannot beat `best` (estimated step time, candidate) of those compiled so far."""
+    if why := _cannot_fit(prepared[1][2], hardware):
+        return why
+    if best is not None and not bound.beats(best[0]):
+        return (f"cannot beat {best[1].name} ({_format_seconds(best[0])}): its lower bound is "
+                f"{_format_seconds(bound.step_s)} ({_format_seconds(bound.compute_s)} compute + "
+                f"{_format_seconds(bound.comm_s)} of unavoidable traffic)")
+    return None
 
 
 def plan_peak_dtype(cfg: Config, matmul_dtypes: list[str] | None = None) -> str:
@@ -389,6 +433,12 @@ class Candidate:
     @property
     def name(self) -> str:
         return self.strategy.name + variant_suffix(self.remat, self.matmul_dtype)
+
+    @property
+    def program_name(self) -> str:
+        """Its train step's name, an identifier unique in the plan: compiles run at once, and what XLA logs about
+        an instruction names the step it is in (`perf.xla_log`)."""
+        return "step_" + re.sub(r"\W+", "_", self.name)
 
 
 def variant_suffix(remat: str, matmul_dtype: str) -> str:
@@ -493,8 +543,12 @@ def format_plan(p: Plan) -> str:
                              f"{fmt_bytes(c['sent_per_device'])})" for c in cross)
             lines.append(f"  {r.label:<{w}} {what or 'nothing crosses hosts'}")
         lines.append("")
-    lines.append("bytes are per device; peak = params + optimizer + temps (activations, gradients, gathered "
-                 "weights); grads* = the gradients once reduced, sharded like the parameters, inside temps"
+    lines.append("bytes are per device; peak = params + optimizer + temps, everything the step holds at once: "
+                 + ("XLA:TPU's own peak (what it checks against HBM; a refused step: its state and the temporaries "
+                    "it asked for)" if p.platform == "tpu" else
+                    "arguments + outputs - donated buffers + XLA's temporaries")
+                 + "; temps = the rest of the peak beside the state (activations, gradients, gathered weights, the "
+                 "batch); grads* = the gradients once reduced, sharded like the parameters, inside temps"
                  + ("; host = activations offloaded to host memory (model.remat_offload), not in the peak"
                     if offloads else ""))
     lines.append("comm/dev = what one device sends per step (ring algorithms); est step = the compiled step's "
@@ -505,13 +559,14 @@ def format_plan(p: Plan) -> str:
     lines.append(f"MFU = model FLOPs ({flops_convention(p.cfg)}) per device per second over the peak"
                  + (" (the FP8 peak for matmul_dtype=fp8)" if any(r.matmul_dtype == "fp8" for r in p.strategies)
                     else ""))
+    lines += impossible_mfu_lines(p)
     if target:
         lines.append(_compiler_note(p))
     if p.platform == "cpu" and p.cfg.model.dtype != "float32":
         lines.append(f"note: XLA:CPU emulates {p.cfg.model.dtype} in float32, so temps and collectives above are "
                      "float32-sized (or more, with the conversions); a GPU or TPU computes it natively and needs "
                      "less: check there with `shardlm bench`")
-    lines += attention_lines(p) + pipeline_lines(p) + remat_lines(p) + matmul_lines(p)
+    lines += attention_lines(p) + pipeline_lines(p) + remat_lines(p) + matmul_lines(p) + rematerialisation_lines(p)
     for s, why in p.pruned:
         lines.append(f"pruned (not compiled): {s.name}: {why}")
     for c, why in p.failed:
@@ -581,6 +636,13 @@ def matmul_lines(p: Plan) -> list[str]:
     return ["FP8 matmuls against the compute dtype's, per strategy: " + "; ".join(parts)] if parts else []
 
 
+def rematerialisation_lines(p: Plan) -> list[str]:
+    """A line per strategy whose compile replicated a tensor on every device to reshard it (XLA's involuntary
+    full rematerialisation, `perf.xla_log`): which tensors, their bytes and the operation they came from."""
+    return [f"XLA replicated to reshard (involuntary full rematerialisation), {r.label}: "
+            + "; ".join(x.describe() for x in r.rematerialisations) for r in p.strategies if r.rematerialisations]
+
+
 def pipeline_lines(p: Plan) -> list[str]:
     """For each strategy with pipeline stages: the schedule's bubble (which the compiled step's FLOPs, and so the
     estimate, already include: idle stages compute on zeros) and what it hands between stages, in all and across
@@ -621,7 +683,21 @@ def _compiler_note(p: Plan) -> str:
                 for name, h in hidden)
     else:
         what += " (cost analysis optimal_seconds)"
+        withheld = [r.label for r in p.strategies if r.compiler_withheld]
+        if withheld:
+            what += ("\ncompiler '-' for " + ("every strategy" if len(withheld) == len(p.strategies) else
+                                               ", ".join(withheld))
+                     + ": XLA:TPU's optimal_seconds counts a loop's body once, and these steps loop (the scanned "
+                     "layers, microbatches, windowed einsums), so its figure is a fraction of the step, not an "
+                     "estimate of it (JSON: compiler_step_withheld)")
     return what
+
+
+def impossible_mfu_lines(p: Plan) -> list[str]:
+    """A line naming the estimates whose MFU would exceed 100%, shown as '-' (`StrategyPlan.mfu`), if any."""
+    over = [f"{r.label} {what} {mfu:.0%}" for r in p.strategies for what, mfu in r.impossible_mfus(p.hardware).items()]
+    return [f"MFU '-' where it would exceed 100% (a step faster than the peak allows for the model's FLOPs is the "
+            f"estimator's error): {', '.join(over)}"] if over else []
 
 
 def _percent(x: float | None) -> str:

@@ -18,7 +18,9 @@ Design choices:
   hosts, so a TPU target's "hosts" cost like its links.
 - A missing package or an unknown name is a one-line error that names the fix (`TargetUnavailable`).
 - The runtime's noise (libtpu's "no TPU found" logs, the CUDA plugin's missing-driver lines) is kept from the
-  user: `shardlm.accelerator.native_stderr_silenced` around the calls that print it.
+  user: `shardlm.accelerator.native_stderr_silenced` around the calls that print it. libtpu is told to log its
+  warnings to stderr (`TPU_STDERR_LOG_LEVEL`) rather than only to /tmp/tpu_logs, so that a compile reads what
+  XLA:TPU's partitioner says about the step (`shardlm.perf.xla_log`), as XLA:CPU's and XLA:GPU's is read.
 """
 
 from __future__ import annotations
@@ -166,6 +168,10 @@ def _topology(name: str, n_devices: int, hosts: int | None):
         bounds, chips_per_host = _tpu_bounds(target, n_devices)
         # libtpu refuses a second process loading it at the same time without this (two plans at once).
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        # libtpu logs warnings to a file of /tmp/tpu_logs unless told to write them to stderr, where a compile
+        # reads them (the partitioner's involuntary rematerialisations, `perf.xla_log`) and keeps them off the
+        # terminal. Read when libtpu loads, which is here.
+        os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "1")
         return topologies.get_topology_desc(
             platform="tpu", topology_name=f"{target.tpu_version}:{'x'.join(map(str, bounds))}",
             chip_config_name=target.chip_config, chips_per_host_bounds=chips_per_host, num_slices=1,

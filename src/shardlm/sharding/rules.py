@@ -19,8 +19,9 @@ strategy:
   not split by position, so the context devices would each hold every weight, as data-parallel replicas do;
   like MaxText, `embed` is sharded over fsdp x context instead (ZeRO-3 over the context devices too): the same
   bytes on the wire as the gradient all-reduce replicas would need, and 1/N of the weights and AdamW moments,
-  which long sequences need most. Token batches are not split along the sequence (a row is seq_len + 1 tokens,
-  inputs and shifted targets); the model splits them as it embeds.
+  which long sequences need most. The one parameter split by position, a learned position table (`pos`), is
+  split over context along it, as the tokens it is added to are. Token batches are not split along the sequence
+  (a row is seq_len + 1 tokens, inputs and shifted targets); the model splits them as it embeds.
 - Hybrids: the product of the above.
 
 Parameters and activations differ in one name: a parameter's `embed` dimension is FSDP-sharded, while the
@@ -63,6 +64,11 @@ LOGICAL_AXIS_RULES: Rules = (
     ("layers", "stage"),  # the stacked blocks' leading axis (`model.scan_layers`): pipeline stages split it
     ("layers", None),
     ("experts", "expert"),  # a mixture of experts' expert dimension (claims `expert` before `embed` can)
+    # A position table is stored as it is read: split over context as the sequence is (so it claims `context`
+    # before `embed` can). Split over context on `embed` instead, the rows each device adds would have to move
+    # the context split from one dimension to the other, which XLA's partitioner can do only by replicating the
+    # table and its gradient on every device (an involuntary full rematerialisation).
+    ("pos", "context"),
     ("embed", ("fsdp", "context", "expert")),  # context and expert devices are FSDP shards of the weights too ...
     ("embed", ("fsdp", "context")),
     ("embed", "fsdp"),  # ... unless the product does not divide the dimension
@@ -480,10 +486,10 @@ def rules_without(axes: tuple[str, ...], rules: Rules) -> Rules:
 
 
 def generation_rules(rules: Rules | None = None) -> Rules:
-    """The table with `seq` and `layers` left whole: generation's. A decode step has one token per row, so the
-    context devices serve as replicas; and it runs the layers one after another, not as a pipeline, so the stage
-    devices do too (each holds every layer)."""
-    return tuple((name, None if name in ("seq", "layers") else axes)
+    """The table with `seq`, `pos` and `layers` left whole: generation's. A decode step has one token per row, so
+    the context devices serve as replicas (and a row looks up its position in the whole table); and it runs the
+    layers one after another, not as a pipeline, so the stage devices do too (each holds every layer)."""
+    return tuple((name, None if name in ("seq", "pos", "layers") else axes)
                  for name, axes in (LOGICAL_AXIS_RULES if rules is None else rules))
 
 

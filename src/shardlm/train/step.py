@@ -22,12 +22,14 @@ from shardlm.train.source import model_source
 
 
 def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss_of, grad_accum: int = 1,
-                    aux_loss_weight: float = 0.0):
+                    aux_loss_weight: float = 0.0, name: str = "step"):
     """The jitted train step. `loss_of(model, batch, mesh, key=...) -> (loss, stats)` is the model's training loss
     as its source computes it (`train.source`): the forward pass with its dropout and activation constraints, the
     next-token cross entropy (shardlm's models fuse it with the head), and a mixture of experts' statistics
     (`model_metrics`), whose load-balancing loss joins the objective times `aux_loss_weight`. The logged `loss` is
-    the cross entropy alone."""
+    the cross entropy alone. `name` (an identifier) names the jitted function, and so the program and the op_name
+    of every instruction XLA compiles of it ("jit(step)/..."): a plan names each strategy's step, so that what XLA
+    logs about an instruction says which step it is in (`shardlm.perf.xla_log`)."""
     graphdef = train_state.graphdef
     param_shardings = nnx.filter_state(train_state.shardings["model"], nnx.Param)  # what gradients are taken of
     base_key = jax.random.key(seed)
@@ -61,6 +63,7 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
             optimizer.update(model, grads)
         return nnx.state(objects), metrics
 
+    step.__name__ = step.__qualname__ = name
     return jax.jit(
         step,
         in_shardings=(train_state.shardings, batch_sharding),
@@ -151,13 +154,14 @@ def make_eval_step(train_state, mesh, batch_sharding, token_bytes, forward):
     return jax.jit(step, in_shardings=(train_state.shardings, batch_sharding), out_shardings=replicated(mesh))
 
 
-def train_step_for(cfg, train_state, mesh):
-    """The jitted train step exactly as `shardlm train` builds it for `cfg` (plan, bench and profile use it)."""
+def train_step_for(cfg, train_state, mesh, name: str = "step"):
+    """The jitted train step exactly as `shardlm train` builds it for `cfg` (plan, bench and profile use it), its
+    function called `name` (`make_train_step`)."""
     from shardlm.train.state import make_schedule
 
     source = model_source(cfg)
     return make_train_step(train_state, mesh, source.batch_sharding(mesh), make_schedule(cfg), cfg.seed,
-                           source.loss, cfg.train.grad_accum, source.aux_loss_weight)
+                           source.loss, cfg.train.grad_accum, source.aux_loss_weight, name)
 
 
 def eval_step_for(cfg, train_state, mesh, token_bytes):
