@@ -143,6 +143,12 @@ def mfu(model_flops_per_device: float, step_s: float | None, peak_flops: float) 
     return model_flops_per_device / step_s / peak_flops if step_s else None
 
 
+def possible_mfu(value: float | None) -> float | None:
+    """An implied MFU as a figure to show: None above 100%, where a step faster than the peak allows for the
+    model's FLOPs is an estimator's error, not a figure (`plan` and `--compile-only` say so instead)."""
+    return None if value is None or value > 1 else value
+
+
 def table_peak(device_kind: str, dtype: str = "float32") -> float | None:
     dtype = resolve_dtype(dtype)
     for pattern, peaks in _PEAKS:

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 
 from shardlm.config import Config, describe
-from shardlm.flops import jaxpr_matmul_flops, mfu, peak_dtype
+from shardlm.flops import jaxpr_matmul_flops, mfu, peak_dtype, possible_mfu
 from shardlm.foreign.modules import is_py
 from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.models.layers import attention_summary
@@ -66,8 +66,11 @@ class CompileReport:
 
     def mfu(self, step_s: float | None) -> float | None:
         """The MFU a step of `step_s` implies; None where it would exceed 100% (`planner.StrategyPlan.mfu`)."""
-        value = mfu(self.model_flops / self.devices, step_s, self.hardware.peak_flops)
-        return None if value is None or value > 1 else value
+        return possible_mfu(self.implied_mfu(step_s))
+
+    def implied_mfu(self, step_s: float | None) -> float | None:
+        """The MFU a step of `step_s` implies, however high."""
+        return mfu(self.model_flops / self.devices, step_s, self.hardware.peak_flops)
 
     @property
     def gemms_by_dtype(self) -> dict[str, int]:
@@ -138,7 +141,7 @@ def _percent(r: CompileReport, step_s: float | None) -> str:
     """The MFU a step of `step_s` implies, in parentheses; over 100%, said to be impossible rather than given."""
     if step_s is None:
         return ""
-    implied = mfu(r.model_flops / r.devices, step_s, r.hardware.peak_flops)
+    implied = r.implied_mfu(step_s)
     return (f" (MFU {implied:.1%})" if implied <= 1 else
             f" (an MFU of {implied:.0%}, faster than the peak allows: the estimator's error, not the step's)")
 

@@ -107,8 +107,9 @@ class StrategyPlan:
         """Model FLOPs per device per second over the peak (the FP8 peak for FP8 matmuls), for a step of `step_s`;
         None without a step time, or where it would exceed 100%: a step faster than the peak allows for the
         model's FLOPs is an estimator's error, not a figure (`impossible_mfus` says which)."""
-        value = self._mfu(step_s, hardware)
-        return None if value is None or value > 1 else value
+        from shardlm.flops import possible_mfu  # JAX-importing: planning_flags runs before JAX starts
+
+        return possible_mfu(self._mfu(step_s, hardware))
 
     def _mfu(self, step_s: float | None, hardware: Hardware) -> float | None:
         from shardlm.flops import mfu  # JAX-importing: planning_flags runs before JAX starts
