@@ -226,9 +226,9 @@ def test_plan_enumerates_and_costs_context_splits_for_a_batch_smaller_than_the_d
 
 
 def test_a_context_run_trains_samples_and_generates_the_same_on_one_device(tmp_path):
-    """Its checkpoint, read onto one device, generates the tokens it generates on the run's mesh. (A checkpoint
-    resumed onto a context mesh, loss for loss: test_checkpoint's test_fsdp8_checkpoint_continues_on_another_mesh
-    [fsdp2xcp4].)"""
+    """Its checkpoint, read onto one device, generates the tokens it generates on the run's mesh; a reader on fewer
+    devices than the run's mesh names none: it gets FSDP over what it has, and a note. (A checkpoint resumed onto a
+    context mesh, loss for loss: test_checkpoint's test_fsdp8_checkpoint_continues_on_another_mesh [fsdp2xcp4].)"""
     from shardlm.generate import Generator
     from shardlm.load import load_model
     from shardlm.sampling import Sampling
@@ -243,9 +243,11 @@ def test_a_context_run_trains_samples_and_generates_the_same_on_one_device(tmp_p
     assert (run_dir / "samples.txt").read_text().strip()  # sampled on the context mesh
     prompt = [[ord(c) for c in "ROMEO:"]]
     tokens = {}
-    for name, overrides, devices in (("run's mesh", (), None), ("one device", ["mesh.data=1"], jax.devices()[:1])):
-        m = load_model(run_dir, overrides=overrides, devices=devices)
+    for name, devices in (("run's mesh", None), ("one device", jax.devices()[:1])):
+        m = load_model(run_dir, devices=devices)
         assert dict(m.mesh.shape)["context"] == (4 if devices is None else 1)
+        assert m.note == ("" if devices is None else f"{run_dir} trained on 8 devices; loading onto the 1 here as "
+                          "mesh.data=1 mesh.fsdp=-1 mesh.tensor=1 (pass mesh.*= to choose)")
         gen = Generator(m.graphdef, m.state, m.mesh, eot_id=m.tokenizer.eot_id)
         tokens[name] = gen.generate(prompt, 12, Sampling(temperature=0))[0].ids
     assert tokens["run's mesh"] == tokens["one device"] and len(tokens["one device"]) == 12

@@ -366,7 +366,7 @@ def _generate(args: argparse.Namespace) -> None:
     texts = read_prompts_file(args.prompts_file) if args.prompts_file else [args.prompt or ""]
     m = load_model(args.run_dir, step=args.step, overrides=args.overrides, require_tokenizer=True)
     prompts, notes = encode_prompts(m.tokenizer, texts, m.cfg.model.seq_len, args.max_tokens, args.truncate)
-    for note in notes:
+    for note in [m.note] * bool(m.note) + notes:
         print(f"note: {note}", file=sys.stderr)
     gen = m.generator(use_cache=not args.no_cache, max_batch=args.batch_size)
     rows = [i for i in range(len(prompts)) for _ in range(args.num_samples)]  # sample -> its prompt

@@ -24,7 +24,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
 
@@ -52,13 +51,11 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
            max_shard_bytes: float = DEFAULT_MAX_SHARD_BYTES, force: bool = False, log=print) -> dict:
     """Write the run's checkpoint at `step` (default: newest) to `out` as a Hugging Face model directory; returns
     a summary (files, tensors, bytes, seconds)."""
-    import jax
-
     t0 = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
     _check_arguments(out, dtype, max_shard_bytes, force)
     meta = _checkpoint_meta(run_dir, step)
-    m = load_model(run_dir, step=step, overrides=_export_mesh(meta, jax.device_count()))
+    m = load_model(run_dir, step=step)  # the run's mesh, or FSDP over these devices (`load.mesh_that_fits`)
     vocab = meta["vocab"]["real"]
     writer = ModelDirWriter(out, max_shard_bytes=max_shard_bytes, write=distributed.is_primary())
     try:
@@ -108,16 +105,6 @@ def _checkpoint_meta(run_dir: Path, step: int | None) -> dict:
         return reader.read_meta(steps[-1] if step is None else step)
     finally:
         reader.close()
-
-
-def _export_mesh(meta: dict, n_devices: int) -> list[str]:
-    """The run's mesh if it fits these devices, else FSDP over all of them (keeping the tensor degree, which the
-    vocabulary padding depends on, where it divides the device count)."""
-    run = meta["mesh"]
-    if math.prod(run.values()) == n_devices:
-        return [f"mesh.{k}={v}" for k, v in run.items()]
-    tensor = run.get("tensor", 1) if n_devices % run.get("tensor", 1) == 0 else 1
-    return ["mesh.data=1", "mesh.fsdp=-1", f"mesh.tensor={tensor}"]
 
 
 def _add_tensors(writer: ModelDirWriter, m: LoadedModel, vocab: int, dtype: str) -> None:

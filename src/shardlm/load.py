@@ -3,10 +3,13 @@
 
 Readers restore the `params` item of a checkpoint and nothing else: no optimizer state (two thirds of the bytes
 under AdamW) is read or allocated. The parameters are read straight into the shardings of the mesh the reader
-asks for, which need not be the mesh the run trained on.
+asks for, which need not be the mesh the run trained on. Without one, a reader gets the run's own mesh where it
+fits the devices at hand, else FSDP over all of them (`mesh_that_fits`): a run trained on 8 devices generates on a
+1-device host without the reader spelling out a mesh, and says so (`LoadedModel.note`).
 """
 
 import dataclasses
+import math
 from pathlib import Path
 
 from shardlm.config import Config, config_from_dict, load_config
@@ -30,6 +33,7 @@ class LoadedModel:
     state: object  # its parameters, sharded on `mesh`
     tokenizer: Tokenizer | None  # None: a Hugging Face checkpoint saved without one
     step: int
+    note: str = ""  # why the mesh is not the run's own, for the reader to print
 
     def generator(self, **options):
         """A `Generator` for this model on its mesh (a model from a py: file decodes without a KV cache)."""
@@ -45,11 +49,23 @@ def run_tokenizer(cfg: Config, run_dir: Path) -> Tokenizer:
     return load_tokenizer("bpe" if spec.startswith("bpe") else spec, run_dir)
 
 
+def mesh_that_fits(run_mesh: dict[str, int], n_devices: int) -> list[str]:
+    """`mesh.*` overrides for `n_devices`: the run's mesh (`run_mesh`, its concrete degrees) if it uses that many
+    devices, else FSDP over all of them, keeping the tensor degree (the vocabulary's padding depends on it) where
+    it divides the device count: the weights stay sharded, so a model that fit the run's devices fits these
+    unless there are fewer of them."""
+    if math.prod(run_mesh.values()) == n_devices:
+        return [f"mesh.{k}={v}" for k, v in run_mesh.items()]
+    tensor = run_mesh.get("tensor", 1) if n_devices % run_mesh.get("tensor", 1) == 0 else 1
+    return ["mesh.data=1", "mesh.fsdp=-1", f"mesh.tensor={tensor}"]
+
+
 def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[str] | tuple[str, ...] = (),
                devices=None, require_tokenizer: bool = False) -> LoadedModel:
     """The model of the run in `run_dir` at `step` (default: the newest checkpoint), or of the Hugging Face
     checkpoint `hf:DIR`. `overrides` (`mesh.*=...`) choose the mesh to load onto; by default the run's own mesh
-    settings (a Hugging Face checkpoint: data parallel over every device)."""
+    settings where they fit the devices, else `mesh_that_fits` (a Hugging Face checkpoint: data parallel over every
+    device)."""
     if is_hf(run_dir):
         if step is not None:
             raise ShardlmError("--step applies to a training run's checkpoints, not to a Hugging Face directory")
@@ -72,6 +88,12 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
             meta = reader.read_meta(step)
         except CheckpointError as e:
             raise unreadable(run_dir, e, [s for s in steps if s < step], reader) from None
+        note = ""
+        n_devices = len(devices) if devices is not None else _device_count()
+        if not overrides and math.prod(meta["mesh"].values()) != n_devices:
+            overrides = mesh_that_fits(meta["mesh"], n_devices)
+            note = (f"{run_dir} trained on {math.prod(meta['mesh'].values())} devices; loading onto the "
+                    f"{n_devices} here as {' '.join(overrides)} (pass mesh.*= to choose)")
         # mesh.* overrides describe the whole mesh to load onto (unset axes take their defaults), not changes to
         # the run's: `mesh.tensor=2` alone means tensor 2 x data for the rest.
         cfg = config_from_dict({**meta["config"], "mesh": {}} if overrides else meta["config"], overrides)
@@ -92,7 +114,13 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
             raise unreadable(run_dir, e, older, reader, check=lambda s: (reader.read_meta(s), read(s))) from None
     finally:
         reader.close()
-    return LoadedModel(cfg, mesh, graphdef, state, run_tokenizer(cfg, run_dir), step)
+    return LoadedModel(cfg, mesh, graphdef, state, run_tokenizer(cfg, run_dir), step, note)
+
+
+def _device_count() -> int:
+    import jax
+
+    return jax.device_count()
 
 
 def load_hf_model(spec: str, *, overrides=(), devices=None, require_tokenizer: bool = False) -> LoadedModel:
