@@ -21,7 +21,12 @@ Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShar
   in a buffer (`io`, [S, M, ...] stage-sharded: only stage 0's slot is read) where the wrapped-around outputs wait
   until their next repeat and the last repeat's become the result; M >= S keeps a slot from being overwritten
   before it is read. The bubble shrinks to (S - 1) / (M R + S - 1). The per-stage weights are read as
-  [S, R, K, ...] from the stack's row order; `circular_order` says which layer each row holds.
+  [S, R, K, ...] from the stack's row order; `circular_order` says which layer each row holds. A repeat's K layers
+  (few: n_layers / (S R)) are unrolled rather than scanned: its weights are a traced slice of [R, K, ...], which
+  a scan over K slices again, copying every layer's weights a second time in each iteration (compiled for 64
+  H100s, the validation table's 70B at S 4, R 5, K 4 moves 1.3 s less through HBM per step: 6.1 -> 4.8 s). Reading
+  each layer in one slice of [R, K, ...] instead is worse (7.9 s): a scan sums the gradient of a weight it closes
+  over at the weight's full size in every iteration.
 - Bubbles must not poison gradients: an idle stage computes on whatever its input holds (zeros, a stale
   microbatch, or NaN), and although its output is never used, NaN times a zero cotangent is NaN in its weight
   gradient. Its input is replaced by zeros (`jnp.where`, whose gradient to the discarded branch is exactly zero),
@@ -44,11 +49,11 @@ Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShar
   under a policy that names anything, each layer's input: `remat.policy(block_inputs=True)`), and the backward
   pass recomputes the rest of a stage's K layers at once, holding their activations together. With many layers
   per stage and long sequences that is the step's peak (compiled for 64 H100s, a 70B shape's pp8 x fsdp8 step
-  peaks at 89.6 GiB, 10 layers a stage at 4096 tokens), so `remat_unit="layer"` (`model.pipeline_remat=layer`) also checkpoints each layer inside the stage: one more
-  forward pass of recomputation (XLA:GPU's FLOPs +19%), one layer's activations at a time (the same step peaks
-  at 66.7 GiB). Checkpointing the layers alone, without the iteration, would keep every iteration's slice of the
-  stage's weights for the backward pass (hundreds of GiB): both or the iteration only. The microbatch
-  bookkeeping around it is linear and saves nothing.
+  peaks at 89.6 GiB, 10 layers a stage at 4096 tokens), so `remat_unit="layer"` (`model.pipeline_remat=layer`)
+  also checkpoints each layer inside the stage: one more forward pass of recomputation (XLA:GPU's FLOPs +19%),
+  one layer's activations at a time (the same step peaks at 66.7 GiB). Checkpointing the layers alone, without
+  the iteration, would keep every iteration's slice of the stage's weights for the backward pass (hundreds of
+  GiB): both or the iteration only. The microbatch bookkeeping around it is linear and saves nothing.
 - Dropout: layer l of microbatch m draws from the step's key folded with m, then (with F > 1) the replica f, then l.
 - Mixed precision: the stage weights are the blocks' compute copies (`shardlm.models.precision`: bfloat16 where
   the blocks compute in it, float32 for the norms and biases), gathered once before the loop. The weights are a
@@ -151,7 +156,7 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     replicas, replica_axes = _replicas(blocks)
     weights = _stage_weights(blocks, blocks if stored is None else stored, stages, repeats, replicas, replica_axes)
     one_iteration = _per_stage(nnx.graphdef(blocks), step, policy, remat_unit, replicas, replica_axes,
-                               {} if stats is None else stats)
+                               {} if stats is None else stats, repeats)
 
     x_mb = _microbatches(x, m_count)  # [M, b, T, D]
     io = _on_stages(jnp.broadcast_to(x_mb, (stages, *x_mb.shape)), 2)
@@ -270,7 +275,8 @@ def _replicas(blocks) -> tuple[int, tuple[str, ...]]:
     return math.prod(mesh.shape[a] for a in axes), axes
 
 
-def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, replica_axes, stats_zeros):
+def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, replica_axes, stats_zeros,
+               repeats: int):
     """One iteration: the function of (weights [S, R, K, ...], or [S, F, R, K, ...] with F > 1 replicas, inputs
     [S, b, T, D], the schedule's row, key) that runs every stage's K layers on its microbatch: a `vmap` over the
     stages, and inside it one over the F data-parallel replicas (each its rows of the microbatch, with its own
@@ -298,7 +304,8 @@ def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, rep
         if policy is not None and remat_unit == "layer":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         with use_mesh_rules(mesh, inner_rules) if mesh is not None else contextlib.nullcontext():
-            (out, total), _ = jax.lax.scan(layer, (x_in, stats_zeros), (rows, jnp.arange(_layers(rows))))
+            (out, total), _ = jax.lax.scan(layer, (x_in, stats_zeros), (rows, jnp.arange(_layers(rows))),
+                                           unroll=repeats > 1)
         return out, jax.tree.map(lambda a: jnp.where(row.active, a, jnp.zeros_like(a)), total)  # idle: not counted
 
     if policy is not None:  # with remat_unit "layer", the layers inside are rematerialised too
