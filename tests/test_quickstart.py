@@ -3,10 +3,10 @@
 The lines are read from the README itself, so what it shows is what is tested. Each is run as written with two
 changes only: a training run stops after `STEPS` steps (`train.steps=`, or `--steps` for the example script and
 `bench`, which also warms up for one), and `source .venv/bin/activate` is this interpreter's directory first on
-PATH. The inputs the Quickstart assumes are
-made here: `my_text.txt` (200 KB of this repository's docs: text that is not the built-in corpus), TinyStories'
-two files (stories in TinyStories' layout) and `prompts.txt`. The GPT-2 tokenizer starts from an empty tiktoken
-cache, so on a host that reaches only the package registry (CI) it comes from there.
+PATH. The inputs the Quickstart assumes are made here: `my_text.txt` (200 KB of this repository's docs: text that is
+not the built-in corpus), TinyStories' two files (stories in TinyStories' layout) and `prompts.txt`. The GPT-2
+tokenizer starts from an empty tiktoken cache, so on a host that reaches only the package registry (CI) it comes
+from there.
 
 Every line must exit 0 with no `Traceback` or `Error` on stderr; the tests after the first read what particular
 lines wrote (one run of the Quickstart serves them all: each line compiles its own steps, and the suite has a
@@ -50,7 +50,7 @@ def shortened(line: str, cwd: Path) -> list[str]:
     resuming = "--run-dir" in args and (cwd / args[args.index("--run-dir") + 1]).exists()
     if command == "train" and not resuming:
         args = [a for a in args if not a.startswith("train.steps=")] + [f"train.steps={STEPS}"]
-    if command == "bench":  # the default 10 timed rounds and 2 warm-up steps per strategy time, not test, it
+    if command == "bench":  # its default 10 timed rounds and 2 warm-up steps measure speed, which no test reads
         args += ["--steps", "2", "--warmup", "1"]
     return args
 

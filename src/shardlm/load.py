@@ -12,6 +12,8 @@ import dataclasses
 import math
 from pathlib import Path
 
+import jax
+
 from shardlm.config import Config, config_from_dict, load_config
 from shardlm.data.tokenizer import Tokenizer, load_hf_dir_tokenizer, load_tokenizer
 from shardlm.errors import ShardlmError
@@ -50,12 +52,10 @@ def run_tokenizer(cfg: Config, run_dir: Path) -> Tokenizer:
 
 
 def mesh_that_fits(run_mesh: dict[str, int], n_devices: int) -> list[str]:
-    """`mesh.*` overrides for `n_devices`: the run's mesh (`run_mesh`, its concrete degrees) if it uses that many
-    devices, else FSDP over all of them, keeping the tensor degree (the vocabulary's padding depends on it) where
-    it divides the device count: the weights stay sharded, so a model that fit the run's devices fits these
-    unless there are fewer of them."""
-    if math.prod(run_mesh.values()) == n_devices:
-        return [f"mesh.{k}={v}" for k, v in run_mesh.items()]
+    """`mesh.*` overrides for `n_devices` where the run's mesh (`run_mesh`, its concrete degrees) uses another
+    number: FSDP over all of them, keeping the tensor degree (the vocabulary's padding depends on it) where it
+    divides the device count: the weights stay sharded, so a model that fit the run's devices fits these unless
+    there are fewer of them."""
     tensor = run_mesh.get("tensor", 1) if n_devices % run_mesh.get("tensor", 1) == 0 else 1
     return ["mesh.data=1", "mesh.fsdp=-1", f"mesh.tensor={tensor}"]
 
@@ -89,11 +89,12 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
         except CheckpointError as e:
             raise unreadable(run_dir, e, [s for s in steps if s < step], reader) from None
         note = ""
-        n_devices = len(devices) if devices is not None else _device_count()
-        if not overrides and math.prod(meta["mesh"].values()) != n_devices:
+        trained_on = math.prod(meta["mesh"].values())
+        n_devices = len(devices) if devices is not None else jax.device_count()
+        if not overrides and trained_on != n_devices:
             overrides = mesh_that_fits(meta["mesh"], n_devices)
-            note = (f"{run_dir} trained on {math.prod(meta['mesh'].values())} devices; loading onto the "
-                    f"{n_devices} here as {' '.join(overrides)} (pass mesh.*= to choose)")
+            note = (f"{run_dir} trained on {trained_on} devices; loading onto the {n_devices} here as "
+                    f"{' '.join(overrides)} (pass mesh.*= to choose)")
         # mesh.* overrides describe the whole mesh to load onto (unset axes take their defaults), not changes to
         # the run's: `mesh.tensor=2` alone means tensor 2 x data for the rest.
         cfg = config_from_dict({**meta["config"], "mesh": {}} if overrides else meta["config"], overrides)
@@ -115,12 +116,6 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
     finally:
         reader.close()
     return LoadedModel(cfg, mesh, graphdef, state, run_tokenizer(cfg, run_dir), step, note)
-
-
-def _device_count() -> int:
-    import jax
-
-    return jax.device_count()
 
 
 def load_hf_model(spec: str, *, overrides=(), devices=None, require_tokenizer: bool = False) -> LoadedModel:

@@ -156,7 +156,7 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     replicas, replica_axes = _replicas(blocks)
     weights = _stage_weights(blocks, blocks if stored is None else stored, stages, repeats, replicas, replica_axes)
     one_iteration = _per_stage(nnx.graphdef(blocks), step, policy, remat_unit, replicas, replica_axes,
-                               {} if stats is None else stats, repeats)
+                               {} if stats is None else stats)
 
     x_mb = _microbatches(x, m_count)  # [M, b, T, D]
     io = _on_stages(jnp.broadcast_to(x_mb, (stages, *x_mb.shape)), 2)
@@ -275,8 +275,7 @@ def _replicas(blocks) -> tuple[int, tuple[str, ...]]:
     return math.prod(mesh.shape[a] for a in axes), axes
 
 
-def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, replica_axes, stats_zeros,
-               repeats: int):
+def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, replica_axes, stats_zeros):
     """One iteration: the function of (weights [S, R, K, ...], or [S, F, R, K, ...] with F > 1 replicas, inputs
     [S, b, T, D], the schedule's row, key) that runs every stage's K layers on its microbatch: a `vmap` over the
     stages, and inside it one over the F data-parallel replicas (each its rows of the microbatch, with its own
@@ -305,7 +304,7 @@ def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, rep
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         with use_mesh_rules(mesh, inner_rules) if mesh is not None else contextlib.nullcontext():
             (out, total), _ = jax.lax.scan(layer, (x_in, stats_zeros), (rows, jnp.arange(_layers(rows))),
-                                           unroll=repeats > 1)
+                                           unroll=_repeats(w) > 1)  # circular: unrolled (module docstring)
         return out, jax.tree.map(lambda a: jnp.where(row.active, a, jnp.zeros_like(a)), total)  # idle: not counted
 
     if policy is not None:  # with remat_unit "layer", the layers inside are rematerialised too
@@ -331,6 +330,11 @@ def _weights_of_repeat(w, repeat):
     used, carriers = (jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), part)
                       for part in w)
     return jax.tree.map(_with_gradient_into, used, carriers)
+
+
+def _repeats(w) -> int:
+    """R, the repeats of a stage's weights (the leading dimension of their [R, K, ...])."""
+    return jax.tree.leaves(w)[0].shape[0]
 
 
 def _layers(rows) -> int:
