@@ -58,10 +58,19 @@ def test_no_cycles_among_modules_or_packages():
     assert strongly_connected({"config": {"models"}, "models": {"hf"}, "hf": {"config"}}) == [{"config", "models", "hf"}]
 
 
-def test_layer_contracts_hold():
-    # In a process of its own: import-linter's console output does not survive pytest's capture in-process.
-    proc = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports; "
+# A fresh process that loads what `shardlm train` runs: which of the heavy interop libraries it imported.
+INTEROP_IMPORTED = ("import sys, shardlm.cli, shardlm.train.loop; print('interop imported:', "
+                    "sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")
+
+
+def test_layer_contracts_hold_and_training_imports_no_interop_library():
+    # In a process of its own: import-linter's console output does not survive pytest's capture in-process, and
+    # this process has imported torch for the interop tests. torch and transformers are the `test` extras' (and
+    # many GPU hosts'); importing them costs a `shardlm` command seconds of start-up it does not use
+    # (tensorboardX's writer would import torch: `shardlm.train.metrics`).
+    proc = subprocess.run([sys.executable, "-c", f"{INTEROP_IMPORTED}; from importlinter.cli import lint_imports; "
                            "sys.exit(lint_imports(no_cache=True))"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)  # the contracts live in pyproject.toml, at the root
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "interop imported: []" in proc.stdout
     assert "Contracts: 4 kept, 0 broken." in proc.stdout

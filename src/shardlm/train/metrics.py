@@ -2,9 +2,27 @@
 
 import json
 import math
+import sys
 from pathlib import Path
 
-from tensorboardX import SummaryWriter
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch. tensorboardX's writer imports torch whenever it is
+    installed (the `test` extras and many GPU hosts have it), only to accept torch tensors, which shardlm never
+    passes; that import took 3-5 s of every `shardlm` command's start on a 2-core host. Its other uses of torch are
+    imports inside functions shardlm does not call. A process that already imported torch keeps it."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
+SummaryWriter = _summary_writer_class()
 
 
 class MetricsLogger:
