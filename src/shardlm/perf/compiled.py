@@ -52,7 +52,7 @@ class CompiledStep:
     schedule: Schedule | None = None  # XLA:GPU's, when it has a time model
     hlo_text: str = ""
     refusal: str | None = None  # why the compiler refused the program (it does not fit), if it did
-    reported_peak: int = 0  # the compiler's own peak (XLA:TPU's is what it checks against HBM), if it gives one
+    reported_peak: int = 0  # the compiler's own peak, if it gives one (counting host buffers too: see `peak`)
     # why the compiler's estimate of the step's time is not given although it made one (XLA:TPU's, of a program
     # with loops: `tpu_seconds`)
     compiler_withheld: str | None = None
