@@ -33,8 +33,10 @@ ROWS = [
      None, LLAMA_8B + ["mesh.fsdp=8", "train.batch_size=16", "model.remat=dots_saveable"], 2 * 8192 / 5762,
      "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: 5,762 tokens/s per GPU"),
     ("torchtitan-8b-tp", "torchtitan", "64 H100 (96 GB HBM2e, 500 W), 8 hosts",
-     "Llama 3 8B, FSDP 8 x TP 8, local batch 12 x 8192 (global 96), per-op SAC, torch.compile", "h100", 64, 8,
-     LLAMA_8B + ["mesh.fsdp=8", "mesh.tensor=8", "train.batch_size=96", "model.remat=dots_saveable"],
+     "Llama 3 8B, FSDP 8 x TP 8 with sequence parallelism, local batch 12 x 8192 (global 96), per-op SAC, "
+     "torch.compile", "h100", 64, 8,
+     LLAMA_8B + ["mesh.fsdp=8", "mesh.tensor=8", "mesh.sequence_parallel=true", "train.batch_size=96",
+                 "model.remat=dots_saveable"],
      12 * 8192 / 8 / 4378,
      "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md: 4,378 tokens/s per GPU (vanilla TP)"),
     ("nemo-8b", "NeMo 24.09", "8 H100 SXM",
@@ -45,18 +47,20 @@ ROWS = [
     # NeMo runs it without recompute; shardlm's program without it needs 455 GiB per GPU (every iteration's
     # activations), so the row compiles the policy that fits, the one `model.remat=auto` takes: full (74.6 GiB).
     ("nemo-70b", "NeMo 24.09", "64 H100 SXM, 8 hosts",
-     "Llama 3.1 70B, TP 4, PP 4 (5 virtual stages), CP 2, DP 2, microbatch 1, global batch 128 x 8192, no recompute "
-     "(shardlm: remat full, the policy that fits)", "h100", 64, 8,
+     "Llama 3.1 70B, TP 4 with sequence parallelism, PP 4 (5 virtual stages), CP 2, DP 2, microbatch 1, global "
+     "batch 128 x 8192, no recompute (shardlm: remat full, the policy that fits)", "h100", 64, 8,
      LLAMA_70B + ["model.vocab_size=128256", "model.seq_len=8192", "model.rope_theta=500000", "mesh.tensor=4",
-                  "mesh.stage=4", "mesh.context=2", "mesh.data=2", "train.batch_size=128",
-                  "model.pipeline_microbatches=64", "model.pipeline_repeats=5", "model.remat=full"], 14.72,
+                  "mesh.sequence_parallel=true", "mesh.stage=4", "mesh.context=2", "mesh.data=2",
+                  "train.batch_size=128", "model.pipeline_microbatches=64", "model.pipeline_repeats=5",
+                  "model.remat=full"], 14.72,
      "NVIDIA/dgxc-benchmarking v24.11.1 llama3.1/README_70b.md: 14.72 s per step"),
     ("nemotron-15b", "NeMo 24.11", "16 H100 SXM, 2 hosts",
      "Nemotron-4 15B (squared-ReLU MLP of 24576 as a SwiGLU of 16384: the same weights and FLOPs), TP 4, DP 4, "
-     "microbatch 4, global batch 64 x 4096, no recompute", "h100", 16, 2,
+     "sequence parallelism, microbatch 4, global batch 64 x 4096, no recompute", "h100", 16, 2,
      ["model=llama-1b", "model.n_layers=32", "model.d_model=6144", "model.n_heads=48", "model.n_kv_heads=8",
       "model.d_mlp=16384", "model.vocab_size=256000", "model.seq_len=4096", "model.tie_embeddings=false",
-      "mesh.tensor=4", "mesh.data=4", "train.batch_size=64", "train.grad_accum=4", "model.remat=none"], 2.83,
+      "mesh.tensor=4", "mesh.sequence_parallel=true", "mesh.data=4", "train.batch_size=64", "train.grad_accum=4",
+      "model.remat=none"], 2.83,
      "NVIDIA/dgxc-benchmarking v24.11.1 nemotron/README_15b.md: 2.83 s per step"),
     ("maxtext-70b-h100", "MaxText (JAX-Toolbox 2024-12-09)", "64 H100 SXM, 8 hosts",
      "Llama 2 70B, FSDP 64, batch 2 x 4096 per GPU (global 128), remat save_dot_except_mlpwi, cuDNN attention",
@@ -83,11 +87,12 @@ ROWS = [
             "mesh.fsdp=8", "train.batch_size=48"] + MAXTEXT_OFFLOAD, 6.320,
      "AI-Hypercomputer/tpu-recipes training/trillium/Mistral-7B-MaxText: 7,776.8 tokens/s per chip"),
     ("nemo-grok-moe", "NeMo (dgxc-benchmarking v24.11.1)", "8 H100 SXM",
-     "Grok-1 cut to 2 layers (d 6144, 48 heads, 8 kv heads, 8 experts of 32768, top 2), TP 4, EP 2, microbatch 1, "
-     "global batch 1024 x 4096, no recompute", "h100", 8, None,
+     "Grok-1 cut to 2 layers (d 6144, 48 heads, 8 kv heads, 8 experts of 32768, top 2), TP 4 with sequence "
+     "parallelism, EP 2, microbatch 1, global batch 1024 x 4096, no recompute", "h100", 8, None,
      ["model=llama-1b", "model.n_layers=2", "model.d_model=6144", "model.n_heads=48", "model.n_kv_heads=8",
       "model.d_mlp=32768", "model.moe_experts=8", "model.moe_top_k=2", "model.vocab_size=131072",
-      "model.seq_len=4096", "model.tie_embeddings=false", "mesh.tensor=4", "mesh.expert=2",
+      "model.seq_len=4096", "model.tie_embeddings=false", "mesh.tensor=4", "mesh.sequence_parallel=true",
+      "mesh.expert=2",
       "train.batch_size=1024", "train.grad_accum=512", "model.remat=none"], 24.03,
      "NVIDIA/dgxc-benchmarking v24.11.1 grok1/README_314b.md (8 GPUs, 2 layers): 24.03 s per step"),
 ]

@@ -219,3 +219,38 @@ def test_strategies_compile_to_their_collectives(degrees, gathers, sharded_state
     hlo = step.lower(ts.state, jax.device_put(np.zeros((16, 33), np.int32), bsh)).compile().as_text()
     assert bool(re.search(r" all-gather(-start)?\(", hlo)) == gathers
     assert re.search(r" (all-reduce|reduce-scatter)(-start)?\(", hlo)
+
+
+def test_sequence_parallelism_splits_the_residual_stream_and_keeps_the_loss():
+    """`mesh.sequence_parallel`: in the blocks' forward pass each all-reduce of the tensor group becomes a
+    reduce-scatter into the residual stream's sequence split and an all-gather before the next column-parallel
+    layer (read from the compiled HLO), the residual stream is split along the sequence over tensor, and the step
+    computes the same loss."""
+    from shardlm.perf.hlo import collectives
+    from shardlm.sharding import sequence_parallel_rules, use_mesh_rules
+    from shardlm.sharding.rules import active_spec, as_axes
+    from shardlm.train.step import train_step_for
+
+    mesh = make_mesh(1, 2, 2, devices=jax.devices()[:4])
+    batch = jax.device_put(np.arange(16 * 33, dtype=np.int32).reshape(16, 33) % 97, batch_sharding(mesh))
+    losses, forward_kinds = {}, {}
+    for sp in (False, True):
+        cfg = load_config(None, MICRO + [f"mesh.sequence_parallel={str(sp).lower()}"])
+        ts = create_train_state(cfg, mesh, 500)
+        compiled = train_step_for(cfg, ts, mesh).lower(ts.state, batch).compile()
+        _, metrics = compiled(ts.state, batch)
+        losses[sp] = float(metrics["loss"])
+        in_layers = [op for op in collectives(compiled.as_text(), 4)
+                     if "jvp(" in op.op_name and "transpose" not in op.op_name and "layers" in op.op_name
+                     and op.group_size == 2 and op.bytes >= 16 * 32 * 64 * 4 // 4]
+        forward_kinds[sp] = sorted({op.kind for op in in_layers})
+    assert forward_kinds[False] == ["all-reduce"]
+    assert forward_kinds[True] == ["all-gather", "reduce-scatter"]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    live = lambda spec: tuple(tuple(a for a in as_axes(e) if mesh.shape[a] > 1) for e in spec)  # noqa: E731
+    with use_mesh_rules(mesh, sequence_parallel_rules()):
+        assert live(active_spec("batch", "res_seq", "act_embed", shape=(16, 32, 64))) == (("fsdp",), ("tensor",), ())
+        # inside attention the sequence stays whole on the tensor group, and a decode step's one position too
+        assert live(active_spec("batch", "seq", "act_heads", "head_dim", shape=(16, 32, 4, 16))) == (
+            ("fsdp",), (), ("tensor",), ())
+        assert live(active_spec("batch", "res_seq", "act_embed", shape=(16, 1, 64))) == (("fsdp",), (), ())

@@ -73,6 +73,14 @@ GPU_COMPILER_OPTIONS = {
 }
 
 
+# What a step under sequence parallelism (`mesh.sequence_parallel`) changes: its all-gathers of the residual stream
+# depend on the microbatch, and XLA:GPU's collective pipeliner pipelines them across gradient accumulation's loop
+# by running the next microbatch's forward pass a second time (compiled for 16 H100s, Nemotron-4 15B's shape at
+# TP 4, 4 microbatches: 9% more FLOPs, the forward layers' loop twice per iteration; Llama 3.1 70B's pipeline on
+# 64: 22% more). Without pipelined all-gathers it runs the model's FLOPs (`shardlm.train.step`).
+SEQUENCE_PARALLEL_GPU_OPTIONS = {"xla_gpu_enable_pipelined_all_gather": False}
+
+
 def gpu_xla_flags() -> None:
     """On a host with an NVIDIA GPU, add `GPU_COMPILER_OPTIONS` to XLA_FLAGS (those the user set win). Before JAX
     starts its backends."""

@@ -51,6 +51,10 @@ class MeshConfig:
     # Splits each sequence of the activations (context parallelism): for sequences too long for one device.
     context: int = 1
     tensor: int = 1
+    # Megatron's sequence parallelism over the tensor group: the residual stream, norms and layer inputs split along
+    # the sequence over tensor (1/tensor of their memory); each all-reduce of a tensor-parallel block becomes a
+    # reduce-scatter and an all-gather of the same bytes (`sharding.sequence_parallel_rules`).
+    sequence_parallel: bool = False
     # `mesh=auto`: the planner chooses every degree (`shardlm.perf.auto`) when a run starts, and the run's
     # config.yaml records the degrees it chose (auto false), so a resume keeps them.
     auto: bool = False
@@ -251,7 +255,7 @@ def _set(cfg: Config, key: str, value: Any) -> None:
             if str(value) != "auto":
                 raise ShardlmError(f"mesh={value}: set the mesh's degrees as mesh.<axis>=N, or mesh=auto to let the "
                                    "planner choose them")
-            cfg.mesh = MeshConfig(auto=True)
+            cfg.mesh = MeshConfig(auto=True, sequence_parallel=cfg.mesh.sequence_parallel)
             return
         if key not in fields or key in _SECTIONS:
             allowed = [n for n in fields if n not in _SECTIONS] + ["model (a preset name)"]
@@ -413,6 +417,10 @@ def _check_py_model(cfg: Config) -> None:
     if cfg.init.from_:
         raise ShardlmError(f"init.from={cfg.init.from_} imports GPT-2 or Llama weights; a model from a py: file builds "
                            "its own: leave init.from empty")
+    if cfg.mesh.sequence_parallel:
+        raise ShardlmError("mesh.sequence_parallel applies to shardlm's own models; a model from a py: file splits "
+                           "its activations by its plan's activations: section (see examples/your_own_model/"
+                           "sequence_parallel.yaml)")
     # The plan file is read where the model is placed (`train.source`), not here: a run's saved config names the
     # plan it started with, which a resume may replace and which need not exist any more.
 

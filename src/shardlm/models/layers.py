@@ -52,7 +52,7 @@ from shardlm.models import remat
 from shardlm.models.head import head_loss
 from shardlm.models.pipeline import row_order, run_pipeline
 from shardlm.models.precision import CAST_WHERE_READ, READ_IN_FLOAT32, add_bias, compute_view, matmul, matmuls
-from shardlm.models.stack import LAYERS, LayerCache, build_blocks, layer_rngs, run_blocks
+from shardlm.models.stack import LAYERS, RESIDUAL, LayerCache, build_blocks, layer_rngs, run_blocks
 from shardlm.sharding import active_degree, active_mesh, active_spec, constrain, sharded_lookup
 from shardlm.sharding.rules import as_axes
 
@@ -390,16 +390,18 @@ class PreNormBlock(nnx.Module):
         """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens", "moe_dropped"} for a sparse block, {} for a
         dense one."""
         x = remat.named(x, remat.BLOCK_INPUT)
-        a, cache = self.attn(self.ln1(x), cache, ctx)
+        # Each norm's output is pinned as the residual stream is split, so that under sequence parallelism the
+        # sequence is gathered where the projections read it, not before the norm.
+        a, cache = self.attn(constrain(self.ln1(x), *RESIDUAL), cache, ctx)
         x = x + self._dropout(a, rngs, ctx)
-        x = constrain(x, "batch", "seq", "act_embed")
-        h, stats = self.mlp(self.ln2(x)), {}
+        x = constrain(x, *RESIDUAL)
+        h, stats = self.mlp(constrain(self.ln2(x), *RESIDUAL)), {}
         if self.sparse:
             h, moe = h
             stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens, "moe_dropped": moe.dropped}
         h = remat.named(h, remat.MLP_OUT)
         x = x + self._dropout(h, rngs, ctx)
-        return constrain(x, "batch", "seq", "act_embed"), cache, stats
+        return constrain(x, *RESIDUAL), cache, stats
 
     def _dropout(self, x, rngs, ctx: Context):
         """Dropout on a residual branch. In the ring's zigzag layout the mask is drawn in the sequence's own order

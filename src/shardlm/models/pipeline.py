@@ -76,7 +76,7 @@ import numpy as np
 from flax import nnx
 
 from shardlm.errors import ShardlmError
-from shardlm.models.stack import LAYERS, PER_BATCH, Step, add_stats, combine_parts
+from shardlm.models.stack import LAYERS, PER_BATCH, RESIDUAL, Step, add_stats, combine_parts
 from shardlm.sharding import (
     active_axes,
     active_mesh,
@@ -90,7 +90,7 @@ from shardlm.sharding import (
     use_mesh_rules,
 )
 
-ACTIVATION = ("batch", "seq", "act_embed")  # the residual stream's logical names
+ACTIVATION = RESIDUAL  # what passes between stages
 
 
 def microbatch_count(setting: int, stages: int) -> int:

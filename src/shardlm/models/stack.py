@@ -28,6 +28,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 LAYERS = "layers"  # the logical name of the stacked axis
+# The residual stream between a block's halves and between blocks (and stages): its sequence has a name of its own,
+# which the rule table splits as every sequence, unless sequence parallelism splits it over tensor too
+# (`sharding.sequence_parallel_rules`).
+RESIDUAL = ("batch", "res_seq", "act_embed")
 BLOCKS = "blocks"  # the attribute (and tree key) holding the blocks
 
 

@@ -52,7 +52,7 @@ def decide(cfg: Config, *, target: Target | None = None, n_devices: int | None =
 
     decided = distributed.broadcast("auto-plan", lambda: _plan_choice(cfg, target, n_devices, hosts, log))
     model = dataclasses.replace(cfg.model, remat=decided["remat"])
-    mesh = MeshConfig(**decided["mesh"])
+    mesh = MeshConfig(**decided["mesh"], sequence_parallel=cfg.mesh.sequence_parallel)
     return Decision(dataclasses.replace(cfg, model=model, mesh=mesh), decided["text"])
 
 

@@ -33,7 +33,7 @@ from shardlm.perf.timeline import step_estimate
 from shardlm.train.data import tokenizer_vocab
 from shardlm.train.source import model_flops_per_step
 from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable
-from shardlm.train.step import batch_struct, train_step_for
+from shardlm.train.step import batch_struct, step_compiler_options, train_step_for
 from shardlm.units import fmt_bytes
 
 
@@ -115,12 +115,13 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
             abstract, batch_struct(cfg, mesh))
         lowered = traced.lower()
         attention = "" if is_py(cfg.model.preset) else attention_summary(cfg.model, mesh.shape["context"])
+        options = step_compiler_options(cfg)
     n = mesh.devices.size
     platform = target.platform if target else devices[0].platform
     log(f"compiling the train step for {n} {target.label if target else platform} device(s)")
     try:
         step = compile_step(lowered, n, platform=platform, matmul_flops=jaxpr_matmul_flops(traced.jaxpr),
-                            keep_hlo=True)
+                            keep_hlo=True, options=options)
     except CompileFailed as e:  # one line, naming the strategy
         raise CompileFailed(f"{e} (mesh {describe_mesh(mesh)})") from e
     hardware = (target.hardware(peak_dtype(cfg.model), n, hosts) if target

@@ -109,17 +109,18 @@ def _failure(platform: str, error: Exception) -> CompileFailed:
 
 
 def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops: float = 0.0,
-                 keep_hlo: bool = False) -> CompiledStep:
+                 keep_hlo: bool = False, options: dict | None = None) -> CompiledStep:
     """Compile `lowered` (a `jax.stages.Lowered`) and read it. `platform` is what it was lowered for.
     `matmul_flops`: the whole program's matrix-multiply FLOPs, counted from its jaxpr with every loop's trip count
     (`shardlm.flops.jaxpr_matmul_flops`): a GPU's or TPU's FLOPs per device, which their compiled programs do not
     show (cuBLAS and fusions hide the matmuls, and cost analysis counts a loop's body once). A compiler's failure
     is raised as `CompileFailed`, one line. What the compiler logs while it compiles is read, not shown: the
     tensors it had to replicate to reshard them become the step's `rematerialisations` (`xla_log`), and the rest
-    (a target's runtime noise about hardware this host does not have, libtpu's notes) is dropped."""
+    (a target's runtime noise about hardware this host does not have, libtpu's notes) is dropped. `options`: the
+    step's own XLA options (`train.step.step_compiler_options`), over the platform's, as a run compiles it."""
     program = xla_log.program_name(lowered)
     with native_stderr_captured() as said:
-        step = (_compile_gpu(lowered, n_devices, matmul_flops, keep_hlo) if platform == "gpu" else
+        step = (_compile_gpu(lowered, n_devices, matmul_flops, keep_hlo, options or {}) if platform == "gpu" else
                 _compile(lowered, n_devices, platform, matmul_flops, keep_hlo))
     step.rematerialisations = xla_log.rematerialisations(said.text, program, said.thread_id)
     return step
@@ -186,14 +187,14 @@ def tpu_seconds(cost: dict, hlo_text: str) -> tuple[float | None, str | None]:
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 
 
-def _compile_gpu(lowered, n_devices: int, matmul_flops: float, keep_hlo: bool) -> CompiledStep:
+def _compile_gpu(lowered, n_devices: int, matmul_flops: float, keep_hlo: bool, options: dict) -> CompiledStep:
     """XLA:GPU, with the latency-hiding schedule dumped to a directory of our own and read back."""
     dump = Path(tempfile.mkdtemp(prefix="shardlm-xla-gpu-"))
     try:
         t0 = time.perf_counter()
         try:
             compiled = lowered.compile(compiler_options={
-                **GPU_COMPILER_OPTIONS,  # as a run on GPUs compiles (`shardlm.accelerator`)
+                **GPU_COMPILER_OPTIONS, **options,  # as a run on GPUs compiles (`shardlm.accelerator`)
                 **DEVICELESS_GPU_OPTIONS,
                 "xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True,
                 # Only the schedule is read: no IR, PTX or pass-by-pass HLO written beside it.

@@ -308,6 +308,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     the peak of its own (`Hardware.for_matmuls`)."""
     from shardlm.train.source import model_flops_per_step
     from shardlm.train.data import tokenizer_vocab
+    from shardlm.train.step import step_compiler_options
 
     if hardware is None:
         dtype = plan_peak_dtype(cfg, matmul_dtypes)
@@ -347,7 +348,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     best: list = [None]  # (estimated step time, strategy) of the fastest fitting strategy compiled so far
 
     def compile_one(lowered, matmul_flops, devices_used):
-        return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops)
+        return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops,
+                            options=step_compiler_options(cfg, platform))
 
     def progress(c: Candidate, what: str) -> None:
         """A line per candidate as its fate is known: compiled, failed or pruned, counted against all of them, so

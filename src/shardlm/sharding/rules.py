@@ -22,6 +22,8 @@ strategy:
   which long sequences need most. The one parameter split by position, a learned position table (`pos`), is
   split over context along it, as the tokens it is added to are. Token batches are not split along the sequence
   (a row is seq_len + 1 tokens, inputs and shifted targets); the model splits them as it embeds.
+- Sequence parallelism (`mesh.sequence_parallel`, with tensor=N): the residual stream's sequence (`res_seq`) is
+  split over tensor as well, between the tensor-parallel layers (`sequence_parallel_rules`).
 - Hybrids: the product of the above.
 
 Parameters and activations differ in one name: a parameter's `embed` dimension is FSDP-sharded, while the
@@ -53,6 +55,9 @@ LOGICAL_AXIS_RULES: Rules = (
     ("batch", ("data", "fsdp", "expert")),  # expert devices are data-parallel for everything but the experts ...
     ("batch", ("data", "fsdp")),  # ... (a rule that splits no more ways than the next gives way to it)
     ("seq", "context"),
+    # The residual stream's sequence between the blocks' halves (where the norms, dropout and residual adds run):
+    # split over context like every sequence; `sequence_parallel_rules` splits it over tensor too.
+    ("res_seq", "context"),
     ("kv_seq", None),  # keys and values as attention reads them: every position, gathered over context
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -138,6 +143,20 @@ def _no_more_than_next(rules: Rules, r: int, mesh) -> bool:
     nxt = next(ax for n, ax in rules[r + 1:] if n == name)
     fewer = set(as_axes(nxt)) < set(as_axes(axes))  # (no axes at all: an axis of degree 1 gives way to None)
     return fewer and axis_degree(mesh, nxt) == axis_degree(mesh, axes)
+
+
+def sequence_parallel_rules(rules: Rules | None = None) -> Rules:
+    """The table with Megatron's sequence parallelism (Korthikanti et al., 2022; `mesh.sequence_parallel`): the
+    residual stream (`res_seq`: the blocks' inputs and outputs, the norms, the residual adds) split along the
+    sequence over the tensor group as well as over context. A device then holds 1/tensor of those activations
+    and of the block inputs a checkpoint keeps; each row-parallel projection's all-reduce becomes a
+    reduce-scatter into the split, and each column-parallel projection starts with an all-gather of it. Inside
+    attention and the MLP the sequence is split as `seq` is (heads and the hidden layer are split over tensor).
+    Where tensor x context does not divide the sequence (a decode step's one position), the next rule, context
+    alone, applies."""
+    rules = LOGICAL_AXIS_RULES if rules is None else rules
+    at = next(i for i, (name, _) in enumerate(rules) if name == "res_seq")
+    return rules[:at] + (("res_seq", ("context", "tensor")),) + rules[at:]
 
 
 def rules_for_mesh(mesh, rules: Rules | None = None) -> Rules:

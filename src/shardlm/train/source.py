@@ -64,7 +64,7 @@ from shardlm.models.pipeline import (
     stage_layers,
 )
 from shardlm.losses import cross_entropy
-from shardlm.sharding import batch_sharding, state_shardings, use_mesh_rules, zero_rules
+from shardlm.sharding import batch_sharding, sequence_parallel_rules, state_shardings, use_mesh_rules, zero_rules
 from shardlm.trees import path_str
 from shardlm.units import fmt_bytes
 
@@ -134,6 +134,11 @@ class OwnModel:
         """A reader's (the model alone, no optimizer): the rule table's, never split over `data`."""
         return state_shardings(abstract_state, mesh)
 
+    def rules(self):
+        """The table activations are split by: with sequence parallelism if `mesh.sequence_parallel`, else None (the
+        rule table's)."""
+        return sequence_parallel_rules() if self.cfg.mesh.sequence_parallel else None
+
     def storage_rules(self, mesh):
         """The table the training state is stored by: `sharding.zero_rules` when `train.shard_optimizer_over_data`
         and the mesh has data-parallel replicas, else None (the rule table's)."""
@@ -155,7 +160,7 @@ class OwnModel:
     def forward(self, model, tokens, mesh, *, train: bool, key=None):
         """(logits, the blocks' statistics: `CausalLM.with_stats`)."""
         dropout = train and key is not None and self.cfg.model.dropout > 0
-        with use_mesh_rules(mesh):
+        with use_mesh_rules(mesh, self.rules()):
             return model.with_stats(tokens, rngs=nnx.Rngs(dropout=key) if dropout else None)
 
     def logits(self, model, tokens, mesh, *, train: bool, key=None):
@@ -165,7 +170,7 @@ class OwnModel:
         """(the training loss of `batch` [rows, seq_len + 1], the blocks' statistics): the head and the cross
         entropy fused (`CausalLM.loss`), under the training state's storage rules."""
         dropout = key is not None and self.cfg.model.dropout > 0
-        with use_mesh_rules(mesh, storage=self.storage_rules(mesh)):
+        with use_mesh_rules(mesh, self.rules(), storage=self.storage_rules(mesh)):
             return model.loss(batch[:, :-1], batch[:, 1:], rngs=nnx.Rngs(dropout=key) if dropout else None)
 
     def flops_per_token(self, vocab_size: int, tensor_degree: int) -> int:

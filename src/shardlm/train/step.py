@@ -17,19 +17,21 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardlm.accelerator import SEQUENCE_PARALLEL_GPU_OPTIONS, current
 from shardlm.sharding import replicated, use_mesh_rules
 from shardlm.train.source import model_source
 
 
 def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss_of, grad_accum: int = 1,
-                    aux_loss_weight: float = 0.0, name: str = "step"):
+                    aux_loss_weight: float = 0.0, name: str = "step", compiler_options: dict | None = None):
     """The jitted train step. `loss_of(model, batch, mesh, key=...) -> (loss, stats)` is the model's training loss
     as its source computes it (`train.source`): the forward pass with its dropout and activation constraints, the
     next-token cross entropy (shardlm's models fuse it with the head), and a mixture of experts' statistics
     (`model_metrics`), whose load-balancing loss joins the objective times `aux_loss_weight`. The logged `loss` is
     the cross entropy alone. `name` (an identifier) names the jitted function, and so the program and the op_name
     of every instruction XLA compiles of it ("jit(step)/..."): a plan names each strategy's step, so that what XLA
-    logs about an instruction says which step it is in (`shardlm.perf.xla_log`)."""
+    logs about an instruction says which step it is in (`shardlm.perf.xla_log`). `compiler_options`: XLA options
+    this step compiles with, over the process's (`step_compiler_options`)."""
     graphdef = train_state.graphdef
     param_shardings = nnx.filter_state(train_state.shardings["model"], nnx.Param)  # what gradients are taken of
     base_key = jax.random.key(seed)
@@ -69,7 +71,16 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
         in_shardings=(train_state.shardings, batch_sharding),
         out_shardings=(train_state.shardings, replicated(mesh)),
         donate_argnums=0,
+        compiler_options=compiler_options or None,
     )
+
+
+def step_compiler_options(cfg, platform: str | None = None) -> dict:
+    """The XLA options `cfg`'s train step compiles with on `platform` (default: the one being compiled for)
+    beyond the platform's own (`accelerator.GPU_COMPILER_OPTIONS`): none, except on GPUs under sequence
+    parallelism (`accelerator.SEQUENCE_PARALLEL_GPU_OPTIONS`)."""
+    platform = platform or current().platform
+    return dict(SEQUENCE_PARALLEL_GPU_OPTIONS) if cfg.mesh.sequence_parallel and platform == "gpu" else {}
 
 
 def model_metrics(stats: dict) -> dict:
@@ -161,7 +172,8 @@ def train_step_for(cfg, train_state, mesh, name: str = "step"):
 
     source = model_source(cfg)
     return make_train_step(train_state, mesh, source.batch_sharding(mesh), make_schedule(cfg), cfg.seed,
-                           source.loss, cfg.train.grad_accum, source.aux_loss_weight, name)
+                           source.loss, cfg.train.grad_accum, source.aux_loss_weight, name,
+                           step_compiler_options(cfg))
 
 
 def eval_step_for(cfg, train_state, mesh, token_bytes):
