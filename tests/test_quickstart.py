@@ -186,7 +186,8 @@ def test_mesh_auto_trains_with_the_plans_best_and_says_why(quickstart):
     assert "this host's CPU (8 devices, measured" in took
     run_dir = run_dir_of(quickstart, ran)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["mesh"] == {**parse_strategy(best, 8).mesh, "auto": False}  # resolved: a resume does not re-plan
+    # resolved: a resume does not re-plan (sequence parallelism is the user's setting, kept as given)
+    assert saved["mesh"] == {**parse_strategy(best, 8).mesh, "sequence_parallel": False, "auto": False}
     assert f"mesh stage={saved['mesh']['stage']} x data={saved['mesh']['data']}" in out
 
 
