@@ -111,6 +111,10 @@ def test_rule_table_gives_megatron_and_zero3_placements():
     # generation, whose context devices are replicas, reads it whole by position.
     assert logical_to_spec(("pos", "embed"), mesh=mesh) == P("context", "fsdp")
     assert logical_to_spec(("pos", "embed"), generation_rules(), mesh=mesh) == P(None, ("fsdp", "context"))
+    # and generation keeps every sequence whole, the residual stream's too
+    assert logical_to_spec(("batch", "res_seq", "act_embed"), mesh=mesh) == P(("data", "fsdp"), "context", None)
+    assert logical_to_spec(("batch", "res_seq", "act_embed"), generation_rules(), mesh=mesh) == P(
+        ("data", "fsdp"), None, None)
     assert batch_sharding(mesh).spec == P(("data", "fsdp"), None)  # rows of seq_len + 1
     assert batch_sharding(make_mesh(1, 2, 1, expert=4)).spec == P(("data", "fsdp", "expert"), None)
     # fsdp x context that does not divide an embed dimension gives way to fsdp alone.

@@ -384,7 +384,7 @@ def zero_rules(rules: Rules | None = None) -> Rules:
     return tuple(out)
 
 
-_ACTIVATION_NAMES = ("batch", "seq", "kv_seq")
+_ACTIVATION_NAMES = ("batch", "seq", "res_seq", "kv_seq")
 
 
 def replicas_of(x: jax.Array, names: tuple, replicas: int, axes: tuple[str, ...]) -> jax.Array:
@@ -505,10 +505,11 @@ def rules_without(axes: tuple[str, ...], rules: Rules) -> Rules:
 
 
 def generation_rules(rules: Rules | None = None) -> Rules:
-    """The table with `seq`, `pos` and `layers` left whole: generation's. A decode step has one token per row, so
-    the context devices serve as replicas (and a row looks up its position in the whole table); and it runs the
-    layers one after another, not as a pipeline, so the stage devices do too (each holds every layer)."""
-    return tuple((name, None if name in ("seq", "pos", "layers") else axes)
+    """The table with `seq` (and the residual stream's, `res_seq`), `pos` and `layers` left whole: generation's. A
+    decode step has one token per row, so the context devices serve as replicas (and a row looks up its position
+    in the whole table); and it runs the layers one after another, not as a pipeline, so the stage devices do too
+    (each holds every layer)."""
+    return tuple((name, None if name in ("seq", "res_seq", "pos", "layers") else axes)
                  for name, axes in (LOGICAL_AXIS_RULES if rules is None else rules))
 
 
