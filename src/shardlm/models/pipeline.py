@@ -90,8 +90,6 @@ from shardlm.sharding import (
     use_mesh_rules,
 )
 
-ACTIVATION = RESIDUAL  # what passes between stages
-
 
 def microbatch_count(setting: int, stages: int) -> int:
     """M for `model.pipeline_microbatches=setting` on `stages` stages: the setting, 0 meaning one per stage; 1
@@ -395,20 +393,20 @@ def _with_gradient_into(weight, carrier):
 def _on_stages(a, lead: int):
     """Pin an array whose first axis is the stage's (then `lead` - 1 unsplit axes) and whose rest is a residual
     stream."""
-    return constrain(a, LAYERS, *(None,) * (lead - 1), *ACTIVATION)
+    return constrain(a, LAYERS, *(None,) * (lead - 1), *RESIDUAL)
 
 
 def _microbatches(x, m: int):
     """[B, T, D] -> [M, B / M, T, D], microbatch i holding rows i, M + i, 2M + i, ...: each microbatch spans every
     batch shard (a row-major split would put a microbatch on a few devices)."""
     b = x.shape[0] // m
-    return constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1), None, *ACTIVATION)
+    return constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1), None, *RESIDUAL)
 
 
 def _batch(x_mb):
     """The inverse of `_microbatches`."""
     m, b = x_mb.shape[:2]
-    return constrain(x_mb.swapaxes(0, 1).reshape(m * b, *x_mb.shape[2:]), *ACTIVATION)
+    return constrain(x_mb.swapaxes(0, 1).reshape(m * b, *x_mb.shape[2:]), *RESIDUAL)
 
 
 def stage_layers(n_layers: int, stages: int, repeats: int = 1) -> list[list[int]]:
