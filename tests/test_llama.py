@@ -159,6 +159,65 @@ def test_grad_accum_is_the_full_batch_step(llama_trajectories):
     np.testing.assert_allclose(accumulated, full, rtol=1e-5)
 
 
+def _converts_to(jaxpr, dtype, shapes, in_scan=False) -> tuple[int, int]:
+    """(outside, inside a scan): how many casts of a float32 array shaped like one of `shapes` to `dtype` `jaxpr`
+    holds, nested jaxprs included."""
+    counts = [0, 0]
+    for eqn in jaxpr.eqns:
+        if (eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == dtype
+                and eqn.invars[0].aval.dtype == jnp.float32 and eqn.invars[0].aval.shape in shapes):
+            counts[in_scan] += 1
+        inner = in_scan or eqn.primitive.name == "scan"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    outside, inside = _converts_to(sub, dtype, shapes, inner)
+                    counts[0] += outside
+                    counts[1] += inside
+    return counts[0], counts[1]
+
+
+def test_grad_accum_casts_the_weights_once_with_the_same_gradients():
+    """In bfloat16, the microbatches of grad_accum differentiate weights cast once before their loop (the source's
+    `cast_once`), not cast by every microbatch, and the loss and gradients are exactly those of casting in the loop."""
+    from shardlm.losses import cross_entropy
+    from shardlm.sharding import use_mesh_rules
+    from shardlm.train.step import accumulated_grads
+
+    cfg = load_config(None, LLAMA + ["model.dtype=bfloat16"])
+    mesh = make_mesh(2, 2, 2)
+    ts = create_train_state(cfg, mesh, 500)
+    bsh = batch_struct(cfg, mesh).sharding
+    batch = jax.device_put(structured_tokens(16 * 33, 500).reshape(16, 33), bsh)
+    params_sharding = nnx.filter_state(ts.shardings["model"], nnx.Param)
+
+    def loss_fn(model, tokens, key):
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        return loss, {"loss": loss}
+
+    def grads(state, batch, cast_once):
+        model = nnx.merge(ts.graphdef, state)["model"]
+        with use_mesh_rules(mesh):
+            return accumulated_grads(loss_fn, model, batch, jax.random.key(0), 4, params_sharding, bsh, cast_once)
+
+    once, each = (jax.jit(lambda s, b, c=c: grads(s, b, c)) for c in (model_source(cfg).cast_once, None))
+    (metrics_once, grads_once), (metrics_each, grads_each) = once(ts.state, batch), each(ts.state, batch)
+    assert float(metrics_once["loss"]) == float(metrics_each["loss"])
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), grads_once, grads_each))
+    assert {g.dtype for g in jax.tree.leaves(grads_once)} == {jnp.dtype(jnp.float32)}
+
+    from shardlm.models.precision import CAST_WHERE_READ
+
+    params = nnx.state(nnx.merge(ts.graphdef, ts.state)["model"], nnx.Param)
+    shapes = {v[...].shape for v in jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+              if v[...].ndim >= 2 and not v.get_metadata().get(CAST_WHERE_READ)}  # the matmuls' weights
+    outside, inside = _converts_to(jax.make_jaxpr(each)(ts.state, batch).jaxpr, jnp.bfloat16, shapes)
+    assert inside > 0 and outside == 0  # each microbatch casts the weights
+    outside, inside = _converts_to(jax.make_jaxpr(once)(ts.state, batch).jaxpr, jnp.bfloat16, shapes)
+    assert inside == 0 and outside > 0  # once, before the loop
+
+
 def optax_norm(tree):
     import optax
 

@@ -55,6 +55,7 @@ from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
 from shardlm.models.layers import check_attention, uses_ring
 from shardlm.models.moe import exchange_capacity
+from shardlm.models.precision import cast_once
 from shardlm.models.pipeline import (
     bubble_fraction,
     check_pipeline,
@@ -172,6 +173,11 @@ class OwnModel:
         dropout = key is not None and self.cfg.model.dropout > 0
         with use_mesh_rules(mesh, self.rules(), storage=self.storage_rules(mesh)):
             return model.loss(batch[:, :-1], batch[:, 1:], rngs=nnx.Rngs(dropout=key) if dropout else None)
+
+    def cast_once(self, model, params):
+        """`params` (`model`'s) as a loop over microbatches differentiates them: cast once to the dtype the forward
+        pass reads them in (`precision.cast_once`)."""
+        return cast_once(params, model.dtype, model.reduce_dtype)
 
     def flops_per_token(self, vocab_size: int, tensor_degree: int) -> int:
         return flops_per_token(self.cfg.model, self.vocab_sizes(vocab_size, tensor_degree)[1])
@@ -355,6 +361,10 @@ class PlannedModel:
     def logits(self, model, tokens, mesh, *, train: bool, key=None):
         with constrained(model, self.plan, mesh):
             return self._run(model, tokens, train, key)
+
+    def cast_once(self, model, params):
+        """`params` as they are: a user's modules cast their weights where they use them."""
+        return params
 
     def loss(self, model, batch, mesh, *, key=None):
         """(the mean next-token cross entropy of `batch` under the model's logits, {})."""

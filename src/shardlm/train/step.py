@@ -23,7 +23,8 @@ from shardlm.train.source import model_source
 
 
 def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss_of, grad_accum: int = 1,
-                    aux_loss_weight: float = 0.0, name: str = "step", compiler_options: dict | None = None):
+                    aux_loss_weight: float = 0.0, name: str = "step", compiler_options: dict | None = None,
+                    cast_once=None):
     """The jitted train step. `loss_of(model, batch, mesh, key=...) -> (loss, stats)` is the model's training loss
     as its source computes it (`train.source`): the forward pass with its dropout and activation constraints, the
     next-token cross entropy (shardlm's models fuse it with the head), and a mixture of experts' statistics
@@ -31,7 +32,9 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
     the cross entropy alone. `name` (an identifier) names the jitted function, and so the program and the op_name
     of every instruction XLA compiles of it ("jit(step)/..."): a plan names each strategy's step, so that what XLA
     logs about an instruction says which step it is in (`shardlm.perf.xla_log`). `compiler_options`: XLA options
-    this step compiles with, over the process's (`step_compiler_options`)."""
+    this step compiles with, over the process's (`step_compiler_options`). `cast_once(model, params)`: the
+    parameters as the microbatches of `grad_accum` differentiate them (the source's, `train.source`; default:
+    as they are)."""
     graphdef = train_state.graphdef
     param_shardings = nnx.filter_state(train_state.shardings["model"], nnx.Param)  # what gradients are taken of
     base_key = jax.random.key(seed)
@@ -55,7 +58,7 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
                 (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, dropout_key)
             else:
                 metrics, grads = accumulated_grads(loss_fn, model, batch, dropout_key, grad_accum, param_shardings,
-                                                   batch_sharding)
+                                                   batch_sharding, cast_once)
         # Each gradient sharded like its parameter, before anything reads it: left to propagation, XLA all-reduced
         # FSDP's full gradients (to take the norm of the whole tensor on every device) and sliced them afterwards,
         # twice the traffic of the reduce-scatter this constraint allows (`shardlm plan` counts it from the HLO).
@@ -97,7 +100,7 @@ def model_metrics(stats: dict) -> dict:
             "moe_dropped": stats.get("moe_dropped", 0.0) / jnp.maximum(tokens.sum(), 1.0)}
 
 
-def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch_sharding):
+def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch_sharding, cast_once=None):
     """(metrics, mean gradient) over `k` equal microbatches of `batch`, run one after another in a `lax.scan`,
     so only one microbatch's activations are alive at a time. `loss_fn(model, tokens, key)` returns (objective,
     metrics); the metrics returned are the microbatches' means. Equal sizes make the mean of the microbatch
@@ -111,8 +114,13 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch
     parameters, so under FSDP every microbatch's gradient is reduce-scattered into it. The model's other variables
     (a user's model's batch statistics, RNG streams) go from microbatch to microbatch in the scan's carry, and the
     model holds the last microbatch's when this returns, as after one pass over the whole batch.
+
+    The microbatches differentiate `cast_once(model, params)` (the parameters cast to the dtype they are computed
+    in, where they lie, once for all the microbatches) and their gradients are summed in float32, then cast to
+    the parameters' own dtype.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, stored, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.lax.with_sharding_constraint(cast_once(model, stored), param_shardings) if cast_once else stored
     rows, width = batch.shape
     micro = batch.reshape(rows // k, k, width).swapaxes(0, 1)  # [k, rows / k, width]
     rows = batch_sharding.spec[0]  # each microbatch's rows split as the batch's, each row whole
@@ -142,7 +150,7 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch
     (grad_sum, metric_sum, rest), _ = jax.lax.scan(micro_step, (zeros, metric_zeros, rest), (micro, jnp.arange(k)))
     nnx.update(model, rest)
     return jax.tree.map(lambda m: m / k, metric_sum), jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grad_sum,
-                                                                  params)
+                                                                  stored)
 
 
 def make_eval_step(train_state, mesh, batch_sharding, token_bytes, forward):
@@ -173,7 +181,7 @@ def train_step_for(cfg, train_state, mesh, name: str = "step"):
     source = model_source(cfg)
     return make_train_step(train_state, mesh, source.batch_sharding(mesh), make_schedule(cfg), cfg.seed,
                            source.loss, cfg.train.grad_accum, source.aux_loss_weight, name,
-                           step_compiler_options(cfg))
+                           step_compiler_options(cfg), source.cast_once)
 
 
 def eval_step_for(cfg, train_state, mesh, token_bytes):
