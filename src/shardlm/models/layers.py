@@ -53,7 +53,8 @@ from shardlm.models.head import head_loss
 from shardlm.models.pipeline import row_order, run_pipeline
 from shardlm.models.precision import CAST_WHERE_READ, READ_IN_FLOAT32, add_bias, compute_view, matmul, matmuls
 from shardlm.models.stack import LAYERS, RESIDUAL, LayerCache, build_blocks, layer_rngs, run_blocks
-from shardlm.sharding import active_degree, active_mesh, active_spec, constrain, sharded_lookup
+from shardlm.sharding import (active_degree, active_mesh, active_spec, constrain, constrain_with_gradient,
+                              sharded_lookup)
 from shardlm.sharding.rules import as_axes
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
@@ -379,6 +380,25 @@ class Attention(nnx.Module):
         return remat.named(out, remat.OUT_PROJ), cache
 
 
+def _projections_input(y: jax.Array) -> jax.Array:
+    """A norm's output as the projections after it read it. The norm runs as the residual stream is split; under
+    sequence parallelism its output is then gathered over the sequence once for all of them (q, k and v; the gate
+    and up projections), and their gradients' partial sums, added, are reduce-scattered straight back to the
+    residual stream's split (`sharding.constrain_with_gradient`). Left to propagation, XLA gathered the input once
+    per projection where it recomputed them, and again for every weight's gradient (compiled for 64 H100s, the
+    70B row of docs/targets.md gathered each norm output of the backward pass 5 times). Without sequence
+    parallelism both splits are the same."""
+    return constrain_with_gradient(constrain(y, *RESIDUAL), ("batch", "seq", "act_embed"), RESIDUAL)
+
+
+def _residual_branch(y: jax.Array) -> jax.Array:
+    """A row-parallel projection's output (attention's output projection, the MLP's down projection) as the
+    residual stream receives it: its partial sums reduce-scattered into the stream's split, and its gradient
+    gathered over the sequence once, where both of the projection's transposes read it (the input's gradient and
+    the weight's); left to propagation, XLA gathered it once for each, over different groups."""
+    return constrain_with_gradient(y, RESIDUAL, ("batch", "seq", "act_embed"))
+
+
 class PreNormBlock(nnx.Module):
     """x + attn(ln1(x)), then x + mlp(ln2(x)), with dropout on both residual branches. A family's block builds
     `ln1`, `attn`, `ln2`, `mlp` and `dropout`, and sets `sparse` when its MLP is a mixture of experts (which
@@ -390,16 +410,14 @@ class PreNormBlock(nnx.Module):
         """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens", "moe_dropped"} for a sparse block, {} for a
         dense one."""
         x = remat.named(x, remat.BLOCK_INPUT)
-        # Each norm's output is pinned as the residual stream is split, so that under sequence parallelism the
-        # sequence is gathered where the projections read it, not before the norm.
-        a, cache = self.attn(constrain(self.ln1(x), *RESIDUAL), cache, ctx)
-        x = x + self._dropout(a, rngs, ctx)
+        a, cache = self.attn(_projections_input(self.ln1(x)), cache, ctx)
+        x = x + self._dropout(_residual_branch(a), rngs, ctx)
         x = constrain(x, *RESIDUAL)
-        h, stats = self.mlp(constrain(self.ln2(x), *RESIDUAL)), {}
+        h, stats = self.mlp(_projections_input(self.ln2(x))), {}
         if self.sparse:
             h, moe = h
             stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens, "moe_dropped": moe.dropped}
-        h = remat.named(h, remat.MLP_OUT)
+        h = remat.named(_residual_branch(h), remat.MLP_OUT)
         x = x + self._dropout(h, rngs, ctx)
         return constrain(x, *RESIDUAL), cache, stats
 

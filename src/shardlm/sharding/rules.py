@@ -256,6 +256,23 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
 
 
+def constrain_with_gradient(x: jax.Array, names: tuple, gradient_names: tuple) -> jax.Array:
+    """`constrain(x, *names)`, whose gradient is constrained as `gradient_names` say rather than by autodiff's
+    transpose of the constraint. Under sequence parallelism a norm's output is read by several projections
+    gathered over the sequence (`names`), while its gradient, their partial sums, belongs split as the residual
+    stream is (`gradient_names`): pinned there, the partial sums are reduce-scattered once, and every projection
+    reads one gather of the input, in the forward pass and in its recomputation. The identity outside
+    `use_mesh_rules`."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return x
+    # Both shardings are read now, under the rules in force here: the backward pass is traced later, outside them.
+    pinned, gradient = (NamedSharding(active.mesh, logical_to_spec(n, active.rules, shape=x.shape, mesh=active.mesh))
+                        for n in (names, gradient_names))
+    return _pinned_with_gradient(x, lambda a: jax.lax.with_sharding_constraint(a, pinned),
+                                 lambda g: jax.lax.with_sharding_constraint(g, gradient))
+
+
 def _pinned_with_gradient(x: jax.Array, pin, pin_gradient) -> jax.Array:
     """`pin(x)`, whose gradient is `pin_gradient(g)` rather than autodiff's own transpose of `pin`."""
 
