@@ -384,10 +384,10 @@ def _projections_input(y: jax.Array) -> jax.Array:
     """A norm's output as the projections after it read it. The norm runs as the residual stream is split; under
     sequence parallelism its output is then gathered over the sequence once for all of them (q, k and v; the gate
     and up projections), and their gradients' partial sums, added, are reduce-scattered straight back to the
-    residual stream's split (`sharding.constrain_with_gradient`). Left to propagation, XLA gathered the input once
-    per projection where it recomputed them, and again for every weight's gradient (compiled for 64 H100s, the
-    70B row of docs/targets.md gathered each norm output of the backward pass 5 times). Without sequence
-    parallelism both splits are the same."""
+    residual stream's split (`sharding.constrain_with_gradient`). Left to propagation with the sequence split over
+    context too, XLA gathered the input once per projection where it recomputed them, and again for every
+    weight's gradient (compiled for 64 H100s, the 70B row of docs/targets.md gathered each norm output of the
+    backward pass 5 times). Without sequence parallelism both splits are the same."""
     return constrain_with_gradient(constrain(y, *RESIDUAL), ("batch", "seq", "act_embed"), RESIDUAL)
 
 

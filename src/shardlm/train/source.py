@@ -55,7 +55,6 @@ from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
 from shardlm.models.layers import check_attention, uses_ring
 from shardlm.models.moe import exchange_capacity
-from shardlm.models.precision import cast_once
 from shardlm.models.pipeline import (
     bubble_fraction,
     check_pipeline,
@@ -64,6 +63,7 @@ from shardlm.models.pipeline import (
     row_order,
     stage_layers,
 )
+from shardlm.models.precision import cast_once
 from shardlm.losses import cross_entropy
 from shardlm.sharding import batch_sharding, sequence_parallel_rules, state_shardings, use_mesh_rules, zero_rules
 from shardlm.trees import path_str
