@@ -58,6 +58,10 @@ EXIT_PEER_FAILED = 3  # this process stopped because another process of the run 
 FAILED_KEY = "shardlm/failed"
 STOPPED_DIR = "shardlm/stopped/"
 COORDINATOR_GRACE_S = 10.0  # how long process 0 keeps the coordinator up for the others to read a failure
+# How long process 0 stays up after every process has said it is stopping. Each exits right after saying so, but
+# if the coordinator goes first, JAX's error poller in a process still exiting aborts it (SIGABRT, a stack trace
+# after its one line): seen once in a suite run on a loaded 2-core host.
+COORDINATOR_LINGER_S = 2.0
 
 
 def add_options(parser) -> None:
@@ -423,6 +427,7 @@ def _exit(code: int) -> None:
             while time.monotonic() < deadline and \
                     len(_run.client.key_value_dir_get(STOPPED_DIR)) < _run.num_processes:
                 time.sleep(0.05)
+            time.sleep(COORDINATOR_LINGER_S)
     except Exception:  # noqa: BLE001
         pass
     sys.stdout.flush()
