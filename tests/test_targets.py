@@ -2,6 +2,7 @@
 TPU slices, from the CPU. Each test compiles a small model once, by the target's own compiler, and reads what it
 produced: the HLO's kernels and collectives, its memory analysis, its schedule and its estimate."""
 
+import collections
 import re
 
 import jax.numpy as jnp
@@ -181,14 +182,9 @@ def test_sequence_parallelism_compiles_for_h100s_without_pipelined_gathers():
 
 def _gathered_twice(hlo_text: str) -> list[str]:
     """The buffers some computation of `hlo_text` all-gathers more than once."""
-    computation, gathered = "", {}
-    for line in hlo_text.splitlines():
-        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-            computation = line.split()[0]
-        if m := re.search(r"all-gather-start\(%([\w.\-]+)\)", line):
-            key = f"{computation}: {m.group(1)}"
-            gathered[key] = gathered.get(key, 0) + 1
-    return [key for key, n in gathered.items() if n > 1]
+    gathered = collections.Counter((i.computation, i.operands[0]) for i in hlo._parse(hlo_text)
+                                   if i.opcode == "all-gather-start")
+    return [f"{computation}: {buffer}" for (computation, buffer), n in gathered.items() if n > 1]
 
 
 def test_sequence_parallelism_gathers_each_activation_once_for_h100s():
