@@ -21,6 +21,11 @@ from targets import LLAMA_8B, compile_for  # the Llama 3.1 8B shape, and how a c
 
 LLAMA_70B = ["model=llama-1b", "model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8",
              "model.d_mlp=28672", "model.tie_embeddings=false"]
+# AXLearn's fuji-7B v1: Llama 2 7B's shape with a 32,768-token vocabulary and tied embeddings, and a remat policy
+# saving the attention's q/k/v, context and output projections (the MLP recomputed), at commit 4dae719
+FUJI_7B = ["model=llama-1b", "model.n_layers=32", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=32",
+           "model.d_mlp=11008", "model.vocab_size=32768", "model.seq_len=2048", "model.rope_theta=10000",
+           "model.tie_embeddings=true", "model.remat=save:qkv_proj,attention_out,out_proj"]
 MAXTEXT_OFFLOAD = ["model.remat=full", "model.remat_offload=block_input,qkv_proj,out_proj"]  # MaxText's remat
 # "custom" with decoder_layer_input, query/key/value_proj and out_proj offloaded to host, the rest recomputed
 
@@ -95,6 +100,31 @@ ROWS = [
       "mesh.expert=2",
       "train.batch_size=1024", "train.grad_accum=512", "model.remat=none"], 24.03,
      "NVIDIA/dgxc-benchmarking v24.11.1 grok1/README_314b.md (8 GPUs, 2 layers): 24.03 s per step"),
+    # Added 2026-11-28, chosen before any was estimated: every run found on one host or one TPU slice with its
+    # hardware named (H100 SXM or a TPU), from a framework the table did not have, whose configuration shardlm
+    # can express (modded-nanogpt's records were not: Muon, not AdamW).
+    ("llmc-gpt2-xl", "llm.c", "8 H100 SXM (80 GB)",
+     "GPT-2 XL 1.5B, DP 8 with ZeRO-1, microbatch 16 x 1024, global 1024 sequences (8 accumulation steps), no "
+     "recompute, cuDNN attention", "h100", 8, None,
+     ["model=gpt2-xl", "model.vocab_size=50304", "mesh.data=8", "train.batch_size=1024", "train.grad_accum=8",
+      "model.remat=none"], 2.80,
+     "karpathy/llm.c scripts/run_gpt2_1558M.sh (c6efd90): \"on 8X H100 80GB SXM ($28/hr) steps in 2.80s/iter\""),
+    ("llmc-gpt2-124m", "llm.c", "8 H100 (80 GB HBM3)",
+     "GPT-2 124M, DP 8 with ZeRO-1, batch 64 x 1024 per GPU (global 512), no recompute, cuDNN attention", "h100",
+     8, None, ["model=gpt2-small", "model.vocab_size=50304", "mesh.data=8", "train.batch_size=512",
+               "model.remat=none"], 0.140,
+     "KellerJordan/modded-nanogpt records/track_1_short/2024-10-13_llmc/README.md (llm.c on 8x H100 HBM3): "
+     "\"The mean per-step time was 140ms\""),
+    ("axlearn-fuji7b-h100", "AXLearn (4dae719)", "8 H100 SXM (AWS p5.48xlarge)",
+     "fuji-7B v1 (Llama 2 7B shape, vocabulary 32,768, tied embeddings), FSDP 8, global batch 64 x 2048, remat "
+     "saving the attention projections", "h100", 8, None, FUJI_7B + ["mesh.fsdp=8", "train.batch_size=64"], 2.03,
+     "apple/axlearn axlearn/experiments/text/gpt/c4_trainer.py docstring at 4dae719: \"gpu-p5.48xlarge 8x1 step "
+     "time: 128K tokens per batch: 2.03s for v1\""),
+    ("axlearn-fuji7b-v5e", "AXLearn (4dae719)", "TPU v5e-32",
+     "fuji-7B v1, data 2 x FSDP 16, global batch 64 x 2048, remat saving the attention projections", "tpu-v5e",
+     32, None, FUJI_7B + ["mesh.data=2", "mesh.fsdp=16", "train.batch_size=64"], 1.93,
+     "apple/axlearn axlearn/experiments/text/gpt/c4_trainer.py docstring at 4dae719: \"tpu-v5litepod-32 step "
+     "time: 128K tokens per batch: 1.93s for v1\""),
 ]
 
 
