@@ -44,15 +44,20 @@ def _reference_run(family_overrides, steps):
     return _reference[key]
 
 
-# (name, mesh degrees, overrides of the pipelined run only, overrides of both runs)
+# (name, mesh degrees, overrides of the pipelined run only, overrides of both runs). Each case is a compile and 20
+# steps (what "it trains" needs: the 8-layer model's loss falls 0.2 in 10), so no case repeats what another test
+# or case runs. Not cases of their own:
+# - pp2 alone, two layers per stage: pp2 x fsdp 2 x tensor 2 below runs its schedule and stage split, and
+#   test_parity's PP 2 x DP 2 a two-stage pipeline with no axis within its stages, against the plain step;
+# - pp4: M = 2S is the pp8 case's, and pp4 x data 2 trains test_a_pp4_checkpoint_resumes_on_other_stage_counts's
+#   checkpoint, whose steps 4 to 6 an unpipelined model repeats from it to 1e-5;
+# - pp2 x data 2 alone: the two remat cases below run on it, and test_parity's PP 2 x DP 2;
+# - pp2 x context 2: test_context's test_context_composes_with_remat_grad_accumulation_and_stages runs stage 2 x
+#   context 2 (Llama with GQA, remat full, 2 microbatches) against one device, every step to 1e-5.
 CASES = [
-    ("pp2, two layers per stage", {"stage": 2, "data": 1}, [], []),
-    ("pp4, M = 2S", {"stage": 4, "data": 1}, ["model.pipeline_microbatches=8"], []),
     ("pp2, circular R = 2", {"stage": 2, "data": 1}, ["model.pipeline_repeats=2"], []),
-    ("pp8, one layer per stage", {"stage": 8}, [], ["model.n_layers=8"]),
-    # pp2 x data 2 alone: the two remat cases below run on it, and test_parity's PP 2 x DP 2 against the plain step
+    ("pp8, one layer per stage, M = 2S", {"stage": 8}, ["model.pipeline_microbatches=16"], ["model.n_layers=8"]),
     ("pp2 x fsdp 2 x tensor 2", {"stage": 2, "data": 1, "fsdp": 2, "tensor": 2}, [], []),  # each axis within a stage
-    ("pp2 x context 2", {"stage": 2, "data": 1, "context": 2}, [], []),
     ("pp2, grad_accum 2, remat full", {"stage": 2, "data": 2}, ["train.grad_accum=2", "model.remat=full"], []),
     ("pp2, remat full per layer too", {"stage": 2, "data": 2}, ["model.remat=full", "model.pipeline_remat=layer"],
      []),
@@ -115,21 +120,30 @@ def _permuted(blocks, order):
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[jnp.array(order)], params))
 
 
+@pytest.fixture(scope="module")
+def layers_in_order():
+    """The blocks, their input, and the loss and gradients of running the layers in order: one reference for
+    every schedule below."""
+    from shardlm.models.stack import run_blocks
+
+    model, x = _blocks_and_input()
+    step = _step(model)
+    return model, x, _loss_and_grads(lambda b, x: run_blocks(b, model.n_layers, True, step, x)[0], model.blocks, x)
+
+
 # (circular S = R = M = 2 with zero bubbles was a third case: the table is played out on paper below, and M = 2S
 # runs the circular schedule here)
 @pytest.mark.parametrize("stages,repeats,microbatches,data,idle",
                          [(4, 1, 4, 2, float("nan")), (2, 2, 4, 2, float("nan"))],
                          ids=["bubbles full of NaN", "circular M=2S, NaN bubbles"])
-def test_the_schedule_equals_the_layers_in_order(stages, repeats, microbatches, data, idle):
+def test_the_schedule_equals_the_layers_in_order(layers_in_order, stages, repeats, microbatches, data, idle):
     from shardlm.models.pipeline import circular_order, run_pipeline
-    from shardlm.models.stack import run_blocks
     from shardlm.sharding import use_mesh_rules
 
-    model, x = _blocks_and_input()
+    model, x, reference = layers_in_order
     step = _step(model)
     order = circular_order(stages, repeats, model.n_layers)
     assert order == ([0, 2, 1, 3] if repeats == 2 else [0, 1, 2, 3])  # stage 0 holds layers 0 and 2 when circular
-    reference = _loss_and_grads(lambda b, x: run_blocks(b, model.n_layers, True, step, x)[0], model.blocks, x)
     mesh = _stage_mesh(stages, data)
 
     def pipelined(b, x):
@@ -292,10 +306,13 @@ def pp4_run(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("mesh", [["mesh.data=8"], ["mesh.stage=2", "mesh.fsdp=2", "mesh.data=2",
-                                                     "model.pipeline_repeats=2"],
+# Each resumption is a run (its train and eval steps compiled). Every checkpoint is stored in layer order, so both
+# read the same arrays; pp1 with the layers scanned is not a third: its target, stacked blocks without a stage axis,
+# is pp2 x fsdp2's (stacked) and pp1 block by block's (no stage), and test_checkpoint's
+# test_fsdp8_checkpoint_continues_on_another_mesh[fsdp2xcp4] resumes stacked blocks onto another mesh.
+@pytest.mark.parametrize("mesh", [["mesh.stage=2", "mesh.fsdp=2", "mesh.data=2", "model.pipeline_repeats=2"],
                                   ["mesh.data=8", "model.scan_layers=false"]],
-                         ids=["pp1", "pp2 x fsdp2, circular", "pp1 block by block"])
+                         ids=["pp2 x fsdp2, circular", "pp1 block by block"])
 def test_a_pp4_checkpoint_resumes_on_other_stage_counts(pp4_run, tmp_path, mesh):
     import json
     import shutil
