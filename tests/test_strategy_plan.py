@@ -4,6 +4,7 @@ DP all-reduces exactly the gradients, Megatron TP's MLP needs one all-reduce).""
 
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +200,22 @@ def test_collectives_inside_a_loop_count_once_per_iteration():
     compiled = jax.jit(f, in_shardings=spec, out_shardings=spec).lower(jnp.ones((8, 16))).compile()
     (c,) = hlo.summarize(hlo.collectives(compiled.as_text(), 8))
     assert c["kind"] == "all-reduce" and c["count"] == 5 and c["bytes"] == 5 * 16 * 4
+
+
+def test_a_plan_costs_xla_cpus_default_program_whatever_xla_flags_asks():
+    """What a plan compiles on the CPU to cost keeps an embedding's scatter-add a scatter (XLA:CPU's fusion
+    emitters, its default), even where XLA_FLAGS picks the older LLVM IR emitters, which turn it into a loop of a
+    trip per token (this session's flags do, on the jaxlib that has them: conftest.py)."""
+    from shardlm.perf.compiled import compile_step
+
+    def embedding_grad(table, ids):
+        return jax.grad(lambda t: jnp.sum(t[ids] ** 2))(table)
+
+    lowered = jax.jit(embedding_grad).lower(jnp.ones((64, 8)), jnp.arange(256) % 64)
+    costed = compile_step(lowered, 1, keep_hlo=True).hlo_text
+    assert "scatter(" in costed and " while(" not in costed
+    if "--xla_cpu_use_fusion_emitters=false" in os.environ["XLA_FLAGS"]:
+        assert " while(" in lowered.compile().as_text()  # what the session's own compiles make of it
 
 
 @pytest.mark.parametrize("attrs, groups", [
