@@ -206,7 +206,7 @@ def test_a_plan_costs_xla_cpus_default_program_whatever_xla_flags_asks():
     """What a plan compiles on the CPU to cost keeps an embedding's scatter-add a scatter (XLA:CPU's fusion
     emitters, its default), even where XLA_FLAGS picks the older LLVM IR emitters, which turn it into a loop of a
     trip per token (this session's flags do, on the jaxlib that has them: conftest.py)."""
-    from shardlm.perf.compiled import compile_step
+    from shardlm.perf.compiled import compile_step, compile_with
 
     def embedding_grad(table, ids):
         return jax.grad(lambda t: jnp.sum(t[ids] ** 2))(table)
@@ -216,6 +216,12 @@ def test_a_plan_costs_xla_cpus_default_program_whatever_xla_flags_asks():
     assert "scatter(" in costed and " while(" not in costed
     if "--xla_cpu_use_fusion_emitters=false" in os.environ["XLA_FLAGS"]:
         assert " while(" in lowered.compile().as_text()  # what the session's own compiles make of it
+    # on an XLA that has dropped an option, the compile goes on without it (what the option chose is then the only
+    # behaviour); any other failure is raised
+    assert compile_with(lowered, {"xla_cpu_no_such_option": True, "xla_cpu_use_fusion_emitters": True}).as_text() \
+        == costed
+    with pytest.raises(Exception, match="INVALID_ARGUMENT"):
+        compile_with(jax.jit(lambda x: x + 1).lower(jnp.ones(3)), {"xla_cpu_use_fusion_emitters": "sometimes"})
 
 
 @pytest.mark.parametrize("attrs, groups", [
