@@ -161,15 +161,22 @@ def _compile(lowered, n_devices: int, platform: str, matmul_flops: float, keep_h
 
 
 def compile_with(lowered, options: dict):
-    """`lowered.compile()` with the XLA `options` this XLA knows: an option a later release dropped is left out (its
-    error names it), since what it asks for is then the only behaviour."""
+    """`lowered.compile()` with the XLA `options`, which are preferences: an option this XLA does not know (a later
+    release dropped it, and what it asked for is then the only behaviour) is left out when its error names it (as
+    jaxlib 0.10's does), and if the compile fails otherwise, it is tried once as the environment's flags alone
+    would have it. If that fails too, the first failure is raised."""
     try:
         return lowered.compile(compiler_options=options or None)
     except Exception as e:
-        unknown = re.search(r"No such compile option: '(\w+)'", str(e))
-        if not unknown or unknown.group(1) not in options:
+        if not options:
             raise
-        return compile_with(lowered, {k: v for k, v in options.items() if k != unknown.group(1)})
+        unknown = re.search(r"No such compile option: '(\w+)'", str(e))
+        if unknown and unknown.group(1) in options:
+            return compile_with(lowered, {k: v for k, v in options.items() if k != unknown.group(1)})
+        try:
+            return lowered.compile()
+        except Exception:
+            raise e from None
 
 
 def host_temps(memory_analysis) -> int:
