@@ -45,8 +45,7 @@ def _reference_run(family_overrides, steps):
 
 
 # (name, mesh degrees, overrides of the pipelined run only, overrides of both runs). Each case is a compile and 20
-# steps (what "it trains" needs: the 8-layer model's loss falls 0.2 in 10), so no case repeats what another test
-# or case runs. Not cases of their own:
+# steps, so no case repeats what another test or case runs. Not cases of their own:
 # - pp2 alone, two layers per stage: pp2 x fsdp 2 x tensor 2 below runs its schedule and stage split, and
 #   test_parity's PP 2 x DP 2 a two-stage pipeline with no axis within its stages, against the plain step;
 # - pp4: M = 2S is the pp8 case's, and pp4 x data 2 trains test_a_pp4_checkpoint_resumes_on_other_stage_counts's
