@@ -243,3 +243,68 @@ def test_a_ragged_all_to_all_costs_the_rows_its_caller_expects_to_send():
     assert whole.bytes == 4096 * 4096 * 2
     assert _step(program(', frontend_attributes={shardlm_routed="ragged_exchange_routed_1024_of_4096"}')) < \
         0.6 * _step(program(""))  # a quarter of the bytes, at the table's all-to-all rate for that size
+
+
+def test_an_xla_tpu_async_collective_fusion_is_one_collective_hidden_behind_the_compute_it_rides_in():
+    """XLA:TPU writes an asynchronous all-gather as fusions: a start (`AsyncCollectiveStart`), a continuation that
+    computes (here a GEMM) while a clone of the collective moves the data, and a done (`AsyncCollectiveDone`);
+    all three hold the collective, with one channel id. It is one gather of 32 MiB, hidden behind the GEMM."""
+    v5e = get("tpu-v5e").hardware("bfloat16", 8)
+    group = "replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true"
+    state = "bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}, u32[]"
+    start_done = f"""
+%start_computation (s0: bf16[512,4096]) -> ({state}) {{
+  %s0 = bf16[512,4096]{{1,0}} parameter(0)
+  %ag.1 = bf16[4096,4096]{{1,0}} all-gather(%s0), channel_id=7, {group}
+  ROOT %cc.1 = ({state}) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}}
+
+%done_computation (d0: bf16[512,4096], d1: bf16[4096,4096], d2: u32[]) -> bf16[4096,4096] {{
+  %d0 = bf16[512,4096]{{1,0}} parameter(0)
+  %d1 = bf16[4096,4096]{{1,0}} parameter(1)
+  %d2 = u32[] parameter(2)
+  %ag.3 = bf16[4096,4096]{{1,0}} all-gather(%d0), channel_id=7, {group}
+  ROOT %cc.3 = bf16[4096,4096]{{1,0}} custom-call(%d0, %d1, %ag.3, %d2), custom_call_target="AsyncCollectiveDone"
+}}
+"""
+    continuation = f"""
+%async_collective_fusion.1 (c0: bf16[512,4096], c1: bf16[4096,4096], c2: u32[], c3: bf16[4096,4096], c4: bf16[4096,4096]) -> (bf16[4096,4096], {state}) {{
+  %c0 = bf16[512,4096]{{1,0}} parameter(0)
+  %c1 = bf16[4096,4096]{{1,0}} parameter(1)
+  %c2 = u32[] parameter(2)
+  %c3 = bf16[4096,4096]{{1,0}} parameter(3)
+  %c4 = bf16[4096,4096]{{1,0}} parameter(4)
+  %dot.2 = bf16[4096,4096]{{1,0}} dot(%c3, %c4), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %ag.2 = bf16[4096,4096]{{1,0}} all-gather(%c0), channel_id=7, {group}
+  ROOT %t.2 = (bf16[4096,4096]{{1,0}}, {state}) tuple(%dot.2, %c0, %ag.2, %c2)
+}}
+"""
+
+    def program(computes: bool):
+        between = f"""  %busy = (bf16[4096,4096]{{1,0}}, {state}) fusion(%in, %out, %flag, %a, %b), kind=kOutput, calls=%async_collective_fusion.1
+  %in2 = bf16[512,4096]{{1,0}} get-tuple-element(%busy), index=1
+  %out2 = bf16[4096,4096]{{1,0}} get-tuple-element(%busy), index=2
+  %flag2 = u32[] get-tuple-element(%busy), index=3""" if computes else """  %in2 = bf16[512,4096]{1,0} bitcast(%in)
+  %out2 = bf16[4096,4096]{1,0} bitcast(%out)
+  %flag2 = u32[] bitcast(%flag)"""
+        return _program(f"""  %start = ({state}) fusion(%w), kind=kCustom, calls=%start_computation
+  %in = bf16[512,4096]{{1,0}} get-tuple-element(%start), index=0
+  %out = bf16[4096,4096]{{1,0}} get-tuple-element(%start), index=1
+  %flag = u32[] get-tuple-element(%start), index=2
+{between}
+  %gathered = bf16[4096,4096]{{1,0}} fusion(%in2, %out2, %flag2), kind=kCustom, calls=%done_computation
+  ROOT %result = bf16[4096,4096]{{1,0}} fusion(%gathered, %b), kind=kCustom, calls=%gemm_computation""",
+                        GEMM + start_done + (continuation if computes else ""))
+
+    hidden, exposed = program(computes=True), program(computes=False)
+    (op,) = hidden.collectives  # once, not once per fusion that holds it
+    assert (op.kind, op.bytes, op.group_size) == ("all-gather", 4096 * 4096 * 2, 8)
+    assert [k.kind for k in hidden.kernels()] == ["gemm", "gemm"]  # the continuation's GEMM and the last one
+    gather_s = timeline.collective_seconds(op, v5e, v5e.rates(), 8)
+    gemm_s = timeline.kernel_seconds(hidden.kernels()[1], v5e.rates())
+    assert 0 < gather_s < gemm_s
+    under = timeline.estimate(hidden, 8, v5e, v5e.rates())
+    assert under.comm_s == 0.0 and under.comm_total_s == pytest.approx(gather_s)
+    assert under.step_s == pytest.approx(2 * gemm_s)
+    alone = timeline.estimate(exposed, 8, v5e, v5e.rates())
+    assert alone.comm_s == pytest.approx(gather_s) and alone.step_s == pytest.approx(gemm_s + gather_s)

@@ -8,6 +8,8 @@ program one device runs, so every number here is per device.
   collective-permute's operand. What crosses a link depends on the algorithm and the group size; that is the cost
   model's business (`shardlm.perf.costmodel`), so the group of every collective is kept.
 - A collective inside a `while` loop (a `lax.scan`) is counted once per iteration when XLA knows the trip count.
+- XLA:TPU writes an asynchronous collective as up to three fusions, each holding a clone of it
+  (`AsyncFusions`): it is counted once, at its start.
 - XLA:CPU lacks two passes XLA:GPU and XLA:TPU run after partitioning: ReduceScatterCreator (the partitioner's
   "all-reduce, then keep my 1/n slice" becomes a reduce-scatter) and AllReduceReassociate (a sum of all-reduces
   becomes the all-reduce of a sum). With `as_accelerators_run=True` (the default) both are applied to the counts
@@ -261,6 +263,54 @@ def _counted_trips(loop: _Instruction, instructions: list[_Instruction]) -> int 
     return max(-(-(limit - start) // max(step, 1)), 1)
 
 
+@dataclasses.dataclass
+class AsyncFusions:
+    """XLA:TPU's asynchronous collectives, written as fusions: a *start* fusion whose computation passes the
+    collective to a custom call `AsyncCollectiveStart`, *continuation* fusions that drive it forward while they
+    compute (a convolution fused with a clone of the collective), and a *done* fusion whose `AsyncCollectiveDone`
+    waits for it. Every clone keeps the start's `channel_id`: one collective, written up to three times."""
+
+    started: dict[str, str]  # fused computation of a start fusion -> its collective's name
+    done: dict[str, str]  # fused computation of a done fusion -> the name of the collective its start holds
+    clones: set[str]  # collectives in done and continuation fusions (the start's, again)
+
+
+_CHANNEL = re.compile(r"channel_id=(\d+)")
+
+
+def async_fusions(instructions: list[_Instruction]) -> AsyncFusions:
+    """The asynchronous collective fusions of a parsed program (`AsyncFusions`; empty for XLA:GPU and XLA:CPU,
+    which write `-start`/`-done` pairs)."""
+    calls: dict[str, str] = {}  # collective -> the custom call that takes it
+    for ins in instructions:
+        if ins.opcode == "custom-call" and (target := re.search(r'custom_call_target="(AsyncCollective\w+)"',
+                                                                 ins.attrs)):
+            for o in ins.operands:
+                calls[o] = target.group(1)
+    runs_in = {}  # fused computation -> the computation its fusion runs in (a start pairs with its own loop's done)
+    for ins in instructions:
+        if ins.opcode == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", ins.attrs)):
+            runs_in[called.group(1)] = ins.computation
+
+    def key(ins: _Instruction) -> tuple[str, str]:
+        return _CHANNEL.search(ins.attrs).group(1), runs_in.get(ins.computation, "")
+
+    starts: dict[tuple[str, str], str] = {}  # (channel, where it runs) -> its started collective
+    started, done, clones = {}, {}, set()
+    collectives = [i for i in instructions if _kind(i.opcode) in KINDS and _CHANNEL.search(i.attrs)]
+    for ins in collectives:
+        if calls.get(ins.name) == "AsyncCollectiveStart":
+            started[ins.computation] = ins.name
+            starts[key(ins)] = ins.name
+    for ins in collectives:
+        if calls.get(ins.name) == "AsyncCollectiveStart" or (start := starts.get(key(ins))) is None:
+            continue
+        clones.add(ins.name)
+        if calls.get(ins.name) == "AsyncCollectiveDone":
+            done[ins.computation] = start
+    return AsyncFusions(started, done, clones)
+
+
 def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = True) -> list[CollectiveOp]:
     """Every collective of a compiled program (sync or async `-start` form), with its bytes and device groups.
     The accelerator rewrites look at sync all-reduces, the only kind XLA:CPU emits."""
@@ -298,9 +348,10 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
             operands = [o for o in operands if o in by_name and array_bytes(by_name[o].shape) > 8] or operands
         level[ins.name] = max((level.get(o, 0) + passes_collective(o) for o in operands), default=0)
     out = []
+    clones = async_fusions(instructions).clones
     for ins in instructions:
         kind = _kind(ins.opcode)
-        if kind not in KINDS:
+        if kind not in KINDS or ins.name in clones:  # an XLA:TPU async collective counts once, at its start
             continue
         sizes = _array_sizes(ins.shape)
         nbytes = array_bytes(ins.shape)

@@ -21,7 +21,10 @@ Design choices:
   read only through slices counts the slices (a scanned layer reading its weights from the stacked array), and an
   in-place dynamic-update-slice counts the update written, not the buffer (a scan stacking residuals).
 - Collectives are `shardlm.perf.hlo.CollectiveOp`s (bytes, groups, trip counts), placed in the sequence where they
-  start and where they must be done; a synchronous one (XLA:CPU's) is both at once. Asynchronous copies
+  start and where they must be done; a synchronous one (XLA:CPU's) is both at once. XLA:TPU writes an asynchronous
+  collective as fusions (`hlo.AsyncFusions`): its start and done fusions are the start and the done, and the
+  continuation fusions between them, which compute while the collective moves, are kernels like any other (the
+  collective's buffers they pass along count among their bytes; their matmuls outweigh them). Asynchronous copies
   (`copy-start`, and XLA:TPU's `dynamic-slice-start` / `dynamic-update-slice-start` into a stacked host buffer:
   activations offloaded to host memory and brought back) are placed the same way, as kernels of kind `copy`
   whose bytes (the slice moved, not the buffer) cross the host link.
@@ -399,6 +402,7 @@ def program(hlo_text: str, n_devices: int, collectives: list[hlo.CollectiveOp] |
     entry = next((m.group(1) for line in hlo_text.splitlines() if (m := re.match(r"^ENTRY %([\w.\-]+)", line))),
                  instructions[-1].computation if instructions else "")
     op_index = {op.name: i for i, op in enumerate(ops)}
+    fused_async = hlo.async_fusions(instructions)
     schedules: dict[str, list[Event]] = {}
     started: dict[str, int] = {}
     pending = [entry]
@@ -435,6 +439,11 @@ def program(hlo_text: str, n_devices: int, collectives: list[hlo.CollectiveOp] |
                 branches = tuple(hlo.branches(ins))
                 events.append(Event("branches", branches=branches))
                 pending.extend(branches)
+                continue
+            if ins.opcode == "fusion" and (called := _called(ins)) and (
+                    (name := fused_async.started.get(called, fused_async.done.get(called))) in op_index):
+                # XLA:TPU's async collective fusions: the start begins the collective, the done waits for it
+                events.append(Event("start" if called in fused_async.started else "done", op=op_index[name]))
                 continue
             if ins.opcode == "async-start" and (wrapped := _wrapped_collective(reader, ins, op_index)) is not None:
                 started[ins.name] = wrapped  # XLA:GPU's async reduce-scatter / all-to-all
