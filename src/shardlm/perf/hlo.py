@@ -270,8 +270,8 @@ class AsyncFusions:
     compute (a convolution fused with a clone of the collective), and a *done* fusion whose `AsyncCollectiveDone`
     waits for it. Every clone keeps the start's `channel_id`: one collective, written up to three times."""
 
-    started: dict[str, str]  # fused computation of a start fusion -> its collective's name
-    done: dict[str, str]  # fused computation of a done fusion -> the name of the collective its start holds
+    started: dict[str, list[str]]  # fused computation of a start fusion -> the collectives it starts
+    done: dict[str, list[str]]  # fused computation of a done fusion -> the started collectives it waits for
     clones: set[str]  # collectives in done and continuation fusions (the start's, again)
 
 
@@ -300,14 +300,14 @@ def async_fusions(instructions: list[_Instruction]) -> AsyncFusions:
     collectives = [i for i in instructions if _kind(i.opcode) in KINDS and _CHANNEL.search(i.attrs)]
     for ins in collectives:
         if calls.get(ins.name) == "AsyncCollectiveStart":
-            started[ins.computation] = ins.name
+            started.setdefault(ins.computation, []).append(ins.name)
             starts[key(ins)] = ins.name
     for ins in collectives:
         if calls.get(ins.name) == "AsyncCollectiveStart" or (start := starts.get(key(ins))) is None:
             continue
         clones.add(ins.name)
         if calls.get(ins.name) == "AsyncCollectiveDone":
-            done[ins.computation] = start
+            done.setdefault(ins.computation, []).append(start)
     return AsyncFusions(started, done, clones)
 
 

@@ -441,9 +441,10 @@ def program(hlo_text: str, n_devices: int, collectives: list[hlo.CollectiveOp] |
                 pending.extend(branches)
                 continue
             if ins.opcode == "fusion" and (called := _called(ins)) and (
-                    (name := fused_async.started.get(called, fused_async.done.get(called))) in op_index):
-                # XLA:TPU's async collective fusions: the start begins the collective, the done waits for it
-                events.append(Event("start" if called in fused_async.started else "done", op=op_index[name]))
+                    names := fused_async.started.get(called) or fused_async.done.get(called)):
+                # XLA:TPU's async collective fusions: the start begins its collectives, the done waits for them
+                what = "start" if called in fused_async.started else "done"
+                events.extend(Event(what, op=op_index[name]) for name in names if name in op_index)
                 continue
             if ins.opcode == "async-start" and (wrapped := _wrapped_collective(reader, ins, op_index)) is not None:
                 started[ins.name] = wrapped  # XLA:GPU's async reduce-scatter / all-to-all
