@@ -158,6 +158,12 @@ def _op_name(ins: _Instruction) -> str:
     return m.group(1) if m else ""
 
 
+def called(ins: _Instruction) -> str | None:
+    """The computation an instruction calls (a fusion's body, an async op's wrapped computation), if it names one."""
+    m = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+    return m.group(1) if m else None
+
+
 def branches(ins: _Instruction) -> list[str]:
     """The branch computations of a `conditional` (either spelling: `branch_computations={...}` or
     `true_computation=`/`false_computation=`)."""
@@ -180,9 +186,9 @@ def _trip_counts(instructions: list[_Instruction]) -> dict[str, int]:
                 trips = _loop_trips(ins, instructions)
                 parent[body.group(1)] = (ins.computation, 1 if trips is None else trips)
         elif ins.opcode in ("fusion", "call"):
-            called = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", ins.attrs)
-            if called:
-                parent.setdefault(called.group(1), (ins.computation, 1))
+            callee = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", ins.attrs)
+            if callee:
+                parent.setdefault(callee.group(1), (ins.computation, 1))
         elif ins.opcode == "conditional":  # each branch at most once per execution of the caller
             for branch in branches(ins):
                 parent.setdefault(branch, (ins.computation, 1))
@@ -240,8 +246,8 @@ def _counted_trips(loop: _Instruction, instructions: list[_Instruction]) -> int 
         for i in by_comp.get(comps.pop(), []):
             if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2:
                 limit, counter = constant(i.operands[1]), tuple_index(i.operands[0])
-            elif i.opcode == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", i.attrs)):
-                comps.append(called.group(1))
+            elif i.opcode == "fusion" and (body := called(i)):
+                comps.append(body)
     if limit is None:
         return None
     known = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', loop.attrs)
@@ -289,8 +295,8 @@ def async_fusions(instructions: list[_Instruction]) -> AsyncFusions:
                 calls[o] = target.group(1)
     runs_in = {}  # fused computation -> the computation its fusion runs in (a start pairs with its own loop's done)
     for ins in instructions:
-        if ins.opcode == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", ins.attrs)):
-            runs_in[called.group(1)] = ins.computation
+        if ins.opcode == "fusion" and (body := called(ins)):
+            runs_in[body] = ins.computation
 
     def key(ins: _Instruction) -> tuple[str, str]:
         return _CHANNEL.search(ins.attrs).group(1), runs_in.get(ins.computation, "")
@@ -414,12 +420,8 @@ class _AcceleratorRewrites:
             return [ar]
         return [u for u in self.users.get(ar.name, []) if u.opcode == "get-tuple-element"]
 
-    def _called(self, fusion: _Instruction) -> str | None:
-        m = re.search(r"calls=%([\w.\-]+)", fusion.attrs)
-        return m.group(1) if m else None
-
     def _param(self, fusion: _Instruction, slot: int) -> str | None:
-        return next((i.name for i in self.body[self._called(fusion) or ""]
+        return next((i.name for i in self.body[called(fusion) or ""]
                      if i.opcode == "parameter" and i.args.strip() == str(slot)), None)
 
     def _in(self, comp: str, name: str) -> _Instruction | None:
@@ -429,12 +431,12 @@ class _AcceleratorRewrites:
         """An add, or a fusion that is nothing but one."""
         if ins.opcode == "add":
             return True
-        body = [i for i in self.body[self._called(ins) or ""] if i.opcode != "parameter"]
+        body = [i for i in self.body[called(ins) or ""] if i.opcode != "parameter"]
         return ins.opcode == "fusion" and len(body) == 1 and body[0].opcode == "add"
 
     def _adds(self, use: _Instruction, value: str) -> list[_Instruction]:
         """Inside fusion `use`, the reads of `value`'s parameter (all of them, to qualify, are adds)."""
-        comp = self._called(use) or ""
+        comp = called(use) or ""
         reads = []
         for slot in (k for k, o in enumerate(use.operands) if o == value):
             reads += self.inner_users.get((comp, self._param(use, slot)), [])
@@ -449,7 +451,7 @@ class _AcceleratorRewrites:
             return others[0] if len(use.operands) == 2 and len(others) == 1 else None
         if use.opcode != "fusion":
             return None
-        comp, partners = self._called(use) or "", set()
+        comp, partners = called(use) or "", set()
         reads = self._adds(use, value)
         if not reads or any(r.opcode != "add" or len(r.operands) != 2 for r in reads):
             return None
@@ -487,7 +489,7 @@ class _AcceleratorRewrites:
             if self._pure_add(use):
                 after = self.users.get(use.name, [])
                 return bool(after) and all(self.keeps_slice(u, use, n) for u in after)
-            comp = self._called(use)
+            comp = called(use)
             return all(self._slices(self.inner_users.get((comp, r.name), []), size, n)
                        for r in self._adds(use, value.name))
         return use.opcode == "fusion" and self._slices(self._adds(use, value.name), size, n)

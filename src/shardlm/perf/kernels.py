@@ -194,7 +194,7 @@ class _Reader:
                 f = self.dot(ins)
             elif ins.opcode == "convolution":
                 f = self.convolution(ins)
-            elif ins.opcode == "fusion" and (called := _called(ins)) and called not in seen:
+            elif ins.opcode == "fusion" and (called := hlo.called(ins)) and called not in seen:
                 f = self.core(called, seen + (called,))
             else:
                 continue
@@ -318,7 +318,7 @@ class _Reader:
         if ins.opcode in FREE:
             return None
         if ins.opcode == "fusion":
-            called = _called(ins)
+            called = hlo.called(ins)
             inner = [i for i in self.in_computation.get(called, []) if i.opcode == "custom-call"] if called else []
             if len(inner) == 1:  # XLA:TPU fuses a Pallas call with its operands' layout changes: cost the call
                 k = self._custom_call(inner[0], times)
@@ -373,11 +373,6 @@ def _declared_gemm(ins: hlo._Instruction) -> tuple[int, ...] | None:
     return tuple(float(x) for x in m.group(1).split(",")) if m else None
 
 
-def _called(ins: hlo._Instruction) -> str | None:
-    m = re.search(r"calls=%([\w.\-]+)", ins.attrs)
-    return m.group(1) if m else None
-
-
 def _target(ins: hlo._Instruction) -> str:
     m = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
     return m.group(1) if m else ""
@@ -385,8 +380,7 @@ def _target(ins: hlo._Instruction) -> str:
 
 def _wrapped_collective(reader: _Reader, ins: hlo._Instruction, op_index: dict[str, int]) -> int | None:
     """The collective an `async-start` wraps (its called computation's), as an index of `op_index`."""
-    called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
-    for inner in reader.in_computation.get(called.group(1), []) if called else []:
+    for inner in reader.in_computation.get(hlo.called(ins) or "", []):
         if inner.name in op_index:
             return op_index[inner.name]
     return None
@@ -440,7 +434,7 @@ def program(hlo_text: str, n_devices: int, collectives: list[hlo.CollectiveOp] |
                 events.append(Event("branches", branches=branches))
                 pending.extend(branches)
                 continue
-            if ins.opcode == "fusion" and (called := _called(ins)) and (
+            if ins.opcode == "fusion" and (called := hlo.called(ins)) and (
                     names := fused_async.started.get(called) or fused_async.done.get(called)):
                 # XLA:TPU's async collective fusions: the start begins its collectives, the done waits for them
                 what = "start" if called in fused_async.started else "done"
