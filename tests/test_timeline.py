@@ -245,6 +245,16 @@ def test_a_ragged_all_to_all_costs_the_rows_its_caller_expects_to_send():
         0.6 * _step(program(""))  # a quarter of the bytes, at the table's all-to-all rate for that size
 
 
+def test_an_async_all_to_all_counts_its_buffer_once():
+    """XLA:GPU's `all-to-all-start` is typed ((operands), results): the exchange moves one buffer of 32 MiB, not
+    the 64 MiB the whole tuple holds (as an embedding's output moves from an FSDP split of its features to a split
+    of the batch)."""
+    p = _program("""  %s = ((bf16[4096,4096]{1,0}), bf16[4096,4096]{1,0}) all-to-all-start(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %d = bf16[4096,4096]{1,0} all-to-all-done(%s)""")
+    (op,) = p.collectives
+    assert (op.kind, op.group_size, op.bytes) == ("all-to-all", 8, 4096 * 4096 * 2)
+
+
 def test_an_xla_tpu_async_collective_fusion_is_one_collective_hidden_behind_the_compute_it_rides_in():
     """XLA:TPU writes an asynchronous all-gather as fusions: a start (`AsyncCollectiveStart`), a continuation that
     computes (here a GEMM) while a clone of the collective moves the data, and a done (`AsyncCollectiveDone`);

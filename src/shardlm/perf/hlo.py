@@ -364,10 +364,12 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
         if ins.opcode.startswith("ragged-all-to-all"):  # its output buffer, times the share its caller expects used
             last = _ARRAY.findall(ins.shape)[-1]
             nbytes = int(array_bytes(f"{last[0]}[{last[1]}]") * (routed_share(ins.attrs) or 1.0))
-        if ins.opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(sizes) >= 2:
-            # (operand, result[, contexts]): the result is the second half for all-gather, the first for permute
+        elif ins.opcode.endswith("-start") and kind in ("all-gather", "all-to-all", "collective-permute") \
+                and len(sizes) >= 2:
+            # ((operands), results) for all-gather and all-to-all: the results are the second half; (operand,
+            # result, contexts) for permute: the first
             arrays = _ARRAY.findall(ins.shape)
-            half = arrays[len(arrays) // 2:] if kind == "all-gather" else arrays[:1]
+            half = arrays[len(arrays) // 2:] if kind != "collective-permute" else arrays[:1]
             nbytes = array_bytes(" ".join(f"{d}[{s}]" for d, s in half))
         groups = parse_groups(ins.attrs, n_devices)
         if kind == "reduce-scatter" and ins.opcode.endswith("-start") and len(sizes) >= 2:
