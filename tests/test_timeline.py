@@ -245,6 +245,36 @@ def test_a_ragged_all_to_all_costs_the_rows_its_caller_expects_to_send():
         0.6 * _step(program(""))  # a quarter of the bytes, at the table's all-to-all rate for that size
 
 
+def test_an_in_place_update_counts_the_slice_it_writes_and_what_it_reads_of_the_buffer():
+    """A fusion whose root is a dynamic-update-slice writes into its operand in place: of a 256 MiB buffer it moves
+    the 8 MiB slice it writes, the 4 MiB update, and, where it adds into the slice (an accumulator's block), the
+    8 MiB it reads of it."""
+    def program(new_rows: str):
+        update = f"""
+%update_computation (r0: f32[8,1024,8192], r1: bf16[512,4096], r2: s32[]) -> f32[8,1024,8192] {{
+  %r0 = f32[8,1024,8192]{{2,1,0}} parameter(0)
+  %r1 = bf16[512,4096]{{1,0}} parameter(1)
+  %r2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %up = bf16[1,256,8192]{{2,1,0}} bitcast(%r1)
+  %upf = f32[1,256,8192]{{2,1,0}} convert(%up)
+{new_rows}
+  ROOT %acc = f32[8,1024,8192]{{2,1,0}} dynamic-update-slice(%r0, %new, %r2, %zero, %zero)
+}}
+"""
+        (k,) = _program("""  %buf = f32[8,1024,8192]{2,1,0} bitcast(%x)
+  %i = s32[] constant(3)
+  ROOT %out = f32[8,1024,8192]{2,1,0} fusion(%buf, %w, %i), kind=kLoop, calls=%update_computation""",
+                        GEMM + ADD + update).kernels()
+        return k
+
+    stacked = program("  %new = f32[1,256,8192]{2,1,0} negate(%upf)")
+    added = program("""  %old = f32[1,256,8192]{2,1,0} dynamic-slice(%r0, %r2, %zero, %zero), dynamic_slice_sizes={1,256,8192}
+  %new = f32[1,256,8192]{2,1,0} add(%old, %upf)""")
+    assert stacked.bytes == 4 * 2**20 + 8 * 2**20
+    assert added.bytes == 4 * 2**20 + 8 * 2**20 + 8 * 2**20
+
+
 def test_an_async_all_to_all_counts_its_buffer_once():
     """XLA:GPU's `all-to-all-start` is typed ((operands), results): the exchange moves one buffer of 32 MiB, not
     the 64 MiB the whole tuple holds (as an embedding's output moves from an FSDP split of its features to a split

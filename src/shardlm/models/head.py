@@ -213,19 +213,26 @@ def _per_device(x, w, targets, *, tied, vocab_size, compute_dtype, reduce_dtype,
             dx, dw = carry
             c = weight_chunk(w, j)
 
-            def block(dc, xs):
-                x, targets, lse, dx = xs
+            def block(carry, xs):
+                dc, dx = carry
+                i, x, targets, lse = xs
                 logits, ids = chunk_logits(x, c, j)
                 hit = (ids == targets[..., None]) & jnp.isfinite(logits)
                 dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * scale).astype(compute_dtype)
                 # each tile's share in the compute dtype, as any matmul's (XLA:GPU's untuned deviceless compile
                 # costs a float32-output GEMM at a tenth of the tensor cores' rate), summed in float32
-                dx = dx + jnp.einsum(dx_contract, dlogits, c).astype(jnp.float32)
-                return dc + jnp.einsum(dw_contract, dlogits, x, preferred_element_type=jnp.float32), dx
+                share = jnp.einsum(dx_contract, dlogits, c).astype(jnp.float32)
+                # block i's rows of the input's gradient, added to in place in the carry (one fusion: XLA:GPU
+                # writes the scatter-add as a dynamic-update-slice of the block it reads). As the inner loop's
+                # output they were a new buffer each chunk, copied into the chunks' carry (compiled for 8 H100s,
+                # GPT-2 124M's 64 x 1024 tokens per device: 201 MB read and written per chunk, 1.4 ms a step).
+                dx = dx.at[i].add(share)
+                return (dc + jnp.einsum(dw_contract, dlogits, x, preferred_element_type=jnp.float32), dx), None
 
             dc_zeros = _varying(jnp.zeros((width, d) if tied else (d, width), jnp.float32),
                                 tuple(dict.fromkeys(axes.token + axes.vocab)))  # a sum over tokens and rows
-            dc, dx = over_blocks(block, dc_zeros, (in_blocks(x), in_blocks(targets), lse, dx))
+            (dc, dx), _ = over_blocks(block, (dc_zeros, dx),
+                                      (jnp.arange(blocks), in_blocks(x), in_blocks(targets), lse))
             dc = dc.astype(reduce_dtype)
             if axes.embed:  # summed over the tokens of the devices sharing the shard, scattered into it
                 dc = jax.lax.psum_scatter(dc, axes.embed, scatter_dimension=1 - row_axis, tiled=True)

@@ -19,7 +19,8 @@ Design choices:
   accounting: five matmuls against two); a Pallas kernel's own `cost_estimate` where it declares one.
 - Bytes: what the kernel reads and writes in HBM: its operands and results, except that a parameter of a fusion
   read only through slices counts the slices (a scanned layer reading its weights from the stacked array), and an
-  in-place dynamic-update-slice counts the update written, not the buffer (a scan stacking residuals).
+  in-place dynamic-update-slice counts the update written, not the buffer (a scan stacking residuals), and of the
+  buffer only what the fusion reads through slices (an accumulation adding into a block of it).
 - Collectives are `shardlm.perf.hlo.CollectiveOp`s (bytes, groups, trip counts), placed in the sequence where they
   start and where they must be done; a synchronous one (XLA:CPU's) is both at once. XLA:TPU writes an asynchronous
   collective as fusions (`hlo.AsyncFusions`): its start and done fusions are the start and the done, and the
@@ -269,11 +270,13 @@ class _Reader:
         users = self._through(param)
         if not users:
             return 0.0
-        if all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands and
-               self._source(u.operands[0]) == param for u in users):
-            return sum(hlo.array_bytes(u.shape) for u in users)
-        if any(u.name in in_place for u in users):  # the buffer a dynamic-update-slice writes into, in place
-            return 0.0
+        slices = [u for u in users if u.opcode in ("dynamic-slice", "slice", "gather") and u.operands and
+                  self._source(u.operands[0]) == param]
+        if len(slices) == len(users):
+            return sum(hlo.array_bytes(u.shape) for u in slices)
+        if any(u.name in in_place for u in users):  # the buffer a dynamic-update-slice writes into, in place: what
+            # the fusion reads of it through slices (the rows an accumulation adds to), not the buffer
+            return sum(hlo.array_bytes(u.shape) for u in slices)
         return full
 
     def _source(self, name: str) -> str:
