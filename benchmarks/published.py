@@ -50,7 +50,8 @@ ROWS = [
                        "model.remat=none"], 12.91,
      "NVIDIA/dgxc-benchmarking v24.11.1 llama3.1/README_8b.md: 12.91 s per step"),
     # NeMo runs it without recompute; shardlm's program without it needs 455 GiB per GPU (every iteration's
-    # activations), so the row compiles the policy that fits, the one `model.remat=auto` takes: full (74.6 GiB).
+    # activations), so the row compiles the policy that fits, the one `model.remat=auto` takes: full (43.7 GiB;
+    # save_qkv_proj needs 83.7).
     ("nemo-70b", "NeMo 24.09", "64 H100 SXM, 8 hosts",
      "Llama 3.1 70B, TP 4 with sequence parallelism, PP 4 (5 virtual stages), CP 2, DP 2, microbatch 1, global "
      "batch 128 x 8192, no recompute (shardlm: remat full, the policy that fits)", "h100", 64, 8,
