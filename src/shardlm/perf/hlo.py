@@ -164,6 +164,12 @@ def called(ins: _Instruction) -> str | None:
     return m.group(1) if m else None
 
 
+def custom_call_target(ins: _Instruction) -> str:
+    """A custom call's target (`__cudnn$fmha...`, `AsyncCollectiveStart`, ...); empty for any other instruction."""
+    m = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    return m.group(1) if m else ""
+
+
 def branches(ins: _Instruction) -> list[str]:
     """The branch computations of a `conditional` (either spelling: `branch_computations={...}` or
     `true_computation=`/`false_computation=`)."""
@@ -289,10 +295,9 @@ def async_fusions(instructions: list[_Instruction]) -> AsyncFusions:
     which write `-start`/`-done` pairs)."""
     calls: dict[str, str] = {}  # collective -> the custom call that takes it
     for ins in instructions:
-        if ins.opcode == "custom-call" and (target := re.search(r'custom_call_target="(AsyncCollective\w+)"',
-                                                                 ins.attrs)):
+        if ins.opcode == "custom-call" and (target := custom_call_target(ins)).startswith("AsyncCollective"):
             for o in ins.operands:
-                calls[o] = target.group(1)
+                calls[o] = target
     runs_in = {}  # fused computation -> the computation its fusion runs in (a start pairs with its own loop's done)
     for ins in instructions:
         if ins.opcode == "fusion" and (body := called(ins)):
@@ -361,21 +366,17 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
             continue
         sizes = _array_sizes(ins.shape)
         nbytes = array_bytes(ins.shape)
+        groups = parse_groups(ins.attrs, n_devices)
         if ins.opcode.startswith("ragged-all-to-all"):  # its output buffer, times the share its caller expects used
             last = _ARRAY.findall(ins.shape)[-1]
             nbytes = int(array_bytes(f"{last[0]}[{last[1]}]") * (routed_share(ins.attrs) or 1.0))
-        elif ins.opcode.endswith("-start") and kind in ("all-gather", "all-to-all", "collective-permute") \
-                and len(sizes) >= 2:
-            # ((operands), results) for all-gather and all-to-all: the results are the second half; (operand,
-            # result, contexts) for permute: the first
+        elif ins.opcode.endswith("-start") and kind != "all-reduce" and len(sizes) >= 2:
+            # An async start holds (operands, results[, contexts]); the message is the results for all-gather and
+            # all-to-all, the unscattered operands for reduce-scatter, the operand for permute
             arrays = _ARRAY.findall(ins.shape)
-            half = arrays[len(arrays) // 2:] if kind != "collective-permute" else arrays[:1]
+            half = {"collective-permute": arrays[:1], "reduce-scatter": arrays[:len(arrays) // 2]}.get(
+                kind, arrays[len(arrays) // 2:])
             nbytes = array_bytes(" ".join(f"{d}[{s}]" for d, s in half))
-        groups = parse_groups(ins.attrs, n_devices)
-        if kind == "reduce-scatter" and ins.opcode.endswith("-start") and len(sizes) >= 2:
-            # XLA:GPU's async form holds (operands, results): the operands are the unscattered buffers
-            arrays = _ARRAY.findall(ins.shape)
-            nbytes = array_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[:len(arrays) // 2]))
         elif kind == "reduce-scatter":  # the result is this device's 1/n of the operand
             nbytes *= len(groups[0]) if groups else n_devices
         op = CollectiveOp(kind, ins.name, nbytes, groups, times.get(ins.computation, 1), _op_name(ins),

@@ -212,7 +212,7 @@ class _Reader:
             return 0.0, (), dtype
         b, h, tq, tk = scores
         d = q[-1]
-        backward = "Backward" in _target(ins)
+        backward = "Backward" in hlo.custom_call_target(ins)
         flops = 4.0 * b * h * tq * tk * d * (0.5 if fmha.get("mask_type") == "CAUSAL" else 1.0)
         return flops * (2.5 if backward else 1.0), (tq, tk, d, int(backward)), dtype
 
@@ -272,10 +272,9 @@ class _Reader:
             return 0.0
         slices = [u for u in users if u.opcode in ("dynamic-slice", "slice", "gather") and u.operands and
                   self._source(u.operands[0]) == param]
-        if len(slices) == len(users):
-            return sum(hlo.array_bytes(u.shape) for u in slices)
-        if any(u.name in in_place for u in users):  # the buffer a dynamic-update-slice writes into, in place: what
-            # the fusion reads of it through slices (the rows an accumulation adds to), not the buffer
+        # read only through slices, or the buffer a dynamic-update-slice writes into in place (of which the fusion
+        # reads only the rows it slices: an accumulation's block): the slices, not the buffer
+        if len(slices) == len(users) or any(u.name in in_place for u in users):
             return sum(hlo.array_bytes(u.shape) for u in slices)
         return full
 
@@ -340,7 +339,7 @@ class _Reader:
         return Kernel(ins.name, "memory", 0.0, self.plain_bytes(ins), times=times)
 
     def _custom_call(self, ins: hlo._Instruction, times: int) -> Kernel:
-        target, config = _target(ins), _config(ins)
+        target, config = hlo.custom_call_target(ins), _config(ins)
         nbytes = self.plain_bytes(ins)
         if target.startswith(_ATTENTION_TARGETS):
             flops, dims, dtype = self.attention(ins, config)
@@ -374,11 +373,6 @@ def _declared_gemm(ins: hlo._Instruction) -> tuple[int, ...] | None:
     matmul's [groups, rows per group, N, K]), which XLA:GPU prints with quotes escaped as \\22."""
     m = re.search(r'shardlm_gemm\\22: \\22\[([0-9., ]+)\]\\22', ins.attrs)
     return tuple(float(x) for x in m.group(1).split(",")) if m else None
-
-
-def _target(ins: hlo._Instruction) -> str:
-    m = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-    return m.group(1) if m else ""
 
 
 def _wrapped_collective(reader: _Reader, ins: hlo._Instruction, op_index: dict[str, int]) -> int | None:
