@@ -5,6 +5,7 @@ DP all-reduces exactly the gradients, Megatron TP's MLP needs one all-reduce).""
 import json
 import math
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -457,8 +458,13 @@ def test_bench_cli_table_json_and_chart(tmp_path):
     out = json.loads(proc.stdout)
     assert out["devices"] == 8 and [s["name"] for s in out["strategies"]] == ["dp8", "fsdp4+tp2"]
     assert out["estimated_on"].startswith("this host's CPU (8 devices, measured")
+    # MFU is held against the measured peak the estimate is costed with: the host's figure, kept in the cache
+    kept = json.loads((Path(os.environ["SHARDLM_CACHE_DIR"]) / "host-hardware.json").read_text())
+    peak = kept[f"8 devices, {os.cpu_count()} cores"]["peak_flops"]
+    assert "measured CPU matmul peak (8 devices busy at once), the estimate's" in out["peak_source"]
     for s in out["strategies"]:
         assert s["steps"] == 2 and s["step_s"] > 0 and 0 < s["mfu"] and s["tokens_per_s"] > 0
+        assert s["mfu"] == pytest.approx(s["tflops_per_device"] * 1e12 / peak)
         assert s["tokens_per_s"] == pytest.approx(16 * 32 / s["step_s"])
         # the plan's estimate of the same compiled step, beside the measurement
         assert s["est_step_s"] > 0 and s["measured_over_est"] == pytest.approx(s["step_s"] / s["est_step_s"])
