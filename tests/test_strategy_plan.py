@@ -461,7 +461,7 @@ def test_bench_cli_table_json_and_chart(tmp_path):
     # MFU is held against the measured peak the estimate is costed with: the host's figure, kept in the cache
     kept = json.loads((Path(os.environ["SHARDLM_CACHE_DIR"]) / "host-hardware.json").read_text())
     peak = kept[f"8 devices, {os.cpu_count()} cores"]["peak_flops"]
-    assert "measured CPU matmul peak (8 devices busy at once), the estimate's" in out["peak_source"]
+    assert out["peak_source"].startswith("measured CPU matmul peak (8 devices busy at once, kept in ")
     for s in out["strategies"]:
         assert s["steps"] == 2 and s["step_s"] > 0 and 0 < s["mfu"] and s["tokens_per_s"] > 0
         assert s["mfu"] == pytest.approx(s["tflops_per_device"] * 1e12 / peak)

@@ -11,17 +11,18 @@ Convention (PaLM appendix B, as in nanoGPT's `estimate_mfu`):
 - 12 * L * T * d is attention's QK^T and AV, forward and backward, *not* halved for causal masking.
 MFU = achieved model FLOP/s per device / peak FLOP/s per device. The peak comes from a table of known
 accelerators (dense, no sparsity) for the compute dtype; on CPU there is no datasheet number, so the peak is
-*measured*: a large fp32 matmul run on every device at once, and labelled "measured CPU matmul peak".
+*measured*: a large fp32 matmul run on every device at once, kept for the host (`shardlm.host_figures`: the same
+figure a CPU plan is costed with), and labelled "measured CPU matmul peak".
 """
 
 import math
 import re
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardlm import host_figures
 from shardlm.accelerator import resolve_dtype
 from shardlm.kernels.grouped import megablox_flops
 from shardlm.models.config import ModelConfig
@@ -157,36 +158,17 @@ def table_peak(device_kind: str, dtype: str = "float32") -> float | None:
     return None
 
 
-def measure_matmul_peak(devices, n: int = 1024, repeats: int = 5) -> float:
-    """Per-device fp32 matmul FLOP/s with every device busy at once (simulated CPU devices share cores)."""
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.asarray(devices), ("d",))
-    sharding = NamedSharding(mesh, P("d"))
-    k = len(devices)
-    a = jax.device_put(jnp.ones((k, n, n), jnp.float32), sharding)
-    mm = jax.jit(lambda x: jnp.einsum("kij,kjl->kil", x, x), out_shardings=sharding)
-    return 2 * n**3 / best_time(mm, a, repeats)
-
-
-def best_time(fn, x, repeats: int = 5) -> float:
-    """The fastest of `repeats` timed calls `fn(x)`, after one untimed call (which compiles)."""
-    fn(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def device_peak(devices, dtype: str = "float32") -> tuple[float, str]:
-    """(peak FLOP/s per device, a label saying where the number comes from)."""
+    """(peak FLOP/s per device, a label saying where the number comes from). On a CPU, the matmul peak measured
+    with every device busy at once, kept for the host (`shardlm.host_figures`: the figure a CPU plan is costed
+    with), or, across several processes, measured now."""
     kind = devices[0].device_kind
     peak = table_peak(kind, dtype)
     if peak is not None:
         return peak, f"{kind} datasheet dense {dtype} peak"
-    if devices[0].platform == "cpu":
-        return measure_matmul_peak(devices), f"measured CPU matmul peak ({len(devices)} devices busy at once)"
-    return measure_matmul_peak(devices), f"measured matmul peak ({kind}, not in the peak table)"
+    label = f"measured CPU matmul peak ({len(devices)} devices busy at once" if devices[0].platform == "cpu" \
+        else f"measured matmul peak ({kind}, not in the peak table"
+    if devices[0].platform == "cpu" and jax.process_count() == 1:
+        figures, path = host_figures.kept(devices)
+        return figures["peak_flops"], f"{label}, kept in {path})"
+    return host_figures.measure_matmul_peak(devices), f"{label})"

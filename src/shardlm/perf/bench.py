@@ -122,7 +122,7 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
     import jax
 
     from shardlm.errors import ShardlmError
-    from shardlm.flops import peak_dtype
+    from shardlm.flops import device_peak, peak_dtype
     from shardlm.train.source import model_flops_per_step
     from shardlm.perf.host import local_hardware
     from shardlm.perf.strategies import rejection
@@ -154,23 +154,10 @@ def _bench(cfg: Config, strategies: list[Strategy], steps: int, warmup: int, log
             run["times"].append(time.perf_counter() - t0)
             run["loss"] = float(metrics["loss"])
         log(f"round {r + 1}/{steps}")
-    peak, label = _mfu_peak(devices, hardware, peak_dtype(cfg.model))
+    peak, label = device_peak(devices, peak_dtype(cfg.model))  # on a CPU host: the estimate's, kept
     results = [BenchResult(run["s"], run["times"], b * t, model_flops_per_step(cfg, vocab, run["s"].tensor), peak,
                            run["compile_s"], run["loss"], run["est"]) for run in runs]
     return Bench(results, label, devices[0].device_kind, len(devices), hardware.describe())
-
-
-def _mfu_peak(devices, hardware, dtype: str) -> tuple[float, str]:
-    """(peak FLOP/s per device, where it comes from) that MFU is held against: on a CPU host the measured matmul
-    peak the estimate is costed with (`hardware`, this host's figures, measured once and kept), so that the MFU and
-    `est ms` columns of one table rest on one figure (measured again after the rounds, best of 5, it read 0.012
-    where the kept figure, best of 10, read 0.026 TFLOP/s per device: 83.6% MFU beside a 1.64x meas/est); on an
-    accelerator its datasheet's."""
-    from shardlm.flops import device_peak
-
-    if devices[0].platform == "cpu":
-        return hardware.peak_flops, f"measured CPU matmul peak ({len(devices)} devices busy at once), the estimate's"
-    return device_peak(devices, dtype)
 
 
 def _estimate(compiled, n_devices: int, hardware, platform: str) -> float | None:
