@@ -176,6 +176,12 @@ def test_context_errors_and_plan_names(monkeypatch):
     cfg = load_config(None, MICRO + ["model.seq_len=36"])
     with pytest.raises(ShardlmError, match=r"model.seq_len=36 is split over mesh.context=8, which does not divide"):
         check_shardable(cfg, make_mesh(context=8))
+    # the ring's zigzag layout cuts the sequence into 2 x context chunks: 36 splits over 4 devices, not into 8
+    # chunks (which once reached the trace: a reshape's TypeError, in `plan` and `train` alike); gathered, it runs
+    with pytest.raises(ShardlmError, match=r"model.seq_len=36 does not cut into the 8 equal chunks ring attention"):
+        check_shardable(cfg, make_mesh(context=4))
+    check_shardable(load_config(None, MICRO + ["model.seq_len=36", "model.context_attention=all_gather"]),
+                    make_mesh(context=4))
     # cuDNN's kernel takes a split sequence one chunk at a time in the ring, not all-gathered
     gathered = MICRO + ["model.attention=cudnn", "model.context_attention=all_gather"]
     with pytest.raises(ShardlmError, match="cuDNN's fused kernel refuses sequence sharding"):

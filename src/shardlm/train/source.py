@@ -190,6 +190,11 @@ class OwnModel:
         if m.seq_len % cp:
             raise ShardlmError(f"model.seq_len={m.seq_len} is split over mesh.context={cp}, which does not divide it;"
                                f" choose a mesh.context dividing {m.seq_len} or a seq_len that is a multiple of {cp}")
+        if cp > 1 and uses_ring(m.attention, m.context_attention) and m.seq_len % (2 * cp):
+            raise ShardlmError(
+                f"model.seq_len={m.seq_len} does not cut into the {2 * cp} equal chunks ring attention over "
+                f"mesh.context={cp} lays out (two per device, the zigzag layout); choose a seq_len that is a multiple "
+                f"of {2 * cp}, or model.context_attention=all_gather")
         check_attention(m.attention, cp, m.context_attention)
         stages = mesh.shape.get("stage", 1)
         if stages > 1:
