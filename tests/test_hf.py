@@ -300,6 +300,17 @@ def test_export_shards_above_the_size_limit_and_is_atomic(trained, tmp_path, mon
     with pytest.raises(ShardlmError, match="GPT without biases"):
         export(tmp_path / "nobias", tmp_path / "never", log=lambda m: None)
     shutil.rmtree(tmp_path / "nobias")
+    # --force replaces a model directory, never the run itself, a directory holding it, or one of other files
+    for where, why in ((run, "holds the run being exported"), (run.parent, "holds the run being exported"),
+                       (tmp_path / "notes", "is not a model directory")):
+        if where == tmp_path / "notes":
+            where.mkdir()
+            (where / "thesis.txt").write_text("a year of work")
+        before = sorted(p.relative_to(where) for p in where.rglob("*"))
+        with pytest.raises(ShardlmError, match=why):
+            export(run, where, force=True, log=lambda m: None)
+        assert sorted(p.relative_to(where) for p in where.rglob("*")) == before
+    shutil.rmtree(tmp_path / "notes")
     proc = shardlm("export", str(run), "--out", str(out), "--cpu-devices", "8", "--force")
     assert proc.returncode == 0, proc.stderr
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()

@@ -53,7 +53,7 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
     a summary (files, tensors, bytes, seconds)."""
     t0 = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
-    _check_arguments(out, dtype, max_shard_bytes, force)
+    _check_arguments(run_dir, out, dtype, max_shard_bytes, force)
     meta = _checkpoint_meta(run_dir, step)
     m = load_model(run_dir, step=step)  # the run's mesh, or FSDP over these devices (`load.mesh_that_fits`)
     vocab = meta["vocab"]["real"]
@@ -74,15 +74,29 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
     return summary
 
 
-def _check_arguments(out: Path, dtype: str, max_shard_bytes: float, force: bool) -> None:
+def _check_arguments(run_dir: Path, out: Path, dtype: str, max_shard_bytes: float, force: bool) -> None:
     if dtype not in DTYPES:
         raise ShardlmError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     if max_shard_bytes <= 0:
         raise ShardlmError("--max-shard-size must be positive")
     if out.exists() and not out.is_dir():
         raise ShardlmError(f"--out {out} is a file; pass a directory path")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if not (out.is_dir() and any(out.iterdir())):
+        return
+    if not force:
         raise ShardlmError(f"--out {out} exists and is not empty; pass --force to replace it, or another --out")
+    _check_replaceable(run_dir, out)
+
+
+def _check_replaceable(run_dir: Path, out: Path) -> None:
+    """`--force` replaces a model directory, nothing else: not the run being exported or a directory holding it,
+    and not a directory of other files (which the replacement would delete with it)."""
+    if out.resolve() == run_dir.resolve() or out.resolve() in run_dir.resolve().parents:
+        raise ShardlmError(f"--out {out} holds the run being exported ({run_dir}), which --force would delete; "
+                           "choose another --out")
+    if not (out / "config.json").is_file() or any(p.is_dir() for p in out.iterdir()):
+        raise ShardlmError(f"--out {out} is not a model directory (config.json and its files, no subdirectories), "
+                           "and --force replaces only one; choose a new or empty --out")
 
 
 def _checkpoint_meta(run_dir: Path, step: int | None) -> dict:
