@@ -106,6 +106,15 @@ def test_a_bad_mixture_is_one_line(sources, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_data_path_beside_sources_is_one_line_not_ignored():
+    """A mixture reads its sources alone: a data.path given beside them (in a new run, or on resuming a mixture run,
+    which once said `changed: data.path` and trained on the sources) is refused, not ignored."""
+    sources = "data.sources=[{path: a.txt, weight: 1}]"
+    for base in (None, {"data": {"sources": [{"path": "a.txt", "weight": 1}]}}):  # a run's saved config
+        with pytest.raises(ShardlmError, match=r"data.path=b.txt and data.sources both name the training data"):
+            load_config(None, ["data.path=b.txt"] + ([] if base else [sources]), base=base)
+
+
 def test_sources_with_different_tokenizers_or_without_validation_text_stop_before_the_run(tmp_path):
     from shardlm.data.prepare import prepare
     from shardlm.train.loop import train

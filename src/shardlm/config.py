@@ -462,6 +462,9 @@ def validate(cfg: Config) -> None:
         from shardlm.data.mixture import parse_sources
 
         parse_sources(d.sources, d.path)
+        if d.path != DataConfig.path:  # (a mixture reads its sources alone: data.path would be ignored)
+            raise ShardlmError(f"data.path={d.path} and data.sources both name the training data; give the sources "
+                               "alone (each path in data.sources), or data.path alone with data.sources=[]")
     if d.tokenizer_vocab < 257:
         raise ShardlmError(f"data.tokenizer_vocab must be at least 257 (bytes + end of text), got {d.tokenizer_vocab}")
     if cfg.init.from_ and not is_hf(cfg.init.from_):
