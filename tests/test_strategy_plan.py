@@ -437,7 +437,12 @@ def test_progress_counts_pruned_candidates_against_a_total_fixed_from_the_start(
     assert sum("pruned, not compiled: pruned by the test" in line for line in progress) == 2, progress
 
 
-def test_plan_and_bench_cli_errors(tmp_path):
+def test_plan_and_bench_cli_errors(tmp_path, capsys):
+    from shardlm.cli import main
+
+    for command in (["plan"], ["train", "--compile-only"]):  # a target's abstract devices: 0 was taken as 1
+        assert main([*command, "--target", "h100", "--devices", "0", *MICRO]) == 2
+        assert capsys.readouterr().err.strip() == "shardlm: error: --devices must be at least 1, got 0"
     assert_one_line_error(shardlm("plan", "--devices", "8", "--memory", "lots", *MICRO), "--memory 'lots'")
     assert_one_line_error(shardlm("plan", "--devices", "8", "--peak-tflops", "0", *MICRO), "--peak-tflops")
     assert_one_line_error(shardlm("plan", "--devices", "0", *MICRO), "--devices must be at least 1")

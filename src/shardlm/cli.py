@@ -616,11 +616,11 @@ def _simulate_devices(args: argparse.Namespace) -> None:
     """`--cpu-devices N` (`plan --devices N`: N devices to compile for, with the planning flags), before JAX starts."""
     from shardlm.mesh import simulate_cpu_devices
 
+    if getattr(args, "devices", None) is not None and args.devices < 1:  # (with --target too: not taken as 1)
+        raise ShardlmError(f"--devices must be at least 1, got {args.devices}")
     if args.command == "plan" and args.target:
         return  # a target's devices are abstract: nothing to simulate
     if args.command == "plan":
-        if args.devices is not None and args.devices < 1:
-            raise ShardlmError(f"--devices must be at least 1, got {args.devices}")
         if args.devices is not None:
             from shardlm.perf.planner import planning_flags
 
