@@ -216,8 +216,13 @@ def test_plan_enumerates_and_costs_context_splits_for_a_batch_smaller_than_the_d
     splits itself and costs them, K and V's all-gathers included."""
     proc = shardlm("plan", "--devices", "4", "--json", *MICRO, "train.batch_size=1", "model.seq_len=256")
     assert proc.returncode == 0, proc.stderr
-    plans = {p["name"]: p for p in json.loads(proc.stdout)}
+    rows = json.loads(proc.stdout)
+    plans = {p["name"]: p for p in rows if p["rank"] is not None}
     assert set(plans) == {"cp4", "cp2+tp2", "tp4"}, set(plans)
+    # the splits it cannot take are in the JSON too, unranked, with why (as the text lists them)
+    refused = {p["name"]: p["not_possible"] for p in rows if p["rank"] is None}
+    assert refused["dp4"] == "train.batch_size=1 is split over data x fsdp = 4 devices, which does not divide it; " \
+        "use a multiple of 4", refused
     assert plans["cp4"]["mesh"] == {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "context": 4, "tensor": 1}
     assert plans["cp4"]["overrides"] == ["mesh.stage=1", "mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=4",
                                          "mesh.tensor=1"]

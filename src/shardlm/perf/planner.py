@@ -200,11 +200,17 @@ class Plan:
         return -(-self.n_devices // self.hardware.devices_per_node)
 
     def to_list(self) -> list[dict]:
-        """One object per strategy, ranked; then one per strategy the compiler failed on (`failed`: its words)."""
-        return [s.to_dict(self.hardware) for s in self.strategies] + [
-            {"rank": None, "name": c.strategy.name, "remat": c.remat or None,
-             "matmul_dtype": c.matmul_dtype or None, "mesh": c.strategy.mesh,
-             "fits": False, "failed": why} for c, why in self.failed]
+        """One object per strategy, ranked; then, unranked, one per candidate the compiler failed on (`failed`: its
+        words), was pruned without compiling (`pruned`: why) and strategy the model cannot take (`not_possible`:
+        why), as the text lists them."""
+        def unranked(c: Candidate, key: str, why: str) -> dict:
+            return {"rank": None, "name": c.strategy.name, "remat": c.remat or None,
+                    "matmul_dtype": c.matmul_dtype or None, "mesh": c.strategy.mesh, "fits": False, key: why}
+
+        return ([s.to_dict(self.hardware) for s in self.strategies]
+                + [unranked(c, "failed", why) for c, why in self.failed]
+                + [unranked(c, "pruned", why) for c, why in self.pruned]
+                + [unranked(Candidate(s, "", ""), "not_possible", why) for s, why in self.rejected])
 
     def rerank(self, hardware: Hardware) -> "Plan":
         """The same compiled facts estimated and ranked for other hardware (no compiling)."""
