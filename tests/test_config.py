@@ -87,6 +87,11 @@ def test_mesh_auto_and_remat_auto_are_the_planners_to_resolve():
     assert cfg.mesh == MeshConfig(auto=True) and cfg.model.remat == "auto"
     with pytest.raises(ShardlmError, match=r"^mesh=auto is chosen by the planner when `shardlm train` starts"):
         check_resolved(cfg)
+    # loading a run (generate, export) says the same, not "mesh=auto: only mesh.* settings can change"
+    from shardlm.load import _check_mesh_only
+
+    with pytest.raises(ShardlmError, match=r"^mesh=auto is chosen by the planner when `shardlm train` starts"):
+        _check_mesh_only(["mesh=auto"], "can change when loading a trained model")
     for overrides, fragment in [
         (["mesh=auto", "mesh.tensor=2"], "mesh=auto chooses every degree, and mesh.tensor=2 sets one"),
         (["mesh.tensor=2", "mesh=auto"], "mesh=auto chooses every degree, and mesh.tensor=2 sets one"),

@@ -18,7 +18,7 @@ from shardlm.config import Config, config_from_dict, load_config
 from shardlm.data.tokenizer import Tokenizer, load_hf_dir_tokenizer, load_tokenizer
 from shardlm.errors import ShardlmError
 from shardlm.hf.config import hf_dir, is_hf
-from shardlm.mesh import mesh_from_config
+from shardlm.mesh import mesh_from_config, unresolved
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, complete_steps
 from shardlm.train.init_from import import_params
 from shardlm.train.rundir import check_vocab_padding, require_run, unreadable
@@ -140,5 +140,7 @@ def load_hf_model(spec: str, *, overrides=(), devices=None, require_tokenizer: b
 
 def _check_mesh_only(overrides, what: str) -> None:
     bad = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("mesh.")]
+    if [o.replace(" ", "") for o in bad[:1]] == ["mesh=auto"]:  # a mesh setting, but one only a training run plans
+        raise unresolved("mesh=auto", "mesh.fsdp=8")
     if bad:
         raise ShardlmError(f"{bad[0]}: only mesh.* settings {what}")

@@ -237,7 +237,8 @@ def load_hf_dir_tokenizer(directory: str | Path, *, tiktoken: bool = True) -> To
     if tiktoken and config.get("model_type") == "gpt2" and config.get("vocab_size") == 50257:
         return gpt2_tokenizer()
     raise ShardlmError(f"hf:{directory} holds no tokenizer ({TOKENIZER_FILE}, or vocab.json and merges.txt); save "
-                       "the tokenizer there too (tokenizer.save_pretrained), or set data.tokenizer")
+                       "the tokenizer there too (tokenizer.save_pretrained), or, training from it (init.from), set "
+                       "data.tokenizer")
 
 
 def check_spec(spec: str, where: str) -> None:
