@@ -21,8 +21,9 @@ Design choices:
 - Atomic: all files are written into a hidden sibling `.DIR.partial-PID`, then renamed into place. An error or
   Ctrl-C removes it; the leftover of a killed process is removed by the next prepare. One preparer per DIR runs
   at a time (a `flock` on `.DIR.lock`, so concurrent runs and hosts sharing a filesystem wait, then find the data
-  ready). A DIR holding other data is replaced only with `force`, and only if it holds nothing but our files; a
-  non-empty DIR without `meta.json` (not ours) never.
+  ready; the lock file stays, as removing one a waiter holds open would let a newcomer lock a new file). A DIR
+  holding other data is replaced only with `force`, and only if it holds nothing but our files; a non-empty DIR
+  without `meta.json` (not ours) never.
 - A re-run whose fingerprint matches an intact DIR is a no-op. The fingerprint covers each input's path, size and
   mtime (like make), the tokenizer (and its file's hash) and every setting that changes the tokens.
 """
