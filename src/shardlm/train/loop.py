@@ -516,6 +516,6 @@ class Training:
         elif cfg.train.sample_tokens:
             self.write_samples()
         written = [n for n in ("config.yaml", "metrics.jsonl", "tensorboard/", "loss.png", "samples.txt",
-                               "checkpoints/") if (run_dir / n.rstrip("/")).exists()]
+                               FINISHED_MARKER, "tokenizer.json", "checkpoints/") if (run_dir / n.rstrip("/")).exists()]
         _log(f"done in {time.perf_counter() - t_start:.0f}s: {run_dir}/ holds {', '.join(written)}")
         return summary
