@@ -31,6 +31,14 @@ def test_yaml_file_then_overrides(tmp_path):
     cfg = load_config(f, ["train.steps=9"])
     assert cfg.model.preset == "small" and cfg.model.d_model == 384
     assert cfg.train.steps == 9 and cfg.train.batch_size == 8 and cfg.mesh.tensor == 2
+    # a key the file (or a run directory's config.yaml, resumed) cannot take: the error names where it came from
+    f.write_text("foo: 1\n")
+    with pytest.raises(ShardlmError, match=rf"^{re.escape(str(f))}: unknown config key 'foo'"):
+        load_config(f)
+    with pytest.raises(ShardlmError, match=r"^runs/x/config.yaml: train.steps: expected int, got 'many'"):
+        load_config(None, ["train.steps=3"], base={"train": {"steps": "many"}}, base_origin="runs/x/config.yaml")
+    with pytest.raises(ShardlmError, match=r"^train.steps: expected int, got 'abc'"):  # an override: as given
+        load_config(None, ["train.steps=abc"], base={"train": {"steps": 3}})
 
 
 def test_config_round_trips_through_yaml(tmp_path):

@@ -325,12 +325,15 @@ def read_config_file(p: Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                base: dict[str, Any] | None = None) -> Config:
-    """Build a Config from defaults, then `base` (a run's own config, as a dict, when resuming), then the YAML file
-    `path`, then `key=value` overrides, and validate it."""
-    layers = [flatten(tree) for tree in (base, None if path is None else read_config_file(Path(path)))
+                base: dict[str, Any] | None = None, base_origin: str = "the run's config") -> Config:
+    """Build a Config from defaults, then `base` (a run's own config, as a dict, when resuming: read from
+    `base_origin`), then the YAML file `path`, then `key=value` overrides, and validate it. A key or value the
+    base or the file cannot take is an error that names it."""
+    layers = [(flatten(tree), origin) for tree, origin in
+              ((base, base_origin), (None if path is None else read_config_file(Path(path)), str(path)))
               if tree is not None]
-    return _build(layers + [[_parse_override(a) for a in overrides]])
+    return _build([items for items, _ in layers] + [[_parse_override(a) for a in overrides]],
+                  [origin for _, origin in layers] + [None])
 
 
 def config_from_dict(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -338,17 +341,24 @@ def config_from_dict(tree: dict[str, Any], overrides: list[str] | tuple[str, ...
     return _build([flatten(tree), [_parse_override(a) for a in overrides]])
 
 
-def _build(layers: list[list[tuple[str, Any]]]) -> Config:
-    """Defaults, then each layer of (key, value) items in turn. `init.from=hf:DIR`, in any layer, brings that
-    checkpoint's architecture as the preset when no layer names one, applied before every layer's model fields.
-    A model from a py: file takes its plan's mesh when no layer sets a mesh degree."""
+def _build(layers: list[list[tuple[str, Any]]], origins: list[str | None] | None = None) -> Config:
+    """Defaults, then each layer of (key, value) items in turn (from `origins`: a file an error names, or None).
+    `init.from=hf:DIR`, in any layer, brings that checkpoint's architecture as the preset when no layer names one,
+    applied before every layer's model fields. A model from a py: file takes its plan's mesh when no layer sets a
+    mesh degree."""
     cfg = Config()
+    origins = origins or [None] * len(layers)
     named = any(k in ("model", "model.preset") for layer in layers for k, _ in layer)
     starts = [v for layer in layers for k, v in layer if k == "init.from"]
     if not named and starts and is_hf(str(starts[-1])):
-        layers = [[("model", str(starts[-1]))]] + layers
-    for layer in layers:
-        _apply(cfg, layer)
+        layers, origins = [[("model", str(starts[-1]))]] + layers, [None] + origins
+    for layer, origin in zip(layers, origins):
+        try:
+            _apply(cfg, layer)
+        except ShardlmError as e:
+            if origin is None:
+                raise
+            raise ShardlmError(f"{origin}: {e}") from None
     if is_py(cfg.model.preset):
         _check_py_keys(layers)
         if not any(k.startswith("mesh.") for layer in layers for k, _ in layer):

@@ -96,7 +96,8 @@ def run_config(config_file: str | None, overrides: list[str], run_dir: str | Non
         keys = [o.split("=", 1)[0].strip() for o in overrides]
         if any(k.startswith("mesh.") or k == "plan" for k in keys):
             base.pop("mesh", None)
-        cfg = _keep_resolved(load_config(config_file, overrides, base=base), base)
+        cfg = _keep_resolved(load_config(config_file, overrides, base=base, base_origin=str(run_dir / CONFIG_FILE)),
+                             base)
     return cfg or load_config(config_file, overrides), run_dir
 
 
