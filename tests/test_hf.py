@@ -226,6 +226,11 @@ def test_init_from_takes_the_checkpoints_architecture_under_the_configs_own_mode
     with pytest.raises(ShardlmError, match="drop model.use_bias=false"):
         check_checkpoint(load_config(None, [f"init.from=hf:{hf_dirs['gpt2']}", "model.use_bias=false"]),
                          make_mesh(1, 4, 2))
+    # an override that changes the shapes: the error says it is the override, not a checkpoint off its config.json
+    with pytest.raises(ShardlmError, match=r"the run's model is not the checkpoint's, it sets model.n_layers=1 "
+                                           r"\(the checkpoint's 2\); drop those model settings"):
+        check_checkpoint(load_config(None, [f"init.from=hf:{hf_dirs['gpt2']}", "model.n_layers=1"]),
+                         make_mesh(1, 4, 2))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from shardlm.data.prepare import META_FILE
 from shardlm.data.tokenizer import TOKENIZER_FILE
 from shardlm.errors import ShardlmError
 from shardlm.hf import importer
-from shardlm.hf.config import hf_dir, is_hf, read_hf_config
+from shardlm.hf.config import hf_dir, is_hf, model_config_from, read_hf_config
 from shardlm.train.source import model_source
 from shardlm.train.state import abstract_model, vocab_sizes
 
@@ -63,7 +63,27 @@ def check_checkpoint(cfg: Config, mesh) -> None:
     if not is_hf(cfg.init.from_):
         return
     real, padded = vocab_sizes(cfg, cfg.model.vocab_size, mesh.shape["tensor"])  # set by with_checkpoint_defaults
-    importer.check_checkpoint(hf_dir(cfg.init.from_), cfg.model, real, padded)
+    try:
+        importer.check_checkpoint(hf_dir(cfg.init.from_), cfg.model, real, padded)
+    except ShardlmError as e:
+        changed = _changed_architecture(cfg)
+        if not changed:
+            raise
+        raise ShardlmError(f"{e}: the run's model is not the checkpoint's, it sets {changed}; drop those model "
+                           "settings (init.from brings the checkpoint's architecture)") from None
+
+
+def _changed_architecture(cfg: Config) -> str:
+    """The run's model settings that make tensors of other shapes than `init.from`'s config.json says (a preset
+    or an override beside init.from), as "model.n_layers=2 (the checkpoint's 24), ...", or ""."""
+    own = model_config_from(cfg.init.from_)
+    return ", ".join(f"model.{f}={getattr(cfg.model, f)} (the checkpoint's {getattr(own, f)})" for f in SHAPING
+                     if getattr(cfg.model, f) != getattr(own, f))
+
+
+# The model settings that decide which tensors a checkpoint holds and their shapes.
+SHAPING = ("family", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_mlp", "use_bias", "tie_embeddings",
+           "moe_experts", "moe_d_ff")
 
 
 def import_params(spec: str, cfg: Config, mesh, vocab_size: int, log=None):
