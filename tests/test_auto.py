@@ -5,6 +5,8 @@ from conftest import MICRO
 
 
 def test_remat_auto_takes_the_fastest_policy_that_fits(monkeypatch):
+    import dataclasses
+
     import jax
 
     from shardlm.config import load_config
@@ -26,6 +28,9 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(monkeypatch):
         assert hardware_.memory_bytes == fastest.peak - 1
         return p.rerank(hardware_)
 
+    # on a device nothing fits: the advice does not suggest model.remat=full, which the plan compiled already
+    advice = planner.recommendation(p.rerank(dataclasses.replace(hardware, memory_bytes=1)))
+    assert advice.startswith("no strategy fits in 1 B per device") and "model.remat=full" not in advice, advice
     monkeypatch.setattr(planner, "plan", planned)
     decision = auto.decide(cfg)
     want = min(smaller, key=lambda r: r.est.step_s)

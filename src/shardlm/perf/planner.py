@@ -727,7 +727,8 @@ def recommendation(p: Plan) -> str:
         low = min(p.strategies, key=lambda r: r.peak)
         return (f"no strategy fits in {fmt_bytes(p.hardware.memory_bytes)} per device; the smallest peak is "
                 f"{low.label} at {fmt_bytes(low.peak)}: lower train.batch_size or model.seq_len, use more "
-                "devices, " + ("" if p.cfg.model.remat == "full" else "model.remat=full, ")
+                "devices, " + ("" if "full" in {p.cfg.model.remat, *(r.remat for r in p.strategies)}
+                               else "model.remat=full, ")
                 + ("or a target with more memory" if p.target else "or pass --memory for a larger device"))
     text = (f"recommended: {best.label} (est {_format_seconds(best.est.step_s)} per step: "
             f"{_format_seconds(best.est.compute_s)} compute + {_format_seconds(best.est.comm_s)} communication; "
