@@ -4,6 +4,7 @@ logged on its own, and bad mixtures are one line. (Exact resumption of whole run
 on 2 processes x 4: test_checkpoint and test_multihost, whose runs train on `conftest.MIXTURE`.)"""
 
 import struct
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -185,6 +186,7 @@ def test_each_source_is_evaluated_and_logged(tmp_path):
                                                "train.sample_tokens=0"]), run_dir, progress=False)
     assert summary["resumed_from"] == 4
     assert summary["data_schedule"] == [[0, {"plays": 0.75, "docs": 0.25}], [4, {"plays": 0.25, "docs": 0.75}]]
+    assert set(summary["data"]) == {"plays", "docs"} and all(Path(p).is_dir() for p in summary["data"].values())
     rows = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     assert rows[8]["eval_loss"] == pytest.approx(0.25 * rows[8]["eval_loss/plays"] + 0.75 * rows[8]["eval_loss/docs"])
     windows = lambda step, name: rows[step][f"epochs/{name}"] * full_epoch[name]  # noqa: E731

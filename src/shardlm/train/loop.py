@@ -238,6 +238,8 @@ class Training:
         if self.start.meta is not None:
             check_same_run(self.start.meta, self.mesh, data, self.vocab, self.run_dir, self.stream)
         self.data, self.tokenizer, self.sources = data, tokenizer, [src for src, _ in prepared]
+        # what summary.json names as the data: the prepared directory, or a mixture's, by source
+        self.data_paths = str(data.path) if len(prepared) == 1 else {src.name: str(d.path) for src, d in prepared}
         self.open_loaders(prepared)
 
     def announce_data(self, prepared) -> None:
@@ -495,7 +497,7 @@ class Training:
         summary = {
             "steps": steps, "finished": True, "resumed_from": self.resumed, "trained_now": steps - self.resumed,
             "first_eval_loss": first_eval, "final_eval_loss": last_eval,
-            "first_eval_bpb": first_bpb, "final_eval_bpb": last_bpb, "data": str(self.data.path),
+            "first_eval_bpb": first_bpb, "final_eval_bpb": last_bpb, "data": self.data_paths,
             **({"data_schedule": self.schedule} if len(self.sources) > 1 else {}),
             "tokenizer": self.data.meta["tokenizer"],
             "final_loss": row["loss"], "tokens_per_s": row["tokens_per_s"],
