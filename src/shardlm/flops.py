@@ -20,7 +20,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from shardlm import host_figures
 from shardlm.accelerator import resolve_dtype
@@ -166,9 +165,9 @@ def device_peak(devices, dtype: str = "float32") -> tuple[float, str]:
     peak = table_peak(kind, dtype)
     if peak is not None:
         return peak, f"{kind} datasheet dense {dtype} peak"
-    label = f"measured CPU matmul peak ({len(devices)} devices busy at once" if devices[0].platform == "cpu" \
-        else f"measured matmul peak ({kind}, not in the peak table"
-    if devices[0].platform == "cpu" and jax.process_count() == 1:
+    cpu = devices[0].platform == "cpu"
+    where = f"{len(devices)} devices busy at once" if cpu else f"{kind}, not in the peak table"
+    if cpu and jax.process_count() == 1:
         figures, path = host_figures.kept(devices)
-        return figures["peak_flops"], f"{label}, kept in {path})"
-    return host_figures.measure_matmul_peak(devices), f"{label})"
+        return figures["peak_flops"], f"measured CPU matmul peak ({where}, kept in {path})"
+    return host_figures.measure_matmul_peak(devices), f"measured {'CPU ' * cpu}matmul peak ({where})"
