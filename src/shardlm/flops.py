@@ -166,7 +166,8 @@ def device_peak(devices, dtype: str = "float32") -> tuple[float, str]:
     if peak is not None:
         return peak, f"{kind} datasheet dense {dtype} peak"
     cpu = devices[0].platform == "cpu"
-    where = f"{len(devices)} devices busy at once" if cpu else f"{kind}, not in the peak table"
+    n = len(devices)
+    where = f"{n} device{'s' * (n > 1)} busy at once" if cpu else f"{kind}, not in the peak table"
     if cpu and jax.process_count() == 1:
         figures, path = host_figures.kept(devices)
         return figures["peak_flops"], f"measured CPU matmul peak ({where}, kept in {path})"
