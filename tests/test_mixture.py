@@ -156,7 +156,7 @@ def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def test_each_source_is_evaluated_and_logged(tmp_path):
+def test_each_source_is_evaluated_and_logged(tmp_path, capsys):
     """A run on the two-source mixture logs each source's eval loss and bits per byte, and its epochs, in
     metrics.jsonl and TensorBoard; the mixture's eval loss is their mean by the training weights."""
     import json
@@ -170,6 +170,9 @@ def test_each_source_is_evaluated_and_logged(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 2, 4]
+    (last,) = [line for line in capsys.readouterr().out.splitlines() if " (first " in line]  # the run's last line
+    end = evals[-1]
+    assert last.endswith(f"bits/byte (plays {end['eval_loss/plays']:.4f}, docs {end['eval_loss/docs']:.4f})")
     for r in evals:
         assert r["eval_loss"] == pytest.approx(0.75 * r["eval_loss/plays"] + 0.25 * r["eval_loss/docs"])
         assert r["eval_bpb/plays"] > 0 and r["eval_bpb/docs"] > 0

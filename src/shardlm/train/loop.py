@@ -493,7 +493,7 @@ class Training:
         last_eval, last_bpb = self.last_eval["eval_loss"], self.last_eval["eval_bpb"]
         row, ex = self.last_row, self.explanation
         _log(f"step {steps} | loss {row['loss']:.4f} | eval loss {last_eval:.4f} (first {first_eval:.4f}, "
-             f"ratio {last_eval / first_eval:.3f}) | {last_bpb:.3f} bits/byte")
+             f"ratio {last_eval / first_eval:.3f}) | {last_bpb:.3f} bits/byte{per_source(self.last_eval)}")
         summary = {
             "steps": steps, "finished": True, "resumed_from": self.resumed, "trained_now": steps - self.resumed,
             "first_eval_loss": first_eval, "final_eval_loss": last_eval,
