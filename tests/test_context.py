@@ -135,10 +135,13 @@ def test_the_ring_passes_keys_and_values_around_context_and_never_holds_t_by_t()
     Per layer, K and V (8 rows x 96 local positions x 1 local kv head x 16) travel over the context axis by
     collective-permute and are never all-gathered; queries are never gathered; and no buffer of the compiled step
     pairs two sequence-sized dimensions (96 or 192), where the all-gather variant holds [96, 192] scores per
-    head."""
-    overrides = LLAMA_GQA + ["model.seq_len=192", "model.d_mlp=160", "model.attention_block=48", "model.loss_chunks=2"]
+    head. With dropout, each device draws the bits of its own positions' mask, never the whole sequence's."""
+    overrides = LLAMA_GQA + ["model.seq_len=192", "model.d_mlp=160", "model.attention_block=48", "model.loss_chunks=2",
+                             "model.dropout=0.1"]
     compiled, mesh = _compiled_step(overrides, {"fsdp": 2, "context": 2, "tensor": 2})
     text = compiled.as_text()
+    bits = set(re.findall(r"u32\[8,(\d+),\d+\]", text))  # the masks' random bits: [rows, positions, features]
+    assert bits == {"96"}, bits  # before the fix also 192: the whole sequence's bits on each device
     ops = hlo.collectives(text, 8)
     kv_bytes, q_bytes = 8 * 96 * 1 * 16 * 4, 8 * 96 * 2 * 16 * 4
     permuted = [op.bytes for op in ops if op.kind == "collective-permute"]
