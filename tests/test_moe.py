@@ -146,8 +146,8 @@ def test_moe_tiny_trains_on_the_default_corpus_and_generates_on_an_expert_mesh(t
 
     run_dir = tmp_path / "run"
     cfg = load_config(None, ["model=moe-tiny", "model.n_layers=2", "model.seq_len=64", "train.steps=24",
-                             "train.batch_size=16", "train.eval_interval=24", "train.eval_batches=2", "train.log_interval=10",
-                             "train.sample_tokens=0", "mesh.expert=4", "mesh.fsdp=2"])
+                             "train.batch_size=16", "train.eval_interval=24", "train.eval_batches=2",
+                             "train.log_interval=10", "train.sample_tokens=0", "mesh.expert=4", "mesh.fsdp=2"])
     train(cfg, run_dir, progress=False)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]

@@ -160,8 +160,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument("--devices-per-node", type=int, default=None, metavar="K",
                       help="the same as --hosts, as devices per host (default 8)")
     plan.add_argument("--latency-us", type=float, default=10, metavar="US", help="per collective (default 10)")
-    plan.add_argument("--json", action="store_true", help="a JSON list, one object per strategy, ranked; then those that "
-                      "failed to compile, were pruned or are not possible, unranked, with why")
+    plan.add_argument("--json", action="store_true",
+                      help="a JSON list, one object per strategy, ranked; then those that failed to compile, were "
+                      "pruned or are not possible, unranked, with why")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model=gpt2-small")
     return plan
 

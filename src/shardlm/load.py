@@ -140,7 +140,7 @@ def load_hf_model(spec: str, *, overrides=(), devices=None, require_tokenizer: b
 
 def _check_mesh_only(overrides, what: str) -> None:
     bad = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("mesh.")]
-    if [o.replace(" ", "") for o in bad[:1]] == ["mesh=auto"]:  # a mesh setting, but one only a training run plans
+    if bad and bad[0].replace(" ", "") == "mesh=auto":  # a mesh setting, but one only a training run plans
         raise unresolved("mesh=auto", "mesh.fsdp=8")
     if bad:
         raise ShardlmError(f"{bad[0]}: only mesh.* settings {what}")

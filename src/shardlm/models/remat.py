@@ -82,9 +82,8 @@ def saved_names(remat: str) -> tuple[str, ...] | None:
         raise unresolved("model.remat=auto", "model.remat=full")
     if remat.startswith(CUSTOM):
         return _names(remat[len(CUSTOM):], "model.remat")
-    raise ShardlmError(f"model.remat={remat!r} is not a remat policy; choose one of {', '.join(CHOICES)}, or auto "
-                       f"(the planner's choice) (names: "
-                       f"{', '.join(NAMES)})")
+    raise ShardlmError(f"model.remat={remat!r} is not a remat policy; choose one of {', '.join(CHOICES)} (names: "
+                       f"{', '.join(NAMES)}), or auto (the planner's choice)")
 
 
 def check_policy(remat: str, offload: str) -> None:

@@ -5,10 +5,10 @@ Every strategy gets its own mesh over all the devices, a state initialised from 
 states are built and compiled first, then the strategies take turns, one step each per round, in an order that
 rotates every round, so that drift of a shared, noisy machine falls on every strategy alike. Every strategy's
 state and program stay on the devices for the whole run: benchmarking K strategies needs K times the memory of
-one (a model near the limit is benched one strategy per call). Reported per
-strategy: median step time, tokens/s, model TFLOP/s per device and MFU (convention in `shardlm.flops`; the peak a
-datasheet's, or on a CPU host the measured one the estimate beside it is costed with), and the loss after the last step, equal across strategies up to float rounding, since they
-compute the same training run.
+one (a model near the limit is benched one strategy per call). Reported per strategy: median step time, tokens/s,
+model TFLOP/s per device and MFU (convention in `shardlm.flops`; the peak a datasheet's, or on a CPU host the
+measured one the estimate beside it is costed with), and the loss after the last step, equal across strategies up
+to float rounding, since they compute the same training run.
 """
 
 from __future__ import annotations
