@@ -90,43 +90,66 @@ def tiling(rows: int, tokens: int, requested: int = 0, budget: int = CHUNK_BYTES
 
 
 def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool, vocab_size: int, compute_dtype,
-              reduce_dtype=None, chunks: int = 0, budget: int = CHUNK_BYTES) -> jax.Array:
+              reduce_dtype=None, chunks: int = 0, budget: int = CHUNK_BYTES, token_copies: bool = False
+              ) -> jax.Array:
     """The mean cross entropy of `targets` [batch, T] under logits x @ head: x [batch, T, embed] (the final norm's
     output, in the compute dtype), `w` the head as stored ([vocab, embed] tied, [embed, vocab] untied). See the
-    module docstring."""
+    module docstring. With `token_copies`, `w` is instead one copy per device of the tokens' mesh axes
+    ([copies, ...], `sharding.copies_over(w, names, token_axes(x.shape))`), whole over the embedding dimension,
+    and each device's gradient stays its own copy's: nothing is gathered or reduced for the weight."""
     names = ("vocab", "embed") if tied else ("embed", "vocab")
     n_tokens = targets.size
     mesh = active_mesh()
     if mesh is None:
-        return _per_device(x, w, targets, tied=tied, vocab_size=vocab_size, compute_dtype=compute_dtype,
-                           reduce_dtype=reduce_dtype, chunks=chunks, budget=budget, n_tokens=n_tokens,
-                           axes=_Axes((), (), ()))
+        return _per_device(x, w[0] if token_copies else w, targets, tied=tied, vocab_size=vocab_size,
+                           compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, chunks=chunks, budget=budget,
+                           n_tokens=n_tokens, axes=_Axes((), (), ()))
     x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
-    w_spec = active_storage_spec(*names, shape=w.shape)
+    w_spec = active_storage_spec(*names, shape=w.shape[1:] if token_copies else w.shape)
     live = lambda entry: tuple(a for a in as_axes(entry) if mesh.shape[a] > 1)  # noqa: E731
-    token_axes = live(x_spec[0]) + live(x_spec[1])
+    tokens = live(x_spec[0]) + live(x_spec[1])
     vocab_entry, embed_entry = (w_spec[0], w_spec[1]) if tied else (w_spec[1], w_spec[0])
-    axes = _Axes(token_axes, live(vocab_entry), live(embed_entry))
-    missing = set(axes.embed) - set(token_axes)
-    if missing:  # the weight's gradient is reduce-scattered over its embed axes, which must hold other tokens
-        raise ShardlmError(f"the output head's embedding dimension is split over {sorted(missing)}, which do not "
-                           "split the batch; the fused loss needs the rule table's embed axes to split tokens")
+    if token_copies:  # each device's own copy, whole over the embedding dimension
+        axes = _Axes(tokens, live(vocab_entry), (), other_token=())
+        w_spec = P(tokens or None, *((axes.vocab or None, None) if tied else (None, axes.vocab or None)))
+    else:
+        axes = _Axes(tokens, live(vocab_entry), live(embed_entry))
+        missing = set(axes.embed) - set(tokens)
+        if missing:  # the weight's gradient is reduce-scattered over its embed axes, which must hold other tokens
+            raise ShardlmError(f"the output head's embedding dimension is split over {sorted(missing)}, which do "
+                               "not split the batch; the fused loss needs the rule table's embed axes to split "
+                               "tokens")
+        w_spec = P(*(live(entry) or None for entry in w_spec))
     # size-1 axes split nothing, and would only type the values as varying over them
-    x_spec, w_spec = (P(*(live(entry) or None for entry in spec)) for spec in (x_spec, w_spec))
+    x_spec = P(*(live(entry) or None for entry in x_spec))
     t_spec = P(x_spec[0], x_spec[1])
-    run = lambda x, w, t: _per_device(x, w, t, tied=tied, vocab_size=vocab_size,  # noqa: E731
-                                      compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, chunks=chunks,
-                                      budget=budget, n_tokens=n_tokens, axes=axes)
+
+    def run(x, w, t):
+        return _per_device(x, w[0] if token_copies else w, t, tied=tied, vocab_size=vocab_size,
+                           compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, chunks=chunks, budget=budget,
+                           n_tokens=n_tokens, axes=axes)
+
     return jax.shard_map(run, mesh=mesh, in_specs=(x_spec, w_spec, t_spec), out_specs=P())(x, w, targets)
+
+
+def token_axes(shape: tuple) -> tuple[str, ...]:
+    """The mesh axes (of more than one device) that split the tokens of a head input of `shape` [batch, T, embed]
+    under the active rules: those a `token_copies` head's copies are one per device of. () outside them."""
+    mesh = active_mesh()
+    if mesh is None:
+        return ()
+    spec = active_spec("batch", "seq", "act_embed", shape=shape)
+    return tuple(a for entry in spec[:2] for a in as_axes(entry) if mesh.shape[a] > 1)
 
 
 class _Axes:
     """The mesh axes a device's part of the loss is summed over: those splitting the tokens, the vocabulary, and
     the head's embedding dimension (each a tuple of axes of size > 1)."""
 
-    def __init__(self, token: tuple, vocab: tuple, embed: tuple):
+    def __init__(self, token: tuple, vocab: tuple, embed: tuple, other_token: tuple | None = None):
         self.token, self.vocab, self.embed = token, vocab, embed
-        self.other_token = tuple(a for a in token if a not in embed)  # tokens' axes that do not store the head
+        # the tokens' axes that do not store the head, over which its gradient is summed (none for token copies)
+        self.other_token = tuple(a for a in token if a not in embed) if other_token is None else other_token
 
 
 def _per_device(x, w, targets, *, tied, vocab_size, compute_dtype, reduce_dtype, chunks, budget, n_tokens,

@@ -49,12 +49,13 @@ from shardlm.kernels.ring import (CHUNK_KERNEL_NAMES, chunk_kernel, chunk_kernel
                                   ring_attention, to_zigzag)
 from shardlm.kernels.splash import splash_attention
 from shardlm.models import remat
-from shardlm.models.head import head_loss
-from shardlm.models.pipeline import row_order, run_pipeline
+from shardlm.models.head import head_loss, token_axes
+from shardlm.models.one_f_one_b import run_1f1b
+from shardlm.models.pipeline import microbatch_count, row_order, run_pipeline
 from shardlm.models.precision import CAST_WHERE_READ, READ_IN_FLOAT32, add_bias, compute_view, matmul, matmuls
 from shardlm.models.stack import LAYERS, RESIDUAL, LayerCache, build_blocks, layer_rngs, run_blocks
 from shardlm.sharding import (active_degree, active_mesh, active_spec, constrain, constrain_with_gradient,
-                              sharded_lookup)
+                              copies_over, sharded_lookup)
 from shardlm.sharding.rules import as_axes
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
@@ -453,7 +454,7 @@ class CausalLM(nnx.Module):
         self.n_layers, self.scan_layers = cfg.n_layers, cfg.scan_layers
         self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
         self.stages, self.microbatches, self.repeats = stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
-        self.pipeline_remat = cfg.pipeline_remat
+        self.pipeline_remat, self.pipeline_schedule = cfg.pipeline_remat, cfg.pipeline_schedule
         self.reduce_dtype, self.loss_chunks = reduce_dtype(cfg.grad_reduce_dtype), cfg.loss_chunks
         self.context_attention, self.attention_block = cfg.context_attention, cfg.attention_block
         self.layer_order = row_order(cfg.n_layers, stages, cfg.pipeline_repeats)
@@ -507,14 +508,56 @@ class CausalLM(nnx.Module):
         """(mean cross entropy of `targets` [batch, T] after `tokens` [batch, T], the blocks' statistics as
         `with_stats` gives them): the head and the loss fused and chunked over the vocabulary
         (`shardlm.models.head`), float32 logits never held for the whole vocabulary. What a training step
-        minimises."""
-        x, _, stats = self._forward(tokens, rngs, head=False)
+        minimises. On pipeline stages under `model.pipeline_schedule=1f1b`, the head and loss run inside the
+        pipeline, each microbatch's as it leaves the last stage (`shardlm.models.one_f_one_b`)."""
         tied = self.lm_head is None
+        head_weight = (self.wte if tied else self.lm_head)[...]
+        if self.pipeline_schedule == "1f1b" and active_degree(LAYERS) > 1:
+            view = compute_view(self, self.dtype, self.reduce_dtype)
+            return view._one_f_one_b_loss(tokens, targets, rngs, head_weight, tied, stored_blocks=self.blocks), {}
+        x, _, stats = self._forward(tokens, rngs, head=False)
+        return self._head_loss(x, head_weight, targets, tied), self._mean_aux(stats)
+
+    def _head_loss(self, x, head_weight, targets, tied: bool, token_copies: bool = False) -> jax.Array:
         with jax.named_scope("loss"):  # the output head's matmuls with it
-            value = head_loss(x, (self.wte if tied else self.lm_head)[...], targets, tied=tied,
-                              vocab_size=self.vocab_size, compute_dtype=self.dtype, reduce_dtype=self.reduce_dtype,
-                              chunks=self.loss_chunks)
-        return value, self._mean_aux(stats)
+            return head_loss(x, head_weight, targets, tied=tied, vocab_size=self.vocab_size,
+                             compute_dtype=self.dtype, reduce_dtype=self.reduce_dtype, chunks=self.loss_chunks,
+                             token_copies=token_copies)
+
+    def _one_f_one_b_loss(self, tokens, targets, rngs, head_weight, tied: bool, stored_blocks) -> jax.Array:
+        """`loss` with the head inside a 1F1B pipeline: the embedding here, then `run_1f1b`, whose head per
+        microbatch is the final norm (its compute copy) and the fused head and loss on the stored weight."""
+        self._check_stages()
+        x, ctx, key = self._enter(tokens, rngs, None, None)
+        step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
+        norm_graph, norm_state = nnx.split(self.ln_f)
+        names = ("vocab", "embed") if tied else ("embed", "vocab")
+        rows = tokens.shape[0] // microbatch_count(self.microbatches, self.stages)
+        copies = token_axes((rows, *x.shape[1:]))  # a copy of the head per device of a microbatch's tokens
+
+        def head(params, y, t):
+            if ctx.zigzag:
+                y = constrain(from_zigzag(y, ctx.zigzag), "batch", "seq", "act_embed")
+            norm = nnx.merge(norm_graph, params[0])
+            y = nnx.remat(lambda ln, y: ln(y), policy=jax.checkpoint_policies.nothing_saveable)(norm, y)
+            return self._head_loss(y, params[1], t, tied, token_copies=True)
+
+        return run_1f1b(self.blocks, self.n_layers, step, x, head, (norm_state, head_weight), targets,
+                        stages=self.stages, microbatches=self.microbatches, dropout_key=key,
+                        policy=remat.policy(self.remat, self.remat_offload, block_inputs=True),
+                        remat_unit=self._pipeline_remat_unit(), stored=stored_blocks,
+                        prepare_head=lambda p: (p[0], copies_over(p[1], names, copies)))
+
+    def _pipeline_remat_unit(self) -> str:
+        # Where the policy keeps each layer's input, checkpointing the layers inside the iteration too costs no
+        # recomputation, and spares the backward pass the recomputed elementwise work of all K layers at once
+        return "layer" if remat.keeps_block_inputs(self.remat, self.remat_offload) else self.pipeline_remat
+
+    def _check_stages(self) -> None:
+        stages = active_degree(LAYERS)
+        if stages != self.stages:
+            raise ShardlmError(f"the model was built for {self.stages} pipeline stage(s) but runs on "
+                               f"{stages}: build it for the mesh it runs on")
 
     def _mean_aux(self, stats: dict) -> dict:
         if "aux_loss" in stats:  # a mean over the sparse layers, so that balanced routing reads 1.0
@@ -527,7 +570,9 @@ class CausalLM(nnx.Module):
         float32 shards."""
         return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]), self.dtype)
 
-    def _run(self, tokens, rngs, cache, pos, at, head, stored_blocks=None):
+    def _enter(self, tokens, rngs, cache, pos):
+        """(the embedding's output in the blocks' layout, the blocks' attention `Context`, the pass's dropout key):
+        what every pass does before the blocks."""
         seq_split, length = active_degree("seq"), tokens.shape[1]
         impl = attention_impl(self.attention, self.dtype, self.head_dim, seq_split, length=length,
                               block=self.attention_block, context=self.context_attention)
@@ -548,21 +593,21 @@ class CausalLM(nnx.Module):
             chunk = ring_chunk(self.attention, self.dtype, self.head_dim, length, seq_split)
         elif impl == "flash":
             positions = jnp.arange(length, dtype=jnp.int32)
-        ctx = Context(impl, mask, rope, pos, positions, self.attention_block, zigzag, chunk)
+        return x, Context(impl, mask, rope, pos, positions, self.attention_block, zigzag, chunk), key
+
+    def _run(self, tokens, rngs, cache, pos, at, head, stored_blocks=None):
+        x, ctx, key = self._enter(tokens, rngs, cache, pos)
+        zigzag = ctx.zigzag
         policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
         step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
         stages = active_degree(LAYERS)
         if cache is None and stages > 1:
-            if stages != self.stages:
-                raise ShardlmError(f"the model was built for {self.stages} pipeline stage(s) but runs on "
-                                   f"{stages}: build it for the mesh it runs on")
-            # Where the policy keeps each layer's input, checkpointing the layers inside the iteration too costs
-            # no recomputation, and spares the backward pass the recomputed elementwise work of all K layers at once
-            unit = "layer" if remat.keeps_block_inputs(self.remat, self.remat_offload) else self.pipeline_remat
+            self._check_stages()
             x, stats = run_pipeline(self.blocks, self.n_layers, step, x, stages=stages,
                                     microbatches=self.microbatches, repeats=self.repeats, dropout_key=key,
                                     policy=remat.policy(self.remat, self.remat_offload, block_inputs=True),
-                                    remat_unit=unit, stored=stored_blocks, stats=self._stats_zeros())
+                                    remat_unit=self._pipeline_remat_unit(), stored=stored_blocks,
+                                    stats=self._stats_zeros())
         else:
             x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, step, x, dropout_key=key,
                                          cache=cache, policy=policy, order=self.layer_order,

@@ -151,30 +151,31 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     m_count = microbatch_count(microbatches, stages)
     check_pipeline(n_layers, x.shape[0], stages, microbatches, repeats)
     schedule = pipeline_schedule(stages, m_count, repeats, n_layers // (stages * repeats))
-    replicas, replica_axes = _replicas(blocks)
-    weights = _stage_weights(blocks, blocks if stored is None else stored, stages, repeats, replicas, replica_axes)
+    replicas, replica_axes = data_replicas(blocks)
+    weights = stage_weights(blocks, blocks if stored is None else stored, stages, repeats, replicas, replica_axes)
     one_iteration = _per_stage(nnx.graphdef(blocks), step, policy, remat_unit, replicas, replica_axes,
                                {} if stats is None else stats)
 
-    x_mb = _microbatches(x, m_count)  # [M, b, T, D]
-    io = _on_stages(jnp.broadcast_to(x_mb, (stages, *x_mb.shape)), 2)
-    out = _on_stages(jnp.full((stages, *x_mb.shape[1:]), idle_input, x.dtype), 1)
+    x_mb = to_microbatches(x, m_count)  # [M, b, T, D]
+    io = on_stages(jnp.broadcast_to(x_mb, (stages, *x_mb.shape)), 2)
+    out = on_stages(jnp.full((stages, *x_mb.shape[1:]), idle_input, x.dtype), 1)
     # Stage 0's mask at the activations' full shape, made once: a `where` inside the loop would broadcast it every
     # iteration, and the backward pass would keep each iteration's copy.
-    first_stage = _on_stages(jnp.broadcast_to((jnp.arange(stages) == 0)[:, None, None, None], out.shape), 1)
+    first_stage = on_stages(jnp.broadcast_to((jnp.arange(stages) == 0)[:, None, None, None], out.shape), 1)
 
     def iteration(carry, row: IterationRow):
         out, io, total = carry
-        x_in, io = _iteration_inputs(_shift(out), io, row, first_stage)
+        x_in, io = _iteration_inputs(shift_to_next(out), io, row, first_stage)
         out, more = one_iteration(weights, x_in, row, dropout_key)
-        return (_on_stages(out, 1), io, add_stats(total, jax.tree.map(lambda a: a.sum(0), more))), None
+        return (on_stages(out, 1), io, add_stats(total, jax.tree.map(lambda a: a.sum(0), more))), None
 
     with jax.named_scope("pipeline"):
         (out, io, total), _ = jax.lax.scan(iteration, (out, io, {} if stats is None else stats), schedule.rows())
-        io = _store_returned(io, _shift(out), schedule.write_slot[-1], first_stage)
+        io = store_at_stage0(io, shift_to_next(out), schedule.write_slot[-1], first_stage)
     # summed over the microbatches, parts of the batch: a per-batch loss is their mean
     total = {k: a / schedule.microbatches if k in PER_BATCH else a for k, a in total.items()}
-    return _batch(io[0]), total  # stage 0's slots hold the results: sent to every stage once, for the head
+    # stage 0's slots hold the results: sent to every stage once, for the head
+    return from_microbatches(io[0]), total
 
 
 class IterationRow(NamedTuple):
@@ -233,20 +234,20 @@ def pipeline_schedule(stages: int, microbatches: int, repeats: int, layers_per_s
                     (np.arange(iterations) % m).astype(np.int32), write_slot)
 
 
-def _shift(out):
+def shift_to_next(out):
     """The hand-off: stage s receives stage s - 1's output, stage 0 the last stage's (a roll over the
     stage-sharded dimension, which XLA compiles to one collective-permute)."""
-    return _on_stages(jnp.roll(out, 1, axis=0), 1)
+    return on_stages(jnp.roll(out, 1, axis=0), 1)
 
 
 def _iteration_inputs(arrived, io, row: IterationRow, first_stage):
     """(every stage's input, the buffer): stage 0 first stores what the last stage returned, then reads its next
     microbatch from its slot; the other stages take what arrived."""
-    io = _store_returned(io, arrived, row.write_slot, first_stage)
-    return _on_stages(jnp.where(first_stage, io[:, row.read_slot], arrived), 1), io
+    io = store_at_stage0(io, arrived, row.write_slot, first_stage)
+    return on_stages(jnp.where(first_stage, io[:, row.read_slot], arrived), 1), io
 
 
-def _store_returned(io, arrived, write_slot, first_stage):
+def store_at_stage0(io, arrived, write_slot, first_stage):
     """Stage 0's slot `write_slot` of `io` takes `arrived` (the last stage's output: the input of its next repeat,
     or after the last one the result); nothing when the slot is -1. Every stage writes the same slot of its own
     part of `io` (a select keeps the others' as they were), so nothing is indexed along the stage dimension: XLA
@@ -255,10 +256,10 @@ def _store_returned(io, arrived, write_slot, first_stage):
     keep = io[:, slot]
     # a scalar predicate (select_n keeps it scalar: `where` would broadcast it, a mask per iteration)
     returned = jax.lax.select_n(write_slot >= 0, keep, jnp.where(first_stage, arrived, keep))
-    return _on_stages(io.at[:, slot].set(returned), 2)
+    return on_stages(io.at[:, slot].set(returned), 2)
 
 
-def _replicas(blocks) -> tuple[int, tuple[str, ...]]:
+def data_replicas(blocks) -> tuple[int, tuple[str, ...]]:
     """(how many data-parallel replicas the batch is split into, the mesh axes that split it): 1 and () outside a
     mesh or without a batch split. An axis that also splits a weight as it is used (a mixture's experts over
     `expert`) is not a replica axis: a copy of the weight cannot be whole on each of its devices. It stays a split
@@ -276,8 +277,25 @@ def _replicas(blocks) -> tuple[int, tuple[str, ...]]:
 def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, replica_axes, stats_zeros):
     """One iteration: the function of (weights [S, R, K, ...], or [S, F, R, K, ...] with F > 1 replicas, inputs
     [S, b, T, D], the schedule's row, key) that runs every stage's K layers on its microbatch: a `vmap` over the
-    stages, and inside it one over the F data-parallel replicas (each its rows of the microbatch, with its own
-    copy of the weights: see `_stage_weights`)."""
+    stages (`on_every_stage`) of `stage_compute`."""
+    return on_every_stage(stage_compute(graphdef, step, policy, remat_unit, replicas, replica_axes, stats_zeros))
+
+
+PER_STAGE_ROW = IterationRow(0, 0, 0, 0, None, None)  # a row's per-stage entries; the slots are stage 0's business
+
+
+def on_every_stage(fn, in_axes=(0, 0, PER_STAGE_ROW, None)):
+    """`fn` of one stage's arguments, run on every stage at once: a `vmap` over the stage dimension whose
+    `spmd_axis_name` is the mesh axes `layers` maps to, so that what a block pins inside keeps its stage split."""
+    return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=active_axes(LAYERS))
+
+
+def stage_compute(graphdef, step: Step, policy, remat_unit: str, replicas: int, replica_axes, stats_zeros):
+    """One stage's compute, the function of (its weights [R, K, ...] or [F, R, K, ...], its input [b, T, D], its
+    entries of the schedule's row, key) -> (output, statistics): its K layers of the row's repeat on its
+    microbatch, checkpointed under `policy`, and with F > 1 replicas a `vmap` over them (each its rows of the
+    microbatch, with its own copy of the weights: see `stage_weights`). Weights given as (weights, carriers) take
+    their gradient through the carriers; given as (weights, None), their own."""
     mesh, rules = active_mesh(), active_rules()
     # inside the vmap over replicas the batch's mesh axes split the vmapped dimension: no other may take them
     inner_rules = None if rules is None else rules_without(replica_axes, rules)
@@ -307,10 +325,8 @@ def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, rep
 
     if policy is not None:  # with remat_unit "layer", the layers inside are rematerialised too
         compute = jax.checkpoint(compute, policy=policy, prevent_cse=False)
-    per_stage_row = IterationRow(0, 0, 0, 0, None, None)  # the stage's entries; the slots are stage 0's business
     if replicas == 1:
-        one = lambda w, x, row, key: compute(w, x, row, key, 0)  # noqa: E731
-        return jax.vmap(one, in_axes=(0, 0, per_stage_row, None), spmd_axis_name=active_axes(LAYERS))
+        return lambda w, x, row, key: compute(w, x, row, key, 0)
     per_replica = jax.vmap(compute, in_axes=(0, 0, None, None, 0), spmd_axis_name=replica_axes)
 
     def per_stage_replica(w, x_in, row, key):
@@ -319,20 +335,22 @@ def _per_stage(graphdef, step: Step, policy, remat_unit: str, replicas: int, rep
         out, more = per_replica(w, x_f, row, key, jnp.arange(replicas))
         return out.reshape(x_in.shape), combine_parts(more)  # the replicas' rows are parts of the batch
 
-    return jax.vmap(per_stage_replica, in_axes=(0, 0, per_stage_row, None), spmd_axis_name=active_axes(LAYERS))
+    return per_stage_replica
 
 
 def _weights_of_repeat(w, repeat):
     """A stage's weights for one repeat, [K, ...] of its [R, K, ...], each reaching the stored weight's gradient
-    through its carrier (`_stage_weights`)."""
-    used, carriers = (jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), part)
-                      for part in w)
-    return jax.tree.map(_with_gradient_into, used, carriers)
+    through its carrier (`stage_weights`), or, without carriers, its own."""
+    weights, carriers = w
+    used = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), weights)
+    return used if carriers is None else jax.tree.map(
+        _with_gradient_into, used,
+        jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False), carriers))
 
 
 def _repeats(w) -> int:
     """R, the repeats of a stage's weights (the leading dimension of their [R, K, ...])."""
-    return jax.tree.leaves(w)[0].shape[0]
+    return jax.tree.leaves(w[0])[0].shape[0]
 
 
 def _layers(rows) -> int:
@@ -340,7 +358,7 @@ def _layers(rows) -> int:
     return jax.tree.leaves(rows)[0].shape[0]
 
 
-def _stage_weights(blocks, stored, stages: int, repeats: int, replicas: int, replica_axes):
+def stage_weights(blocks, stored, stages: int, repeats: int, replicas: int, replica_axes):
     """(weights, carriers): the stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already
     holds), their compute copies gathered over FSDP once for the whole step, not once per microbatch, and for each a
     float32 gradient carrier (`sharding.gradient_carrier`) through which its gradient reaches the stored weight:
@@ -373,7 +391,7 @@ def _names(var) -> tuple:
 
 
 def _with_gradient_into(weight, carrier):
-    """`weight`, whose gradient goes to `carrier` instead, cast to the carrier's dtype (`_stage_weights`)."""
+    """`weight`, whose gradient goes to `carrier` instead, cast to the carrier's dtype (`stage_weights`)."""
     dtype = carrier.dtype
 
     @jax.custom_vjp
@@ -390,20 +408,20 @@ def _with_gradient_into(weight, carrier):
     return passed(weight, carrier)
 
 
-def _on_stages(a, lead: int):
+def on_stages(a, lead: int):
     """Pin an array whose first axis is the stage's (then `lead` - 1 unsplit axes) and whose rest is a residual
     stream."""
     return constrain(a, LAYERS, *(None,) * (lead - 1), *RESIDUAL)
 
 
-def _microbatches(x, m: int):
+def to_microbatches(x, m: int):
     """[B, T, D] -> [M, B / M, T, D], microbatch i holding rows i, M + i, 2M + i, ...: each microbatch spans every
     batch shard (a row-major split would put a microbatch on a few devices)."""
     b = x.shape[0] // m
     return constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1), None, *RESIDUAL)
 
 
-def _batch(x_mb):
+def from_microbatches(x_mb):
     """The inverse of `_microbatches`."""
     m, b = x_mb.shape[:2]
     return constrain(x_mb.swapaxes(0, 1).reshape(m * b, *x_mb.shape[2:]), *RESIDUAL)

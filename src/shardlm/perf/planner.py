@@ -669,8 +669,9 @@ def pipeline_lines(p: Plan) -> list[str]:
         sent = sum(op.bytes * op.times for op in hand_offs)
         across = sum(split_traffic(op, p.hardware.devices_per_node, r.strategy.devices)[1] * op.times
                      for op in hand_offs)
-        lines.append(f"pipeline {r.label}: {micro} microbatches x {m.pipeline_repeats} repeat(s) over "
-                     f"{stages} stages, bubble {bubble_fraction(stages, micro, m.pipeline_repeats):.0%} of the "
+        bubble = bubble_fraction(stages, micro, m.pipeline_repeats)
+        lines.append(f"pipeline {r.label}: {m.pipeline_schedule}, {micro} microbatches x {m.pipeline_repeats} "
+                     f"repeat(s) over {stages} stages, bubble {bubble:.0%} of the "
                      f"stage-iterations (charged: idle stages compute on zeros); hand-offs send "
                      f"{fmt_bytes(sent)} per device per step" + (f", {fmt_bytes(across)} of it across hosts"
                                                                  if p.hosts > 1 else ""))

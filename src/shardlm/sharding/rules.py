@@ -418,6 +418,23 @@ def replicas_of(x: jax.Array, names: tuple, replicas: int, axes: tuple[str, ...]
     return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, used))
 
 
+def copies_over(x: jax.Array, names: tuple, axes: tuple[str, ...]) -> jax.Array:
+    """Weight `x` (logical `names`) gathered over the `STORAGE_AXES` that shard it, as one copy per device of mesh
+    `axes` on a new leading axis split over them: [copies, ...]. A loop that uses the weight once per microbatch
+    (a 1F1B pipeline's head) then adds each microbatch's gradient into its device's own copy's, and the copies'
+    gradients are summed where the broadcast is transposed, after the loop: one reduce-scatter into the stored
+    shards instead of one per microbatch. The identity, on a leading axis of 1, outside `use_mesh_rules`."""
+    active = getattr(_active, "value", None)
+    if active is None:
+        return x[None]
+    mesh, storage = active.mesh, active.storage
+    stored = logical_to_spec(names, storage, shape=x.shape, mesh=mesh)
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, stored))
+    n = math.prod(mesh.shape[a] for a in axes)
+    copies = jnp.broadcast_to(x[None], (n, *x.shape))
+    return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, P(axes or None, *_in_use(names, stored))))
+
+
 def gradient_carrier(x: jax.Array, names: tuple, replicas: int = 1, axes: tuple[str, ...] = ()) -> jax.Array:
     """Zeros of `x`'s shape and dtype, laid out as `gathered_for(x, names)` lays x out (with `replicas`, as
     `replicas_of(x, names, replicas, axes)` does, [S, F, ...]), whose gradient is `x`'s: summed over the replicas and

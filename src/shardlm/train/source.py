@@ -55,6 +55,7 @@ from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
 from shardlm.models.layers import check_attention, uses_ring
 from shardlm.models.moe import exchange_capacity
+from shardlm.models.one_f_one_b import in_flight
 from shardlm.models.pipeline import (
     bubble_fraction,
     check_pipeline,
@@ -275,9 +276,12 @@ class OwnModel:
                          for s, layers in enumerate(stage_layers(m.n_layers, stages, repeats)))
         activation = self._rows_per_device(mesh) // micro * m.seq_len // mesh.shape["context"] * m.d_model \
             * (2 if m.dtype == "bfloat16" else 4)
+        holds = (f"1F1B: each stage holds at most {min(micro, in_flight(stages))} microbatches' activations"
+                 if m.pipeline_schedule == "1f1b" else f"GPipe: each stage holds all {micro} microbatches' "
+                 "activations until the backward pass")
         return (f"pipeline over stage={stages} ({held}): {micro} microbatches x {repeats} repeat(s) per step, "
                 f"{micro * repeats + stages - 1} iterations, bubble (S-1)/(M R+S-1) = "
-                f"{bubble_fraction(stages, micro, repeats):.0%}; each hand-off to the next stage sends "
+                f"{bubble_fraction(stages, micro, repeats):.0%}; {holds}; each hand-off to the next stage sends "
                 f"{fmt_bytes(activation)} per device (and as much back in the backward pass)")
 
     def generator(self, graphdef, state, mesh, *, eot_id: int, vocab_size: int, **options):
