@@ -18,8 +18,10 @@ GPipe are:
   remat policy, so its residuals are what the policy saves, each layer's input and the stage's input); the
   residuals go into per-stage buffers of 2S - 1 slots (microbatch m in slot m mod (2S - 1)) and come back out in
   its backward pass, where `jax.tree.unflatten` rebuilds the pullback from them. A residual that is one of the
-  stage's weights (a matmul's, for its input gradient) is not stored: it is the weight, read again. Every stage
-  writes and reads its own slot, a `vmap`ped index whose stage dimension is split over the stages: no data moves.
+  stage's weights (a matmul's, for its input gradient) is not stored: it is the weight, read again. Constants the
+  blocks close over (rotary tables; on XLA's attention path the causal mask) are stored with each microbatch's
+  residuals: small next to its activations. Every stage writes and reads its own slot, a `vmap`ped index whose
+  stage dimension is split over the stages: no data moves.
 - Gradients are accumulated by the loop itself, in float32 (the stage weights' into the carriers' layout,
   `pipeline.stage_weights`, which reduce-scatter them into the stored shards once, after the loop), and handed
   to autodiff through a `custom_vjp` whose forward pass runs the whole schedule: what comes after (the embedding,
