@@ -55,11 +55,14 @@ def test_expert_parallel_training_matches_one_device(degrees):
     assert losses[-1] < losses[0] - 0.5
 
 
-@pytest.mark.parametrize("dispatch", [[], ["model.moe_capacity_factor=2.0"]], ids=["dropless", "capacity, no drops"])
+@pytest.mark.parametrize("dispatch", [[], ["model.moe_capacity_factor=2.0", "model.pipeline_schedule=1f1b"]],
+                         ids=["dropless", "capacity, no drops, 1F1B"])
 def test_experts_with_pipeline_stages_train_like_the_same_pipeline_without_an_expert_split(dispatch):
-    """stage 2 x fsdp 2 x expert 2 against stage 2 x fsdp 2 (expert 1): the same microbatches and data-parallel
-    replicas, so the same per-microbatch load-balancing loss (a pipeline's aux loss is the microbatches' mean,
-    as gradient accumulation's is), with the experts split over `expert` inside each stage."""
+    """stage 2 x fsdp 2 x expert 2 against stage 2 x fsdp 2 (expert 1, GPipe): the same microbatches and
+    data-parallel replicas, so the same per-microbatch load-balancing loss (a pipeline's aux loss is the
+    microbatches' mean, as gradient accumulation's is), with the experts split over `expert` inside each stage.
+    The second case runs the 1F1B schedule, whose loop takes the load-balancing loss's gradient itself: the same
+    gradient norm says it did."""
     if "pipeline" not in _reference:
         _reference["pipeline"] = _train(MOE, {"stage": 2, "fsdp": 2}, 20)
     ref_losses, ref_first = _reference["pipeline"]

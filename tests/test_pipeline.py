@@ -259,7 +259,7 @@ def test_1f1b_equals_the_layers_in_order(layers_in_order, stages, microbatches, 
         head = lambda p, y, t: p * microbatches * jnp.sum(y ** 2)  # noqa: E731 - the mean over microbatches
         with use_mesh_rules(mesh):
             return run_1f1b(nnx.merge(graphdef, params), model.n_layers, step, x, head, scale, targets,
-                            stages=stages, microbatches=microbatches)
+                            stages=stages, microbatches=microbatches)[0]
 
     value, (grads, dx, d_scale) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, x, jnp.float32(1))
     assert float(value) == pytest.approx(float(ref_loss), rel=1e-5)
@@ -291,7 +291,7 @@ def test_1f1b_holds_a_few_microbatches_where_gpipe_holds_them_all():
             with use_mesh_rules(mesh):
                 if schedule == "1f1b":
                     return run_1f1b(blocks, model.n_layers, step, x, lambda p, y, t: p * jnp.sum(y ** 2),
-                                    jnp.float32(1), targets, stages=2, microbatches=m)
+                                    jnp.float32(1), targets, stages=2, microbatches=m)[0]
                 return jnp.sum(run_pipeline(blocks, model.n_layers, step, x, stages=2, microbatches=m)[0] ** 2)
 
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, xs).compile()
@@ -481,10 +481,8 @@ def test_1f1b_refuses_what_it_cannot_schedule_in_one_line():
     from shardlm.config import load_config
     from shardlm.errors import ShardlmError
 
-    llama_moe = ["model.family=llama", "model.use_bias=false", "model.moe_experts=4"]
     for overrides, message in [(["model.pipeline_repeats=2"], "runs one repeat per stage, not "
                                  "model.pipeline_repeats=2; set model.pipeline_repeats=1"),
-                               (llama_moe, "takes dense blocks, not a mixture of experts"),
                                (["model.pipeline_schedule=zigzag"], "model.pipeline_schedule")]:
         with pytest.raises(ShardlmError, match=message) as e:
             load_config(None, BASE + ["mesh.stage=2", "model.pipeline_schedule=1f1b", *overrides])

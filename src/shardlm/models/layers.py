@@ -444,7 +444,8 @@ class CausalLM(nnx.Module):
 
     With the stacked blocks split over pipeline stages (the rule table maps `layers` to the `stage` mesh axis), a
     training or evaluation pass runs them as a pipeline (`shardlm.models.pipeline`); the embedding and the head
-    stay outside it. Decoding runs them one after another.
+    stay outside it, except that a 1F1B schedule's training loss runs the head inside (`loss`). Decoding runs them
+    one after another.
     """
 
     def _stack_blocks(self, cfg, make_block, rngs: nnx.Rngs, stages: int = 1):
@@ -455,6 +456,7 @@ class CausalLM(nnx.Module):
         self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
         self.stages, self.microbatches, self.repeats = stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
         self.pipeline_remat, self.pipeline_schedule = cfg.pipeline_remat, cfg.pipeline_schedule
+        self.aux_loss_weight = cfg.moe_aux_loss_weight if cfg.moe_experts else 0.0  # a 1F1B pipeline's objective
         self.reduce_dtype, self.loss_chunks = reduce_dtype(cfg.grad_reduce_dtype), cfg.loss_chunks
         self.context_attention, self.attention_block = cfg.context_attention, cfg.attention_block
         self.layer_order = row_order(cfg.n_layers, stages, cfg.pipeline_repeats)
@@ -514,7 +516,7 @@ class CausalLM(nnx.Module):
         head_weight = (self.wte if tied else self.lm_head)[...]
         if self.pipeline_schedule == "1f1b" and active_degree(LAYERS) > 1:
             view = compute_view(self, self.dtype, self.reduce_dtype)
-            return view._one_f_one_b_loss(tokens, targets, rngs, head_weight, tied, stored_blocks=self.blocks), {}
+            return view._one_f_one_b_loss(tokens, targets, rngs, head_weight, tied, stored_blocks=self.blocks)
         x, _, stats = self._forward(tokens, rngs, head=False)
         return self._head_loss(x, head_weight, targets, tied), self._mean_aux(stats)
 
@@ -524,9 +526,12 @@ class CausalLM(nnx.Module):
                              compute_dtype=self.dtype, reduce_dtype=self.reduce_dtype, chunks=self.loss_chunks,
                              token_copies=token_copies)
 
-    def _one_f_one_b_loss(self, tokens, targets, rngs, head_weight, tied: bool, stored_blocks) -> jax.Array:
+    def _one_f_one_b_loss(self, tokens, targets, rngs, head_weight, tied: bool, stored_blocks
+                          ) -> tuple[jax.Array, dict]:
         """`loss` with the head inside a 1F1B pipeline: the embedding here, then `run_1f1b`, whose head per
-        microbatch is the final norm (its compute copy) and the fused head and loss on the stored weight."""
+        microbatch is the final norm (its compute copy) and the fused head and loss on the stored weight. Its
+        gradient is the training objective's: with a mixture of experts, the load-balancing loss (the mean over
+        the sparse layers, `_mean_aux`) joins it times `model.moe_aux_loss_weight`, as in the train step."""
         self._check_stages()
         x, ctx, key = self._enter(tokens, rngs, None, None)
         step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
@@ -542,11 +547,15 @@ class CausalLM(nnx.Module):
             y = nnx.remat(lambda ln, y: ln(y), policy=jax.checkpoint_policies.nothing_saveable)(norm, y)
             return self._head_loss(y, params[1], t, tied, token_copies=True)
 
-        return run_1f1b(self.blocks, self.n_layers, step, x, head, (norm_state, head_weight), targets,
-                        stages=self.stages, microbatches=self.microbatches, dropout_key=key,
-                        policy=remat.policy(self.remat, self.remat_offload, block_inputs=True),
-                        remat_unit=self._pipeline_remat_unit(), stored=stored_blocks,
-                        prepare_head=lambda p: (p[0], copies_over(p[1], names, copies)))
+        stats = self._stats_zeros()
+        weights = {"aux_loss": self.aux_loss_weight / (self.n_layers // self.moe_every)} if stats else {}
+        loss, stats = run_1f1b(self.blocks, self.n_layers, step, x, head, (norm_state, head_weight), targets,
+                               stages=self.stages, microbatches=self.microbatches, dropout_key=key,
+                               policy=remat.policy(self.remat, self.remat_offload, block_inputs=True),
+                               remat_unit=self._pipeline_remat_unit(), stored=stored_blocks,
+                               prepare_head=lambda p: (p[0], copies_over(p[1], names, copies)), stats=stats,
+                               stats_weights=weights)
+        return loss, self._mean_aux(stats)
 
     def _pipeline_remat_unit(self) -> str:
         # Where the policy keeps each layer's input, checkpointing the layers inside the iteration too costs no

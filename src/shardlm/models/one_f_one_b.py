@@ -32,8 +32,13 @@ GPipe are:
   schedules compute the same loss and gradients, up to float summation order.
 - The head runs on every stage's devices, on the last stage's output (GPipe's head after its loop does too): its
   FLOPs are repeated S times, and the stage split of the activations is not held after the loop.
-- One repeat per stage and dense blocks only: circular repeats (interleaved 1F1B) and a mixture's statistics are
-  refused by `models.config`.
+- The blocks' statistics (a mixture of experts' load-balancing loss and expert loads) are summed over the stages
+  and microbatches as GPipe sums them, and returned beside the loss. The objective is the loss plus
+  `stats_weights[k]` times each statistic k (the train step's: the load-balancing loss times its weight), so each
+  stage's backward pass gets that weight as its statistics' cotangent; the `custom_vjp` then hands back the
+  objective's gradient whatever cotangent the statistics get, which is right for the objective the caller
+  named and for no other.
+- One repeat per stage: circular repeats (interleaved 1F1B) are refused by `models.config`.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ from shardlm.models.pipeline import (
     store_at_stage0,
     to_microbatches,
 )
-from shardlm.models.stack import RESIDUAL, Step
+from shardlm.models.stack import PER_BATCH, RESIDUAL, Step, add_stats
 from shardlm.sharding import constrain
 
 
@@ -73,22 +78,29 @@ def in_flight(stages: int) -> int:
 
 def run_1f1b(blocks, n_layers: int, step: Step, x: jax.Array, head, head_params, targets: jax.Array, *, stages: int,
              microbatches: int = 0, dropout_key=None, policy=None, remat_unit: str = "iteration", stored=None,
-             prepare_head=lambda p: p) -> jax.Array:
+             prepare_head=lambda p: p, stats: dict | None = None, stats_weights: dict | None = None
+             ) -> tuple[jax.Array, dict]:
     """The mean loss of `targets` [batch, T] after x [batch, T, D] (the embedding's output) went through the
     stacked `blocks` on `stages` stages, `microbatches` at a time (0 = one per stage), and then through
     `head(prepare_head(head_params), y, targets) -> mean loss` per microbatch (y [b, T, D], the blocks' output;
     `prepare_head` runs once, before the loop, and its gradient once, after it). `blocks` and `stored` as for
-    `pipeline.run_pipeline`; `policy` and `remat_unit` too. Differentiable in `x`, `head_params` and the stored
-    blocks (see the module docstring)."""
+    `pipeline.run_pipeline`; `policy`, `remat_unit` and `stats` (the blocks' statistics' zeros) too. Returns the
+    loss and the statistics (summed over the layers and microbatches; `PER_BATCH` ones their mean over the
+    microbatches). Differentiable in `x`, `head_params` and the stored blocks: the gradient is that of the loss
+    plus `stats_weights[k]` times statistic k (module docstring)."""
     m_count = microbatch_count(microbatches, stages)
     check_pipeline(n_layers, x.shape[0], stages, microbatches, 1)
     replicas, replica_axes = data_replicas(blocks)
     weights, carriers = stage_weights(blocks, blocks if stored is None else stored, stages, 1, replicas,
                                       replica_axes)
-    compute = stage_compute(nnx.graphdef(blocks), step, policy, remat_unit, replicas, replica_axes, {})
+    stats = {} if stats is None else stats
+    compute = stage_compute(nnx.graphdef(blocks), step, policy, remat_unit, replicas, replica_axes, stats)
     ticks = one_f_one_b_ticks(stages, m_count, n_layers // stages)
-    return _scheduled_loss(compute, head, prepare_head, ticks)(weights, carriers, head_params, x, targets,
-                                                                 dropout_key)
+    # each microbatch's statistics' share of the objective: a per-batch one is the microbatches' mean
+    cotangents = {k: (stats_weights or {}).get(k, 0.0) / (m_count if k in PER_BATCH else 1) for k in stats}
+    loss, total = _scheduled_loss(compute, head, prepare_head, ticks, stats, cotangents)(
+        weights, carriers, head_params, x, targets, dropout_key)
+    return loss, {k: a / m_count if k in PER_BATCH else a for k, a in total.items()}
 
 
 class Ticks(NamedTuple):
@@ -128,18 +140,24 @@ def one_f_one_b_ticks(stages: int, microbatches: int, layers_per_stage: int) -> 
                  np.where(dx >= 0, dx, -1).astype(np.int32), s_count, m)
 
 
-def _scheduled_loss(compute, head, prepare_head, ticks: Ticks):
-    """The function of (weights, carriers, head parameters, x, targets, key) -> loss whose forward pass runs the
-    schedule and keeps the gradients it found, and whose backward pass hands them on (module docstring)."""
+def _scheduled_loss(compute, head, prepare_head, ticks: Ticks, stats: dict, cotangents: dict):
+    """The function of (weights, carriers, head parameters, x, targets, key) -> (loss, statistics) whose forward
+    pass runs the schedule and keeps the gradients it found, and whose backward pass hands them on, scaled by the
+    loss's cotangent (module docstring)."""
+
+    def run(*args):
+        return _run(compute, head, prepare_head, ticks, stats, cotangents, *args)
 
     @jax.custom_vjp
     def loss(weights, carriers, head_params, x, targets, key):
-        return _run(compute, head, prepare_head, ticks, weights, head_params, x, targets, key)[0]
+        return run(weights, head_params, x, targets, key)[0]
 
     def forward(weights, carriers, head_params, x, targets, key):
-        return _run(compute, head, prepare_head, ticks, weights, head_params, x, targets, key)
+        value, gradients = run(weights, head_params, x, targets, key)
+        return value, gradients
 
     def backward(gradients, g):
+        g = g[0]  # the loss's; the statistics' are part of the objective already (module docstring)
         d_weights, d_head, dx = (jax.tree.map(lambda a: (a * g).astype(a.dtype), part) for part in gradients)
         return None, d_weights, d_head, dx, None, None
 
@@ -156,30 +174,34 @@ class _Pullback:
     weight_index: list[int] = []
 
 
-def _run(compute, head, prepare_head, ticks: Ticks, weights, stored_head, x, targets, key):
-    """(loss, (the stage weights' float32 gradients, the head's, x's)) by the 1F1B schedule."""
+def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangents: dict, weights, stored_head, x,
+         targets, key):
+    """((loss, statistics), (the stage weights' float32 gradients, the head's, x's)) by the 1F1B schedule."""
     s_count, m_count, slots = ticks.stages, ticks.microbatches, in_flight(ticks.stages)
     pullback = _Pullback()
     head_params, unprepare = jax.vjp(prepare_head, stored_head)
 
     def forward_on_stage(w, x_in, row, key, buffers, slot):
-        out, vjp = jax.vjp(lambda w, x: compute((w, None), x, row, key)[0], w, x_in)
+        (out, more), vjp = jax.vjp(lambda w, x: compute((w, None), x, row, key), w, x_in)
         leaves, pullback.treedef = jax.tree.flatten(vjp)
         weight_ids = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(w))}
         pullback.weight_index = [weight_ids.get(id(leaf), -1) for leaf in leaves]
         kept = [leaf for leaf, i in zip(leaves, pullback.weight_index) if i < 0]
         if buffers is None:  # `jax.eval_shape` asks what the buffers hold
             return kept
-        return out, [jax.lax.dynamic_update_index_in_dim(b, r, slot, 0) for b, r in zip(buffers, kept)]
+        return out, more, [jax.lax.dynamic_update_index_in_dim(b, r, slot, 0) for b, r in zip(buffers, kept)]
 
-    def backward_on_stage(w, g_in, buffers, slot):
+    def backward_on_stage(w, g_in, active, buffers, slot):
         kept = iter([jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in buffers])
         w_leaves = jax.tree.leaves(w)
         leaves = [w_leaves[i] if i >= 0 else next(kept) for i in pullback.weight_index]
-        return jax.tree.unflatten(pullback.treedef, leaves)(g_in)
+        # the statistics' share of the objective, on the stages with a microbatch to run back (zero elsewhere)
+        g_stats = {k: jnp.where(active, cotangents[k], 0.0).astype(z.dtype) * jnp.ones_like(z)
+                   for k, z in stats_zeros.items()}
+        return jax.tree.unflatten(pullback.treedef, leaves)((g_in, g_stats))
 
     run_forward = on_every_stage(forward_on_stage, in_axes=(0, 0, PER_STAGE_ROW, None, 0, 0))
-    run_backward = on_every_stage(backward_on_stage, in_axes=(0, 0, 0, 0))
+    run_backward = on_every_stage(backward_on_stage, in_axes=(0, 0, 0, 0, 0))
 
     x_mb = to_microbatches(x, m_count)  # [M, b, T, D]
     targets_mb = constrain(targets.reshape(targets.shape[0] // m_count, m_count, -1).swapaxes(0, 1),
@@ -196,14 +218,16 @@ def _run(compute, head, prepare_head, ticks: Ticks, weights, stored_head, x, tar
     state = _State(out=out, g=zeros(out), dx=zeros(io),
                    buffers=[jnp.zeros((s_count, slots, *r.shape[1:]), r.dtype) for r in residuals],
                    d_weights=jax.tree.map(lambda a: zeros(a, jnp.float32), weights),
-                   d_head=jax.tree.map(lambda a: zeros(a, jnp.float32), head_params), loss=jnp.zeros((), jnp.float32))
+                   d_head=jax.tree.map(lambda a: zeros(a, jnp.float32), head_params), loss=jnp.zeros((), jnp.float32),
+                   stats=stats_zeros)
 
     def tick(state: _State, row, forward: bool, backward: bool) -> _State:
         f_row, f_slot, b_active, b_slot, head_mb, dx_slot = row
         if forward:
             x_in = on_stages(jnp.where(first_stage, io[:, f_row.read_slot], shift_to_next(state.out)), 1)
-            out, buffers = run_forward(weights, x_in, f_row, key, state.buffers, f_slot)
-            state = state._replace(out=on_stages(out, 1), buffers=buffers)
+            out, more, buffers = run_forward(weights, x_in, f_row, key, state.buffers, f_slot)
+            state = state._replace(out=on_stages(out, 1), buffers=buffers,
+                                   stats=add_stats(state.stats, jax.tree.map(lambda a: a.sum(0), more)))
         if not backward:
             return state
         g_in = on_stages(jnp.roll(state.g, -1, axis=0), 1)  # stage s + 1's input gradient comes back to s
@@ -215,7 +239,7 @@ def _run(compute, head, prepare_head, ticks: Ticks, weights, stored_head, x, tar
             state = state._replace(loss=state.loss + value, d_head=_add(state.d_head, d_head))
             g_in = jnp.where(last_stage, jnp.broadcast_to(dy, g_in.shape).astype(g_in.dtype), g_in)
         g_in = on_stages(jnp.where(b_active[:, None, None, None], g_in, jnp.zeros_like(g_in)), 1)
-        d_weights, g = run_backward(weights, g_in, state.buffers, b_slot)
+        d_weights, g = run_backward(weights, g_in, b_active, state.buffers, b_slot)
         g = on_stages(g, 1)
         return state._replace(g=g, d_weights=_add(state.d_weights, d_weights),
                               dx=store_at_stage0(state.dx, g, dx_slot, first_stage))
@@ -228,7 +252,7 @@ def _run(compute, head, prepare_head, ticks: Ticks, weights, stored_head, x, tar
                 state, _ = jax.lax.scan(lambda c, r, f=forward, b=backward: (tick(c, r, f, b), None), state,
                                         ticks.rows(start, stop))
     (d_head,) = unprepare(jax.tree.map(lambda d, p: d.astype(p.dtype), state.d_head, head_params))
-    return state.loss, (state.d_weights, d_head, from_microbatches(state.dx[0]))
+    return (state.loss, state.stats), (state.d_weights, d_head, from_microbatches(state.dx[0]))
 
 
 class _State(NamedTuple):
@@ -243,6 +267,7 @@ class _State(NamedTuple):
     d_weights: object
     d_head: object
     loss: jax.Array
+    stats: dict
 
 
 def _add(total, more):
