@@ -50,13 +50,14 @@ ROWS = [
                        "model.remat=none"], 12.91,
      "NVIDIA/dgxc-benchmarking v24.11.1 llama3.1/README_8b.md: 12.91 s per step"),
     # NeMo runs it without recompute, under its interleaved 1F1B schedule. shardlm compiles its 1F1B schedule
-    # (`model.pipeline_schedule=1f1b`; one repeat per stage: no virtual stages, a bubble of 3/67 where NeMo's is
-    # 3/320) under the policy `model.remat=auto` takes for it: save_attention, 18.16 s at 51.8 GiB, where none
-    # fits at 67.8 GiB but leaves more of the tensor and context groups' collectives exposed in XLA:GPU's
-    # schedule (20.71 s). Its GPipe schedule fits only under full (43.7 GiB; 455 GiB without recompute).
+    # (`model.pipeline_schedule=1f1b`) with one repeat per stage (a bubble of 3/67 where NeMo's 5 virtual stages
+    # make it 3/323: interleaved over 5, 18.89 s, each tick slicing its repeat's weights) under the policy
+    # `model.remat=auto` takes for it: save_attention, 18.16 s at 51.8 GiB, where none fits at 67.8 GiB but
+    # leaves more of the tensor and context groups' collectives exposed in XLA:GPU's schedule (20.71 s). Its
+    # GPipe schedule fits only under full (43.7 GiB; 455 GiB without recompute).
     ("nemo-70b", "NeMo 24.09", "64 H100 SXM, 8 hosts",
      "Llama 3.1 70B, TP 4 with sequence parallelism, PP 4 (5 virtual stages), CP 2, DP 2, microbatch 1, global "
-     "batch 128 x 8192, no recompute (shardlm: 1F1B without virtual stages, remat save_attention, the one "
+     "batch 128 x 8192, no recompute (shardlm: 1F1B with one repeat per stage, remat save_attention, the one "
      "model.remat=auto takes)", "h100", 64, 8,
      LLAMA_70B + ["model.vocab_size=128256", "model.seq_len=8192", "model.rope_theta=500000", "mesh.tensor=4",
                   "mesh.sequence_parallel=true", "mesh.stage=4", "mesh.context=2", "mesh.data=2",

@@ -207,51 +207,86 @@ def test_the_schedule_table_runs_every_microbatch_through_every_layer_once_in_or
     assert all(layers == list(range(stages * repeats * k)) for layers in slots)
 
 
-@pytest.mark.parametrize("stages,microbatches", [(2, 2), (3, 5), (4, 12)])
-def test_1f1b_ticks_run_each_microbatch_forward_then_backward_through_every_stage(stages, microbatches):
-    """Played out on paper: stage s runs microbatch m forward at tick m + s, the last stage's output has its loss
-    in the same tick it leaves the last stage, and the backward passes run from the last stage to the first, one
-    tick apart, each reading the slot its forward pass wrote and that no later forward pass overwrote; at most
-    2S - 1 microbatches are in flight on a stage."""
+@pytest.mark.parametrize("stages,microbatches,repeats", [(2, 2, 1), (3, 6, 1), (4, 12, 1), (2, 4, 2), (3, 6, 3)])
+def test_1f1b_ticks_run_each_microbatch_forward_then_backward_through_every_layer(stages, microbatches, repeats):
+    """Played out on paper: each microbatch goes forward through the model's layers in order (stage 0 reads it
+    from the batch for its first repeat and takes the last stage's output, one tick old, for the next), the
+    last stage's output of its last repeat has its loss in the tick it leaves, and it goes backward through
+    the layers in reverse, each unit (a microbatch through K layers) one tick after the one it follows, reading
+    the slot its forward pass wrote and no later forward pass overwrote; at most 2 S R - 1 units are in flight on
+    a stage, and the schedule takes (M R + S - 1) forward and backward ticks' time, circular GPipe's."""
     from shardlm.models.one_f_one_b import in_flight, one_f_one_b_ticks
 
-    ticks = one_f_one_b_ticks(stages, microbatches, 2)
-    n = microbatches + 2 * stages - 2
-    assert ticks.forward.active.shape == (n, stages)
-    slots = [dict() for _ in range(stages)]  # per stage: slot -> the microbatch whose residuals it holds
-    forward_at, backward_at, most = {}, {}, 0
+    k = 2
+    ticks = one_f_one_b_ticks(stages, microbatches, k, repeats)
+    n, units = len(ticks.dx_slot), microbatches * repeats
+    assert ticks.phases[0][1] + (ticks.phases[1][1] - ticks.phases[1][0]) + (n - ticks.phases[2][0]) == n
+    time = ticks.phases[0][1] + 2 * (ticks.phases[1][1] - ticks.phases[1][0]) + (n - ticks.phases[2][0])
+    assert time == 2 * (units + stages - 1)  # forward and backward ticks, each one unit of K layers
+    runs = ticks.steady_runs()  # the steady ticks in runs that all run the head or none does
+    assert runs[0][0] == ticks.phases[1][0] and runs[-1][1] == ticks.phases[1][1]
+    assert all(b == c for (_, b, _), (c, _, _) in zip(runs, runs[1:]))
+    assert all((ticks.head_microbatch[a:b] >= 0).all() == head == (ticks.head_microbatch[a:b] >= 0).any()
+               for a, b, head in runs)
+    through = {m: [] for m in range(microbatches)}  # layers each microbatch has gone through, forward
+    slots = [dict() for _ in range(stages)]  # per stage: slot -> (microbatch, first layer) held
+    forward_at, backward_at, last_out, most = {}, {}, [None] * stages, 0
+    back_through = {m: [] for m in range(microbatches)}
     for t in range(n):
+        forward_phase = any(a <= t < b and f for a, b, f, _ in ticks.phases)
+        arrived = [last_out[-1]] + last_out[:-1]
         for s in range(stages):
-            if ticks.forward.active[t, s]:
-                m = int(ticks.forward.microbatch[t, s])
-                forward_at[s, m] = t
-                slots[s][int(ticks.forward_slot[t, s])] = m
-            most = max(most, sum(1 for m in slots[s].values() if (s, m) not in backward_at))
-        if ticks.head_microbatch[t] >= 0:  # the loss of what the last stage just ran
-            assert forward_at[stages - 1, int(ticks.head_microbatch[t])] == t
+            if not ticks.forward.active[t, s]:
+                last_out[s] = None
+                continue
+            assert forward_phase
+            m, first = int(ticks.forward.microbatch[t, s]), int(ticks.forward.first_layer[t, s])
+            if s == 0 and ticks.reads_batch[t]:
+                assert ticks.forward.read_slot[t] == m and through[m] == []
+            else:
+                assert arrived[s] == m, (t, s)
+            assert first == len(through[m]), "each unit continues exactly where the previous one stopped"
+            through[m] += list(range(first, first + k))
+            forward_at[s, m, first] = t
+            slots[s][int(ticks.forward_slot[t, s])] = (m, first)
+            last_out[s] = m
+        if ticks.head_microbatch[t] >= 0:  # the loss of what the last stage just ran through the last layer
+            m = int(ticks.head_microbatch[t])
+            assert through[m] == list(range(stages * repeats * k)) and last_out[-1] == m
         for s in range(stages):
-            if ticks.backward_active[t, s]:
-                m = slots[s][int(ticks.backward_slot[t, s])]
-                backward_at[s, m] = t
-                assert forward_at[s, m] < t or s == stages - 1 and forward_at[s, m] == t
-                if s < stages - 1:
-                    assert backward_at[s + 1, m] == t - 1  # the gradient came from the next stage
+            most = max(most, sum(1 for key in slots[s].values() if (s, *key) not in backward_at))
+        for s in range(stages):
+            if not ticks.backward_active[t, s]:
+                continue
+            m, first = slots[s][int(ticks.backward_slot[t, s])]
+            assert first == (int(ticks.backward_repeat[t, s]) * stages + s) * k
+            assert first + k == (stages * repeats - len(back_through[m])) * k, "backward in reverse layer order"
+            back_through[m] += [first]
+            backward_at[s, m, first] = t
+            if first + k < stages * repeats * k:  # its output gradient came from the unit after it, a tick ago
+                after = (s + 1) % stages
+                assert backward_at[after, m, first + k] == t - 1
+            else:
+                assert ticks.head_microbatch[t] == m and s == stages - 1
         if ticks.dx_slot[t] >= 0:
-            assert backward_at[0, int(ticks.dx_slot[t])] == t
-    everything = {(s, m) for s in range(stages) for m in range(microbatches)}
-    assert set(forward_at) == everything and set(backward_at) == everything
-    assert most <= in_flight(stages)
+            assert backward_at[0, int(ticks.dx_slot[t]), 0] == t
+    assert all(layers == list(range(stages * repeats * k)) for layers in through.values())
+    assert len(backward_at) == len(forward_at) == stages * units
+    assert most <= in_flight(stages, repeats) and in_flight(stages, repeats) == 2 * stages * repeats - 1
 
 
-@pytest.mark.parametrize("stages,microbatches,data", [(4, 4, 2), (2, 8, 1)])
-def test_1f1b_equals_the_layers_in_order(layers_in_order, stages, microbatches, data):
+@pytest.mark.parametrize("stages,microbatches,data,repeats", [(4, 4, 2, 1), (2, 8, 1, 1), (2, 4, 2, 2)],
+                         ids=["pp4 x data 2", "pp2, M = 4S", "pp2 x data 2, interleaved R = 2"])
+def test_1f1b_equals_the_layers_in_order(layers_in_order, stages, microbatches, data, repeats):
     """The 1F1B schedule's loss and gradients (the blocks', the input's and the head's) are the layers' in order,
-    the head taking each microbatch's share of the loss."""
+    the head taking each microbatch's share of the loss; with circular repeats, interleaved."""
     from shardlm.models.one_f_one_b import run_1f1b
+    from shardlm.models.pipeline import circular_order
     from shardlm.sharding import use_mesh_rules
 
     model, x, (ref_loss, (ref_grads, ref_dx)) = layers_in_order
-    graphdef, params = nnx.split(model.blocks)
+    order = circular_order(stages, repeats, model.n_layers)
+    graphdef, params = nnx.split(_permuted(model.blocks, order))
     mesh, step = _stage_mesh(stages, data), _step(model)
     targets = jnp.zeros(x.shape[:2], jnp.int32)
 
@@ -259,14 +294,15 @@ def test_1f1b_equals_the_layers_in_order(layers_in_order, stages, microbatches, 
         head = lambda p, y, t: p * microbatches * jnp.sum(y ** 2)  # noqa: E731 - the mean over microbatches
         with use_mesh_rules(mesh):
             return run_1f1b(nnx.merge(graphdef, params), model.n_layers, step, x, head, scale, targets,
-                            stages=stages, microbatches=microbatches)[0]
+                            stages=stages, microbatches=microbatches, repeats=repeats)[0]
 
     value, (grads, dx, d_scale) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, x, jnp.float32(1))
     assert float(value) == pytest.approx(float(ref_loss), rel=1e-5)
     assert float(d_scale) == pytest.approx(float(ref_loss), rel=1e-5)
     scale = max(np.abs(np.asarray(r)).max() for r in jax.tree.leaves(ref_grads))
+    back = np.argsort(order)  # the gradients' rows in layer order
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6 * scale)
+        np.testing.assert_allclose(np.asarray(g)[back], np.asarray(r), rtol=1e-4, atol=1e-6 * scale)
     np.testing.assert_allclose(np.asarray(dx), np.asarray(ref_dx), rtol=1e-4, atol=1e-6 * np.abs(ref_dx).max())
 
 
@@ -477,16 +513,13 @@ def test_configs_a_pipeline_cannot_run_are_one_line_errors(overrides, message):
     assert "\n" not in str(e.value)
 
 
-def test_1f1b_refuses_what_it_cannot_schedule_in_one_line():
+def test_an_unknown_pipeline_schedule_is_a_one_line_error():
     from shardlm.config import load_config
     from shardlm.errors import ShardlmError
 
-    for overrides, message in [(["model.pipeline_repeats=2"], "runs one repeat per stage, not "
-                                 "model.pipeline_repeats=2; set model.pipeline_repeats=1"),
-                               (["model.pipeline_schedule=zigzag"], "model.pipeline_schedule")]:
-        with pytest.raises(ShardlmError, match=message) as e:
-            load_config(None, BASE + ["mesh.stage=2", "model.pipeline_schedule=1f1b", *overrides])
-        assert "\n" not in str(e.value)
+    with pytest.raises(ShardlmError, match="model.pipeline_schedule") as e:
+        load_config(None, BASE + ["mesh.stage=2", "model.pipeline_schedule=zigzag"])
+    assert "\n" not in str(e.value)
 
 
 def test_remat_per_layer_without_remat_is_a_one_line_error():

@@ -66,7 +66,7 @@ class ModelConfig:
     pipeline_remat: str = "iteration"
     # The order of a pipeline's forward and backward passes: gpipe (every microbatch's forward pass, then every
     # backward pass: the saved activations of all of them at once) or 1f1b (each microbatch's backward pass as
-    # soon as it has its loss: at most 2 x stages microbatches' activations; one repeat per stage)
+    # soon as it has its loss: about 2 x stages microbatches' activations; interleaved under circular repeats)
     pipeline_schedule: str = "gpipe"
     # A mixture of experts (llama family): the MLP of every `moe_every`-th layer (layers moe_every - 1,
     # 2 moe_every - 1, ...) is `moe_experts` SwiGLU experts of hidden size `moe_d_ff` (0 = d_mlp), each token routed
@@ -132,9 +132,6 @@ def check_model(m: ModelConfig) -> None:
     check_positive("model.pipeline_repeats", m.pipeline_repeats)
     check_one_of("model.pipeline_remat", m.pipeline_remat, ("iteration", "layer"))
     check_one_of("model.pipeline_schedule", m.pipeline_schedule, PIPELINE_SCHEDULES)
-    if m.pipeline_schedule == "1f1b" and m.pipeline_repeats > 1:
-        raise ShardlmError(f"model.pipeline_schedule=1f1b runs one repeat per stage, not model.pipeline_repeats="
-                           f"{m.pipeline_repeats}; set model.pipeline_repeats=1, or model.pipeline_schedule=gpipe")
     if m.pipeline_remat == "layer" and m.remat == "none":
         raise ShardlmError("model.pipeline_remat=layer rematerialises each layer inside the rematerialised pipeline "
                            "iteration, and model.remat=none keeps every matmul output, so there is nothing to "

@@ -554,7 +554,7 @@ class CausalLM(nnx.Module):
                                policy=remat.policy(self.remat, self.remat_offload, block_inputs=True),
                                remat_unit=self._pipeline_remat_unit(), stored=stored_blocks,
                                prepare_head=lambda p: (p[0], copies_over(p[1], names, copies)), stats=stats,
-                               stats_weights=weights)
+                               stats_weights=weights, repeats=self.repeats)
         return loss, self._mean_aux(stats)
 
     def _pipeline_remat_unit(self) -> str:

@@ -9,11 +9,12 @@ microbatches of 8192 tokens needs 455 GiB per H100 without recomputation, `docs/
 NeMo's 1F1B interleave the two. Here the interleaving is written out in one SPMD program, as MaxText's and praxis's
 GPipe are:
 - Tick t: stage s runs the forward pass of microbatch t - s (as GPipe's iteration t) and the backward pass of
-  microbatch t - (2S - 2 - s). The last stage's forward output of microbatch t - S + 1 goes through the head and
-  loss (`head`, differentiated on the spot), whose input gradient is that stage's backward input in the same
-  tick; every other stage's is what the next stage's backward pass handed back (a roll over the stage dimension,
-  one collective-permute, as the forward hand-off). Three scans: S - 1 ticks of forward passes only, M ticks of
-  both, S - 1 of backward passes only: (M + S - 1) (F + B) in all, GPipe's time.
+  microbatch t - (2S - 2 - s) (without circular repeats; with them, below). The last stage's forward output of
+  microbatch t - S + 1 goes through the head and loss (`head`, differentiated on the spot), whose input gradient
+  is that stage's backward input in the same tick; every other stage's is what the next stage's backward pass
+  handed back (a roll over the stage dimension, one collective-permute, as the forward hand-off). Three scans:
+  S - 1 ticks of forward passes only, M ticks of both, S - 1 of backward passes only: (M + S - 1) (F + B) in
+  all, GPipe's time.
 - A stage's forward pass is `jax.vjp` of its compute (`pipeline.stage_compute`, checkpointed under the model's
   remat policy, so its residuals are what the policy saves, each layer's input and the stage's input); the
   residuals go into per-stage buffers of 2S - 1 slots (microbatch m in slot m mod (2S - 1)) and come back out in
@@ -38,7 +39,15 @@ GPipe are:
   stage's backward pass gets that weight as its statistics' cotangent; the `custom_vjp` then hands back the
   objective's gradient whatever cotangent the statistics get, which is right for the objective the caller
   named and for no other.
-- One repeat per stage: circular repeats (interleaved 1F1B) are refused by `models.config`.
+- Circular repeats (`pipeline.circular_order`) make it Megatron's interleaved 1F1B: the units (a microbatch
+  through one repeat's K layers) go in groups of S microbatches through each repeat in turn (`one_f_one_b_ticks`),
+  a stage holds at most 2 S R - 1 units (about 2 S microbatches through its K layers, as without repeats), and
+  the bubble shrinks to (S - 1) / (M R + S - 1), as circular GPipe's does. The forward pass differentiates the
+  unit's repeat's weights, sliced out before `jax.vjp`, and the backward pass adds their gradient into that
+  repeat's rows of the sums. The head runs only in the ticks that end a microbatch's last repeat: the steady
+  ticks come in runs of S with the head and (R - 1) S without (`Ticks.steady_runs`), each run its own scan, so
+  that no tick computes a head it discards (a `cond` would run only the branch taken, but a cost model that
+  cannot know which charges the larger).
 """
 
 from __future__ import annotations
@@ -59,7 +68,6 @@ from shardlm.models.pipeline import (
     microbatch_count,
     on_every_stage,
     on_stages,
-    pipeline_schedule,
     shift_to_next,
     stage_compute,
     stage_weights,
@@ -70,18 +78,20 @@ from shardlm.models.stack import PER_BATCH, RESIDUAL, Step, add_stats
 from shardlm.sharding import constrain
 
 
-def in_flight(stages: int) -> int:
-    """How many microbatches' residuals a stage holds at most: 2S - 1 (stage 0's, from its forward pass of a
-    microbatch to its backward pass, 2S - 2 ticks later)."""
-    return 2 * stages - 1
+def in_flight(stages: int, repeats: int = 1) -> int:
+    """How many forward passes' residuals a stage holds at most (each a microbatch through K = n_layers / (S R)
+    of its layers): 2 S R - 1, stage 0's for its first repeat, from its forward pass to its backward pass,
+    2 S R - 2 ticks later. 2S - 1 microbatches without circular repeats."""
+    return 2 * stages * repeats - 1
 
 
 def run_1f1b(blocks, n_layers: int, step: Step, x: jax.Array, head, head_params, targets: jax.Array, *, stages: int,
              microbatches: int = 0, dropout_key=None, policy=None, remat_unit: str = "iteration", stored=None,
-             prepare_head=lambda p: p, stats: dict | None = None, stats_weights: dict | None = None
-             ) -> tuple[jax.Array, dict]:
+             prepare_head=lambda p: p, stats: dict | None = None, stats_weights: dict | None = None,
+             repeats: int = 1) -> tuple[jax.Array, dict]:
     """The mean loss of `targets` [batch, T] after x [batch, T, D] (the embedding's output) went through the
-    stacked `blocks` on `stages` stages, `microbatches` at a time (0 = one per stage), and then through
+    stacked `blocks` on `stages` stages (the stack's rows in `pipeline.circular_order` with `repeats` > 1),
+    `microbatches` at a time (0 = one per stage), and then through
     `head(prepare_head(head_params), y, targets) -> mean loss` per microbatch (y [b, T, D], the blocks' output;
     `prepare_head` runs once, before the loop, and its gradient once, after it). `blocks` and `stored` as for
     `pipeline.run_pipeline`; `policy`, `remat_unit` and `stats` (the blocks' statistics' zeros) too. Returns the
@@ -89,64 +99,127 @@ def run_1f1b(blocks, n_layers: int, step: Step, x: jax.Array, head, head_params,
     microbatches). Differentiable in `x`, `head_params` and the stored blocks: the gradient is that of the loss
     plus `stats_weights[k]` times statistic k (module docstring)."""
     m_count = microbatch_count(microbatches, stages)
-    check_pipeline(n_layers, x.shape[0], stages, microbatches, 1)
+    check_pipeline(n_layers, x.shape[0], stages, microbatches, repeats)
     replicas, replica_axes = data_replicas(blocks)
-    weights, carriers = stage_weights(blocks, blocks if stored is None else stored, stages, 1, replicas,
+    weights, carriers = stage_weights(blocks, blocks if stored is None else stored, stages, repeats, replicas,
                                       replica_axes)
     stats = {} if stats is None else stats
     compute = stage_compute(nnx.graphdef(blocks), step, policy, remat_unit, replicas, replica_axes, stats)
-    ticks = one_f_one_b_ticks(stages, m_count, n_layers // stages)
+    compute = _one_repeat(compute)
+    ticks = one_f_one_b_ticks(stages, m_count, n_layers // (stages * repeats), repeats)
     # each microbatch's statistics' share of the objective: a per-batch one is the microbatches' mean
     cotangents = {k: (stats_weights or {}).get(k, 0.0) / (m_count if k in PER_BATCH else 1) for k in stats}
-    loss, total = _scheduled_loss(compute, head, prepare_head, ticks, stats, cotangents)(
+    repeat_axis = 1 if replicas > 1 else 0  # of a stage's weights: [R, K, ...] or [F, R, K, ...]
+    loss, total = _scheduled_loss(compute, head, prepare_head, ticks, stats, cotangents, repeat_axis)(
         weights, carriers, head_params, x, targets, dropout_key)
     return loss, {k: a / m_count if k in PER_BATCH else a for k, a in total.items()}
 
 
 class Ticks(NamedTuple):
-    """The 1F1B schedule as a static table, row t of each array tick t (`one_f_one_b_ticks`)."""
+    """The 1F1B schedule as a static table, row t of each array tick t (`one_f_one_b_ticks`). A unit is one
+    microbatch through one repeat's K layers of a stage."""
 
-    forward: IterationRow  # per stage: the microbatch whose forward pass it runs (GPipe's iteration t)
+    forward: IterationRow  # per stage: the unit whose forward pass it runs; read_slot: the microbatch stage 0 reads
     forward_slot: np.ndarray  # [ticks, S]: the residual slot its forward pass writes
-    backward_active: np.ndarray  # [ticks, S]: whether it has a microbatch's backward pass to run
+    reads_batch: np.ndarray  # [ticks]: whether stage 0 starts a microbatch (repeat 0: reads it from the batch)
+    backward_active: np.ndarray  # [ticks, S]: whether it has a unit's backward pass to run
+    backward_repeat: np.ndarray  # [ticks, S]: that unit's repeat (which K of the stage's layers)
     backward_slot: np.ndarray  # [ticks, S]: the slot its backward pass reads
     head_microbatch: np.ndarray  # [ticks]: the microbatch whose loss the head takes (-1: none)
     dx_slot: np.ndarray  # [ticks]: the microbatch whose input gradient stage 0 hands back (-1: none)
     stages: int
     microbatches: int
+    repeats: int
+
+    @property
+    def phases(self) -> tuple[tuple[int, int, bool, bool], ...]:
+        """(first tick, end, forward passes?, backward passes?): S R - 1 ticks of forward passes only, then both
+        until the last forward pass, then backward passes only."""
+        s_r, last_forward = self.stages * self.repeats, self.microbatches * self.repeats + self.stages - 1
+        return ((0, s_r - 1, True, False), (s_r - 1, last_forward, True, True),
+                (last_forward, len(self.dx_slot), False, True))
+
+    def steady_runs(self) -> list[tuple[int, int, bool]]:
+        """The steady phase as runs of (first tick, end, whether the head runs): S ticks whose last stage ends a
+        microbatch's last repeat, then (R - 1) S that do not and S that do, M / S - 1 times over. One run with the
+        head throughout without circular repeats. (Every tick of a run is alike, so that no tick computes a head
+        it does not use.)"""
+        start, end = self.phases[1][:2]
+        if self.repeats == 1:
+            return [(start, end, True)]
+        s, s_r = self.stages, self.stages * self.repeats
+        runs, t = [(start, start + s, True)], start + s
+        while t < end:
+            runs += [(t, t + s_r - s, False), (t + s_r - s, t + s_r, True)]
+            t += s_r
+        assert t == end
+        return runs
 
     def rows(self, start: int, stop: int):
         """Ticks start..stop - 1 as a scan's inputs."""
         cut = lambda a: jnp.asarray(np.asarray(a)[start:stop])  # noqa: E731
-        return (IterationRow(*(cut(a) for a in self.forward)), cut(self.forward_slot), cut(self.backward_active),
-                cut(self.backward_slot), cut(self.head_microbatch), cut(self.dx_slot))
+        return (IterationRow(*(cut(a) for a in self.forward)), cut(self.forward_slot), cut(self.reads_batch),
+                cut(self.backward_active), cut(self.backward_repeat), cut(self.backward_slot),
+                cut(self.head_microbatch), cut(self.dx_slot))
 
 
-def one_f_one_b_ticks(stages: int, microbatches: int, layers_per_stage: int) -> Ticks:
-    """S stages, M microbatches of K layers: M + 2S - 2 ticks. At tick t stage s runs the forward pass of
-    microbatch t - s and the backward pass of microbatch t - (2S - 2 - s), each when there is one."""
-    s_count, m = stages, microbatches
-    ticks, slots = m + 2 * s_count - 2, in_flight(s_count)
-    gpipe = pipeline_schedule(s_count, m, 1, layers_per_stage)  # its M + S - 1 iterations are the forward passes
-    pad = lambda a: np.concatenate([a, np.zeros((ticks - len(a), *a.shape[1:]), a.dtype)])  # noqa: E731
+def one_f_one_b_ticks(stages: int, microbatches: int, layers_per_stage: int, repeats: int = 1) -> Ticks:
+    """S stages, M microbatches, R repeats of K layers: M R + S R + S - 2 ticks. The units are taken in groups of
+    S microbatches, each group through every repeat in turn (Megatron's interleaved order): forward unit u is
+    microbatch g S + j of repeat r for u = g S R + r S + j, and stage s runs it at tick u + s, where the last
+    stage's output of its repeat r reaches stage 0 just in time for repeat r + 1. Backward units go through the
+    repeats the other way (r = R - 1 - (v mod S R) // S), backward unit v at stage s at tick v + S R - 1 +
+    (S - 1 - s): the last stage runs a microbatch's last repeat backward in the tick its forward pass ended,
+    and stage 0's output gradient of repeat r reaches the last stage just in time for repeat r - 1. With R = 1:
+    stage s runs microbatch t - s forward and t - (2S - 2 - s) backward."""
+    s_count, m, r_count, k = stages, microbatches, repeats, layers_per_stage
+    s_r, units, slots = s_count * r_count, microbatches * repeats, in_flight(stages, repeats)
+    ticks = units + s_r + s_count - 2
     t, s = np.arange(ticks)[:, None], np.arange(s_count)[None, :]
-    forward = IterationRow(pad(gpipe.microbatch), pad(gpipe.repeat), pad(gpipe.active), pad(gpipe.first_layer),
-                           pad(gpipe.read_slot), np.zeros(ticks, np.int32))
-    backward = t - (2 * s_count - 2 - s)
-    head = np.arange(ticks) - (s_count - 1)
-    dx = np.arange(ticks) - (2 * s_count - 2)
-    return Ticks(forward, ((t - s) % slots).astype(np.int32), (backward >= 0) & (backward < m),
-                 (backward % slots).astype(np.int32), np.where((head >= 0) & (head < m), head, -1).astype(np.int32),
-                 np.where(dx >= 0, dx, -1).astype(np.int32), s_count, m)
+
+    def unit(u, backward: bool):
+        """(microbatch, repeat, its forward unit's index) of unit index u."""
+        g, rem = np.divmod(np.clip(u, 0, units - 1), s_r)
+        j, r = rem % s_count, rem // s_count
+        r = r_count - 1 - r if backward else r
+        return g * s_count + j, r, g * s_r + r * s_count + j
+
+    u = t - s
+    f_active = (u >= 0) & (u < units)
+    f_mb, f_repeat, _ = (np.where(f_active, a, 0).astype(np.int32) for a in unit(u, False))
+    v = t - (s_r - 1) - (s_count - 1 - s)
+    b_active = (v >= 0) & (v < units)
+    b_mb, b_repeat, b_unit = (np.where(b_active, a, 0).astype(np.int32) for a in unit(v, True))
+    forward = IterationRow(f_mb, f_repeat, f_active, ((f_repeat * s_count + s) * k).astype(np.int32),
+                           f_mb[:, 0].copy(), np.zeros(ticks, np.int32))
+    head = np.where(f_active[:, -1] & (f_repeat[:, -1] == r_count - 1), f_mb[:, -1], -1).astype(np.int32)
+    dx = np.where(b_active[:, 0] & (b_repeat[:, 0] == 0), b_mb[:, 0], -1).astype(np.int32)
+    return Ticks(forward, (u % slots).astype(np.int32), f_active[:, 0] & (f_repeat[:, 0] == 0), b_active, b_repeat,
+                 (b_unit % slots).astype(np.int32), head, dx, s_count, m, r_count)
 
 
-def _scheduled_loss(compute, head, prepare_head, ticks: Ticks, stats: dict, cotangents: dict):
+def _one_repeat(compute):
+    """`compute` (`pipeline.stage_compute`) of (weights [R, K, ...] or [F, R, K, ...], x, row, key) as a function
+    of the row's repeat's weights alone ([1, K, ...] or [F, 1, K, ...], `_repeat_of`): what a forward pass
+    differentiates, so that its residuals hold that repeat's weights, which it does not store."""
+    def on_repeat(w, x, row, key):
+        return compute((w, None), x, row._replace(repeat=jnp.zeros_like(row.repeat)), key)
+
+    return on_repeat
+
+
+def _repeat_of(w, repeat, axis: int):
+    """One repeat's weights of a stage's [..., R, K, ...], keeping the repeat axis (`axis`) at 1."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, repeat, 1, axis), w)
+
+
+def _scheduled_loss(compute, head, prepare_head, ticks: Ticks, stats: dict, cotangents: dict, repeat_axis: int):
     """The function of (weights, carriers, head parameters, x, targets, key) -> (loss, statistics) whose forward
     pass runs the schedule and keeps the gradients it found, and whose backward pass hands them on, scaled by the
     loss's cotangent (module docstring)."""
 
     def run(*args):
-        return _run(compute, head, prepare_head, ticks, stats, cotangents, *args)
+        return _run(compute, head, prepare_head, ticks, stats, cotangents, repeat_axis, *args)
 
     @jax.custom_vjp
     def loss(weights, carriers, head_params, x, targets, key):
@@ -174,15 +247,16 @@ class _Pullback:
     weight_index: list[int] = []
 
 
-def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangents: dict, weights, stored_head, x,
-         targets, key):
+def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangents: dict, axis: int, weights,
+         stored_head, x, targets, key):
     """((loss, statistics), (the stage weights' float32 gradients, the head's, x's)) by the 1F1B schedule."""
-    s_count, m_count, slots = ticks.stages, ticks.microbatches, in_flight(ticks.stages)
+    s_count, m_count, slots = ticks.stages, ticks.microbatches, in_flight(ticks.stages, ticks.repeats)
     pullback = _Pullback()
     head_params, unprepare = jax.vjp(prepare_head, stored_head)
 
     def forward_on_stage(w, x_in, row, key, buffers, slot):
-        (out, more), vjp = jax.vjp(lambda w, x: compute((w, None), x, row, key), w, x_in)
+        w = _repeat_of(w, row.repeat, axis)
+        (out, more), vjp = jax.vjp(lambda w, x: compute(w, x, row, key), w, x_in)
         leaves, pullback.treedef = jax.tree.flatten(vjp)
         weight_ids = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(w))}
         pullback.weight_index = [weight_ids.get(id(leaf), -1) for leaf in leaves]
@@ -191,17 +265,21 @@ def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangent
             return kept
         return out, more, [jax.lax.dynamic_update_index_in_dim(b, r, slot, 0) for b, r in zip(buffers, kept)]
 
-    def backward_on_stage(w, g_in, active, buffers, slot):
+    def backward_on_stage(w, g_in, active, repeat, buffers, slot, d_weights):
         kept = iter([jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in buffers])
-        w_leaves = jax.tree.leaves(w)
+        w_leaves = jax.tree.leaves(_repeat_of(w, repeat, axis))
         leaves = [w_leaves[i] if i >= 0 else next(kept) for i in pullback.weight_index]
         # the statistics' share of the objective, on the stages with a microbatch to run back (zero elsewhere)
         g_stats = {k: jnp.where(active, cotangents[k], 0.0).astype(z.dtype) * jnp.ones_like(z)
                    for k, z in stats_zeros.items()}
-        return jax.tree.unflatten(pullback.treedef, leaves)((g_in, g_stats))
+        dw, dx = jax.tree.unflatten(pullback.treedef, leaves)((g_in, g_stats))
+        # into the repeat's rows of the float32 sums, in place
+        d_weights = jax.tree.map(lambda d, g: jax.lax.dynamic_update_slice_in_dim(
+            d, jax.lax.dynamic_slice_in_dim(d, repeat, 1, axis) + g.astype(d.dtype), repeat, axis), d_weights, dw)
+        return d_weights, dx
 
     run_forward = on_every_stage(forward_on_stage, in_axes=(0, 0, PER_STAGE_ROW, None, 0, 0))
-    run_backward = on_every_stage(backward_on_stage, in_axes=(0, 0, 0, 0, 0))
+    run_backward = on_every_stage(backward_on_stage, in_axes=(0, 0, 0, 0, 0, 0, 0))
 
     x_mb = to_microbatches(x, m_count)  # [M, b, T, D]
     targets_mb = constrain(targets.reshape(targets.shape[0] // m_count, m_count, -1).swapaxes(0, 1),
@@ -221,36 +299,46 @@ def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangent
                    d_head=jax.tree.map(lambda a: zeros(a, jnp.float32), head_params), loss=jnp.zeros((), jnp.float32),
                    stats=stats_zeros)
 
-    def tick(state: _State, row, forward: bool, backward: bool) -> _State:
-        f_row, f_slot, b_active, b_slot, head_mb, dx_slot = row
-        if forward:
-            x_in = on_stages(jnp.where(first_stage, io[:, f_row.read_slot], shift_to_next(state.out)), 1)
+    def tick(state: _State, row, forward: bool, backward: bool, with_head: bool = False) -> _State:
+        f_row, f_slot, reads_batch, b_active, b_repeat, b_slot, head_mb, dx_slot = row
+        if forward:  # stage 0 starts a microbatch from the batch, or takes the last stage's output for a repeat
+            x_in = on_stages(jnp.where(first_stage & reads_batch, io[:, f_row.read_slot], shift_to_next(state.out)),
+                             1)
             out, more, buffers = run_forward(weights, x_in, f_row, key, state.buffers, f_slot)
             state = state._replace(out=on_stages(out, 1), buffers=buffers,
                                    stats=add_stats(state.stats, jax.tree.map(lambda a: a.sum(0), more)))
         if not backward:
             return state
         g_in = on_stages(jnp.roll(state.g, -1, axis=0), 1)  # stage s + 1's input gradient comes back to s
-        if forward:  # a steady tick: the last stage's output has its loss and its gradient
-            y = constrain(state.out[s_count - 1], *RESIDUAL)
-            t_mb = jax.lax.dynamic_index_in_dim(targets_mb, jnp.maximum(head_mb, 0), 0, keepdims=False)
+        if with_head:  # the last stage's output ends a microbatch's last repeat: its loss and its gradient
+            t_mb = jax.lax.dynamic_index_in_dim(targets_mb, head_mb, 0, keepdims=False)
             value, (d_head, dy) = jax.value_and_grad(lambda p, y: head(p, y, t_mb) / m_count, argnums=(0, 1))(
-                head_params, y)
+                head_params, constrain(state.out[s_count - 1], *RESIDUAL))
             state = state._replace(loss=state.loss + value, d_head=_add(state.d_head, d_head))
             g_in = jnp.where(last_stage, jnp.broadcast_to(dy, g_in.shape).astype(g_in.dtype), g_in)
         g_in = on_stages(jnp.where(b_active[:, None, None, None], g_in, jnp.zeros_like(g_in)), 1)
-        d_weights, g = run_backward(weights, g_in, b_active, state.buffers, b_slot)
+        d_weights, g = run_backward(weights, g_in, b_active, b_repeat, state.buffers, b_slot, state.d_weights)
         g = on_stages(g, 1)
-        return state._replace(g=g, d_weights=_add(state.d_weights, d_weights),
-                              dx=store_at_stage0(state.dx, g, dx_slot, first_stage))
+        return state._replace(g=g, d_weights=d_weights, dx=store_at_stage0(state.dx, g, dx_slot, first_stage))
 
-    phases = ((0, s_count - 1, True, False), (s_count - 1, m_count + s_count - 1, True, True),
-              (m_count + s_count - 1, m_count + 2 * s_count - 2, False, True))
+    def run(state, rows, forward: bool, backward: bool, with_head: bool = False):
+        return jax.lax.scan(lambda c, r: (tick(c, r, forward, backward, with_head), None), state, rows)[0]
+
+    def group(state, rows):
+        """A group of S R steady ticks under circular repeats: (R - 1) S without the head, then S with it."""
+        return run(run(state, rows[0], True, True), rows[1], True, True, True), None
+
     with jax.named_scope("pipeline"):
-        for start, stop, forward, backward in phases:
-            if stop > start:
-                state, _ = jax.lax.scan(lambda c, r, f=forward, b=backward: (tick(c, r, f, b), None), state,
-                                        ticks.rows(start, stop))
+        state = run(state, ticks.rows(*ticks.phases[0][:2]), True, False)
+        first, *rest = ticks.steady_runs()
+        state = run(state, ticks.rows(*first[:2]), True, True, True)
+        if rest:  # the same two runs, M / S - 1 times: one scan over the groups, whose body traces them once
+            def stacked(runs):
+                return jax.tree.map(lambda *a: jnp.stack(a), *(ticks.rows(*r[:2]) for r in runs))
+
+            state = jax.lax.scan(group, state, (stacked(rest[0::2]), stacked(rest[1::2])))[0]
+        if ticks.phases[2][1] > ticks.phases[2][0]:
+            state = run(state, ticks.rows(*ticks.phases[2][:2]), False, True)
     (d_head,) = unprepare(jax.tree.map(lambda d, p: d.astype(p.dtype), state.d_head, head_params))
     return (state.loss, state.stats), (state.d_weights, d_head, from_microbatches(state.dx[0]))
 

@@ -276,7 +276,9 @@ class OwnModel:
                          for s, layers in enumerate(stage_layers(m.n_layers, stages, repeats)))
         activation = self._rows_per_device(mesh) // micro * m.seq_len // mesh.shape["context"] * m.d_model \
             * (2 if m.dtype == "bfloat16" else 4)
-        holds = (f"1F1B: each stage holds at most {min(micro, in_flight(stages))} microbatches' activations"
+        units = min(micro * repeats, in_flight(stages, repeats))  # a microbatch through one repeat's layers
+        holds = (f"1F1B: each stage holds at most {units} microbatches' activations"
+                 + (f" through {m.n_layers // (stages * repeats)} of its layers (interleaved)" if repeats > 1 else "")
                  if m.pipeline_schedule == "1f1b" else f"GPipe: each stage holds all {micro} microbatches' "
                  "activations until the backward pass")
         return (f"pipeline over stage={stages} ({held}): {micro} microbatches x {repeats} repeat(s) per step, "
