@@ -52,7 +52,7 @@ ROWS = [
     # NeMo runs it without recompute, under its interleaved 1F1B schedule. shardlm compiles its 1F1B schedule
     # (`model.pipeline_schedule=1f1b`) with one repeat per stage (a bubble of 3/67 where NeMo's 5 virtual stages
     # make it 3/323: interleaved over 5, 18.89 s, each tick slicing its repeat's weights) under the policy
-    # `model.remat=auto` takes for it: save_attention, 18.16 s at 51.8 GiB, where none fits at 67.8 GiB but
+    # `model.remat=auto` takes for it: save_attention, 18.16 s at 51.7 GiB, where none fits at 67.8 GiB but
     # leaves more of the tensor and context groups' collectives exposed in XLA:GPU's schedule (20.71 s). Its
     # GPipe schedule fits only under full (43.7 GiB; 455 GiB without recompute).
     ("nemo-70b", "NeMo 24.09", "64 H100 SXM, 8 hosts",
