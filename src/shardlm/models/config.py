@@ -132,6 +132,10 @@ def check_model(m: ModelConfig) -> None:
     check_positive("model.pipeline_repeats", m.pipeline_repeats)
     check_one_of("model.pipeline_remat", m.pipeline_remat, ("iteration", "layer"))
     check_one_of("model.pipeline_schedule", m.pipeline_schedule, PIPELINE_SCHEDULES)
+    if m.pipeline_schedule == "1f1b" and m.remat_offload:
+        raise ShardlmError(f"model.pipeline_schedule=1f1b keeps each microbatch's saved activations in device "
+                           f"buffers and cannot offload them (model.remat_offload={m.remat_offload}); drop "
+                           "model.remat_offload, or use model.pipeline_schedule=gpipe")
     if m.pipeline_remat == "layer" and m.remat == "none":
         raise ShardlmError("model.pipeline_remat=layer rematerialises each layer inside the rematerialised pipeline "
                            "iteration, and model.remat=none keeps every matmul output, so there is nothing to "

@@ -17,7 +17,8 @@ GPipe are:
   all, GPipe's time.
 - A stage's forward pass is `jax.vjp` of its compute (`pipeline.stage_compute`, checkpointed under the model's
   remat policy, so its residuals are what the policy saves, each layer's input and the stage's input); the
-  residuals go into per-stage buffers of 2S - 1 slots (microbatch m in slot m mod (2S - 1)) and come back out in
+  residuals go into per-stage buffers of 2S - 1 slots (microbatch m in slot m mod (2S - 1); with fewer
+  microbatches, one each and a spare that idle ticks write) and come back out in
   its backward pass, where `jax.tree.unflatten` rebuilds the pullback from them. A residual that is one of the
   stage's weights (a matmul's, for its input gradient) is not stored: it is the weight, read again. Constants the
   blocks close over (rotary tables; on XLA's attention path the causal mask) are stored with each microbatch's
@@ -27,12 +28,15 @@ GPipe are:
   `pipeline.stage_weights`, which reduce-scatter them into the stored shards once, after the loop), and handed
   to autodiff through a `custom_vjp` whose forward pass runs the whole schedule: what comes after (the embedding,
   a tied table, the parameter updates) is differentiated as usual.
-- Idle ticks (a stage before its first or after its last microbatch) compute on zeros and get zero cotangents, so
-  their weight gradients are exact zeros (`pipeline.stage_compute`, as GPipe's).
+- Idle ticks (a stage before its first or after its last microbatch) compute forward on zeros
+  (`pipeline.stage_compute`, as GPipe's) and run a pullback backward with zero cotangents on residuals that are
+  finite (a real unit's, or the buffers' zeros), so their weight gradients are exact zeros.
 - Dropout draws what GPipe draws (microbatch m's layer l from the step's key folded with m, then l), so the two
   schedules compute the same loss and gradients, up to float summation order.
 - The head runs on every stage's devices, on the last stage's output (GPipe's head after its loop does too): its
   FLOPs are repeated S times, and the stage split of the activations is not held after the loop.
+- The loss is only ever wanted with its gradient (a training step's objective), so even a call that does not
+  differentiate it runs every backward pass.
 - The blocks' statistics (a mixture of experts' load-balancing loss and expert loads) are summed over the stages
   and microbatches as GPipe sums them, and returned beside the loss. The objective is the loss plus
   `stats_weights[k]` times each statistic k (the train step's: the load-balancing loss times its weight), so each
@@ -41,7 +45,8 @@ GPipe are:
   named and for no other.
 - Circular repeats (`pipeline.circular_order`) make it Megatron's interleaved 1F1B: the units (a microbatch
   through one repeat's K layers) go in groups of S microbatches through each repeat in turn (`one_f_one_b_ticks`),
-  a stage holds at most 2 S R - 1 units (about 2 S microbatches through its K layers, as without repeats), and
+  a stage holds at most 2 S R - 1 units (about 2 S microbatches' worth through all its R K layers, as without
+  repeats), and
   the bubble shrinks to (S - 1) / (M R + S - 1), as circular GPipe's does. The forward pass differentiates the
   unit's repeat's weights, sliced out before `jax.vjp`, and the backward pass adds their gradient into that
   repeat's rows of the sums. The head runs only in the ticks that end a microbatch's last repeat: the steady
@@ -130,6 +135,7 @@ class Ticks(NamedTuple):
     stages: int
     microbatches: int
     repeats: int
+    slots: int  # the residual buffers' slots: one per unit in flight (and with few units a spare for idle passes)
 
     @property
     def phases(self) -> tuple[tuple[int, int, bool, bool], ...]:
@@ -173,7 +179,8 @@ def one_f_one_b_ticks(stages: int, microbatches: int, layers_per_stage: int, rep
     and stage 0's output gradient of repeat r reaches the last stage just in time for repeat r - 1. With R = 1:
     stage s runs microbatch t - s forward and t - (2S - 2 - s) backward."""
     s_count, m, r_count, k = stages, microbatches, repeats, layers_per_stage
-    s_r, units, slots = s_count * r_count, microbatches * repeats, in_flight(stages, repeats)
+    s_r, units = s_count * r_count, microbatches * repeats
+    live = min(units, in_flight(stages, repeats))  # with few microbatches, fewer than 2 S R - 1 are ever in flight
     ticks = units + s_r + s_count - 2
     t, s = np.arange(ticks)[:, None], np.arange(s_count)[None, :]
 
@@ -194,8 +201,13 @@ def one_f_one_b_ticks(stages: int, microbatches: int, layers_per_stage: int, rep
                            f_mb[:, 0].copy(), np.zeros(ticks, np.int32))
     head = np.where(f_active[:, -1] & (f_repeat[:, -1] == r_count - 1), f_mb[:, -1], -1).astype(np.int32)
     dx = np.where(b_active[:, 0] & (b_repeat[:, 0] == 0), b_mb[:, 0], -1).astype(np.int32)
-    return Ticks(forward, (u % slots).astype(np.int32), f_active[:, 0] & (f_repeat[:, 0] == 0), b_active, b_repeat,
-                 (b_unit % slots).astype(np.int32), head, dx, s_count, m, r_count)
+    # A unit's slot is its index mod the units in flight: a unit lives at most 2 S R - 2 ticks, one per unit the
+    # stage starts, so no live one is overwritten, and an idle forward pass's index writes a slot that is free.
+    # With fewer units than that, an idle pass's could be live: it writes a spare slot instead.
+    spare = live < in_flight(stages, repeats)
+    forward_slot = np.where(f_active | (not spare), u % live, live).astype(np.int32)
+    return Ticks(forward, forward_slot, f_active[:, 0] & (f_repeat[:, 0] == 0), b_active, b_repeat,
+                 (b_unit % live).astype(np.int32), head, dx, s_count, m, r_count, live + spare)
 
 
 def _one_repeat(compute):
@@ -226,8 +238,9 @@ def _scheduled_loss(compute, head, prepare_head, ticks: Ticks, stats: dict, cota
         return run(weights, head_params, x, targets, key)[0]
 
     def forward(weights, carriers, head_params, x, targets, key):
-        value, gradients = run(weights, head_params, x, targets, key)
-        return value, gradients
+        value, (d_weights, d_head, dx) = run(weights, head_params, x, targets, key)
+        # each stage weight's float32 sum in its carrier's dtype: the stored weight's
+        return value, (jax.tree.map(lambda d, c: d.astype(c.dtype), d_weights, carriers), d_head, dx)
 
     def backward(gradients, g):
         g = g[0]  # the loss's; the statistics' are part of the objective already (module docstring)
@@ -241,45 +254,18 @@ def _scheduled_loss(compute, head, prepare_head, ticks: Ticks, stats: dict, cota
 class _Pullback:
     """How a stage's residuals are stored: the pullback's tree, and for each of its leaves the index of the
     stage weight it is (-1: a residual kept in the buffers). Filled in tracing the forward pass, read in tracing
-    the backward pass."""
+    the backward pass (every trace of the forward pass finds the same)."""
 
-    treedef = None
-    weight_index: list[int] = []
+    def __init__(self):
+        self.treedef, self.weight_index = None, []
 
 
 def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangents: dict, axis: int, weights,
          stored_head, x, targets, key):
     """((loss, statistics), (the stage weights' float32 gradients, the head's, x's)) by the 1F1B schedule."""
-    s_count, m_count, slots = ticks.stages, ticks.microbatches, in_flight(ticks.stages, ticks.repeats)
-    pullback = _Pullback()
+    s_count, m_count, slots = ticks.stages, ticks.microbatches, ticks.slots
     head_params, unprepare = jax.vjp(prepare_head, stored_head)
-
-    def forward_on_stage(w, x_in, row, key, buffers, slot):
-        w = _repeat_of(w, row.repeat, axis)
-        (out, more), vjp = jax.vjp(lambda w, x: compute(w, x, row, key), w, x_in)
-        leaves, pullback.treedef = jax.tree.flatten(vjp)
-        weight_ids = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(w))}
-        pullback.weight_index = [weight_ids.get(id(leaf), -1) for leaf in leaves]
-        kept = [leaf for leaf, i in zip(leaves, pullback.weight_index) if i < 0]
-        if buffers is None:  # `jax.eval_shape` asks what the buffers hold
-            return kept
-        return out, more, [jax.lax.dynamic_update_index_in_dim(b, r, slot, 0) for b, r in zip(buffers, kept)]
-
-    def backward_on_stage(w, g_in, active, repeat, buffers, slot, d_weights):
-        kept = iter([jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in buffers])
-        w_leaves = jax.tree.leaves(_repeat_of(w, repeat, axis))
-        leaves = [w_leaves[i] if i >= 0 else next(kept) for i in pullback.weight_index]
-        # the statistics' share of the objective, on the stages with a microbatch to run back (zero elsewhere)
-        g_stats = {k: jnp.where(active, cotangents[k], 0.0).astype(z.dtype) * jnp.ones_like(z)
-                   for k, z in stats_zeros.items()}
-        dw, dx = jax.tree.unflatten(pullback.treedef, leaves)((g_in, g_stats))
-        # into the repeat's rows of the float32 sums, in place
-        d_weights = jax.tree.map(lambda d, g: jax.lax.dynamic_update_slice_in_dim(
-            d, jax.lax.dynamic_slice_in_dim(d, repeat, 1, axis) + g.astype(d.dtype), repeat, axis), d_weights, dw)
-        return d_weights, dx
-
-    run_forward = on_every_stage(forward_on_stage, in_axes=(0, 0, PER_STAGE_ROW, None, 0, 0))
-    run_backward = on_every_stage(backward_on_stage, in_axes=(0, 0, 0, 0, 0, 0, 0))
+    run_forward, run_backward = _stage_passes(compute, axis, stats_zeros, cotangents)
 
     x_mb = to_microbatches(x, m_count)  # [M, b, T, D]
     targets_mb = constrain(targets.reshape(targets.shape[0] // m_count, m_count, -1).swapaxes(0, 1),
@@ -321,6 +307,50 @@ def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangent
         g = on_stages(g, 1)
         return state._replace(g=g, d_weights=d_weights, dx=store_at_stage0(state.dx, g, dx_slot, first_stage))
 
+    with jax.named_scope("pipeline"):
+        state = _play(ticks, state, tick)
+    (d_head,) = unprepare(jax.tree.map(lambda d, p: d.astype(p.dtype), state.d_head, head_params))
+    return (state.loss, state.stats), (state.d_weights, d_head, from_microbatches(state.dx[0]))
+
+
+def _stage_passes(compute, axis: int, stats_zeros: dict, cotangents: dict):
+    """(forward, backward), each run on every stage at once: a unit's forward pass (`compute` of its repeat's
+    weights), its residuals written into the stage's slot of the buffers, and a unit's backward pass, its
+    pullback rebuilt from the residuals in the stage's slot and its weights' gradient added into the repeat's rows
+    of the float32 sums (`axis`: the repeat axis of a stage's weights)."""
+    pullback = _Pullback()
+
+    def forward_on_stage(w, x_in, row, key, buffers, slot):
+        w = _repeat_of(w, row.repeat, axis)
+        (out, more), vjp = jax.vjp(lambda w, x: compute(w, x, row, key), w, x_in)
+        leaves, pullback.treedef = jax.tree.flatten(vjp)
+        weight_ids = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(w))}
+        pullback.weight_index = [weight_ids.get(id(leaf), -1) for leaf in leaves]
+        kept = [leaf for leaf, i in zip(leaves, pullback.weight_index) if i < 0]
+        if buffers is None:  # `jax.eval_shape` asks what the buffers hold
+            return kept
+        return out, more, [jax.lax.dynamic_update_index_in_dim(b, r, slot, 0) for b, r in zip(buffers, kept)]
+
+    def backward_on_stage(w, g_in, active, repeat, buffers, slot, d_weights):
+        kept = iter([jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in buffers])
+        w_leaves = jax.tree.leaves(_repeat_of(w, repeat, axis))
+        leaves = [w_leaves[i] if i >= 0 else next(kept) for i in pullback.weight_index]
+        # the statistics' share of the objective, on the stages with a microbatch to run back (zero elsewhere)
+        g_stats = {k: jnp.where(active, cotangents[k], 0.0).astype(z.dtype) * jnp.ones_like(z)
+                   for k, z in stats_zeros.items()}
+        dw, dx = jax.tree.unflatten(pullback.treedef, leaves)((g_in, g_stats))
+        d_weights = jax.tree.map(lambda d, g: jax.lax.dynamic_update_slice_in_dim(
+            d, jax.lax.dynamic_slice_in_dim(d, repeat, 1, axis) + g.astype(d.dtype), repeat, axis), d_weights, dw)
+        return d_weights, dx
+
+    return (on_every_stage(forward_on_stage, in_axes=(0, 0, PER_STAGE_ROW, None, 0, 0)),
+            on_every_stage(backward_on_stage, in_axes=(0, 0, 0, 0, 0, 0, 0)))
+
+
+def _play(ticks: Ticks, state, tick):
+    """`tick(state, row, forward, backward, with_head)` over the schedule: a scan over the warm-up's ticks, over
+    each run of the steady phase (with circular repeats, one scan over the groups of two runs, whose body traces
+    them once) and over the cool-down's."""
     def run(state, rows, forward: bool, backward: bool, with_head: bool = False):
         return jax.lax.scan(lambda c, r: (tick(c, r, forward, backward, with_head), None), state, rows)[0]
 
@@ -328,25 +358,23 @@ def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangent
         """A group of S R steady ticks under circular repeats: (R - 1) S without the head, then S with it."""
         return run(run(state, rows[0], True, True), rows[1], True, True, True), None
 
-    with jax.named_scope("pipeline"):
-        state = run(state, ticks.rows(*ticks.phases[0][:2]), True, False)
-        first, *rest = ticks.steady_runs()
-        state = run(state, ticks.rows(*first[:2]), True, True, True)
-        if rest:  # the same two runs, M / S - 1 times: one scan over the groups, whose body traces them once
-            def stacked(runs):
-                return jax.tree.map(lambda *a: jnp.stack(a), *(ticks.rows(*r[:2]) for r in runs))
+    def stacked(runs):
+        return jax.tree.map(lambda *a: jnp.stack(a), *(ticks.rows(*r[:2]) for r in runs))
 
-            state = jax.lax.scan(group, state, (stacked(rest[0::2]), stacked(rest[1::2])))[0]
-        if ticks.phases[2][1] > ticks.phases[2][0]:
-            state = run(state, ticks.rows(*ticks.phases[2][:2]), False, True)
-    (d_head,) = unprepare(jax.tree.map(lambda d, p: d.astype(p.dtype), state.d_head, head_params))
-    return (state.loss, state.stats), (state.d_weights, d_head, from_microbatches(state.dx[0]))
+    state = run(state, ticks.rows(*ticks.phases[0][:2]), True, False)
+    first, *rest = ticks.steady_runs()
+    state = run(state, ticks.rows(*first[:2]), True, True, True)
+    if rest:
+        state = jax.lax.scan(group, state, (stacked(rest[0::2]), stacked(rest[1::2])))[0]
+    if ticks.phases[2][1] > ticks.phases[2][0]:
+        state = run(state, ticks.rows(*ticks.phases[2][:2]), False, True)
+    return state
 
 
 class _State(NamedTuple):
     """What the schedule's ticks carry: every stage's last forward output and backward output (its input's
     gradient), stage 0's input gradients [S, M, ...] (only stage 0's slots are read), the residual buffers
-    [S, 2S - 1, ...], the float32 gradient sums and the loss."""
+    [S, slots, ...], the float32 gradient sums, the loss and the blocks' statistics."""
 
     out: jax.Array
     g: jax.Array

@@ -10,7 +10,7 @@ every stage; the (S - 1) / (M + S - 1) of stage-iterations with nothing to do ar
 Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShardablePipelined`:
 - The schedule is a static table (`pipeline_schedule`: per iteration and stage the microbatch, the repeat,
   whether the stage is active and its first layer; per iteration stage 0's read and write slots), computed in
-  NumPy and scanned over. An iteration is named steps: the hand-off (`_shift`), the iteration's inputs
+  NumPy and scanned over. An iteration is named steps: the hand-off (`shift_to_next`), the iteration's inputs
   (`_iteration_inputs`: stage 0 stores what came back and reads its next microbatch), the stage's weights for
   its repeat (`_weights_of_repeat`), and the stages' compute (`_per_stage`).
 - One program, not S: the stages are a `vmap` over the stage dimension with `spmd_axis_name` set to the mesh axes
@@ -422,7 +422,7 @@ def to_microbatches(x, m: int):
 
 
 def from_microbatches(x_mb):
-    """The inverse of `_microbatches`."""
+    """The inverse of `to_microbatches`."""
     m, b = x_mb.shape[:2]
     return constrain(x_mb.swapaxes(0, 1).reshape(m * b, *x_mb.shape[2:]), *RESIDUAL)
 
@@ -446,5 +446,7 @@ def layer_ranges(layers: list[int]) -> str:
     return ", ".join(out)
 
 
-__all__ = ["bubble_fraction", "check_pipeline", "circular_order", "layer_ranges", "microbatch_count",
-           "pipeline_schedule", "row_order", "run_pipeline", "stage_layers"]
+__all__ = ["IterationRow", "PER_STAGE_ROW", "bubble_fraction", "check_pipeline", "circular_order", "data_replicas",
+           "from_microbatches", "layer_ranges", "microbatch_count", "on_every_stage", "on_stages",
+           "pipeline_schedule", "row_order", "run_pipeline", "shift_to_next", "stage_compute", "stage_layers",
+           "stage_weights", "store_at_stage0", "to_microbatches"]
