@@ -111,7 +111,7 @@ def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool, voc
     x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
     w_spec = active_storage_spec(*names, shape=w.shape[1:] if token_copies else w.shape)
     live = lambda entry: tuple(a for a in as_axes(entry) if mesh.shape[a] > 1)  # noqa: E731
-    tokens = live(x_spec[0]) + live(x_spec[1])
+    tokens = token_axes(x.shape)
     vocab_entry, embed_entry = (w_spec[0], w_spec[1]) if tied else (w_spec[1], w_spec[0])
     if token_copies:  # each device's own copy, whole over the embedding dimension
         axes = _Axes(tokens, live(vocab_entry), (), other_token=())

@@ -75,6 +75,7 @@ from shardlm.models.pipeline import (
     on_stages,
     shift_to_next,
     stage_compute,
+    stage_mask,
     stage_weights,
     store_at_stage0,
     to_microbatches,
@@ -268,13 +269,10 @@ def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangent
     run_forward, run_backward = _stage_passes(compute, axis, stats_zeros, cotangents)
 
     x_mb = to_microbatches(x, m_count)  # [M, b, T, D]
-    targets_mb = constrain(targets.reshape(targets.shape[0] // m_count, m_count, -1).swapaxes(0, 1),
-                           None, "batch", "seq")
+    targets_mb = to_microbatches(targets, m_count, ("batch", "seq"))
     io = on_stages(jnp.broadcast_to(x_mb, (s_count, *x_mb.shape)), 2)
     out = on_stages(jnp.zeros((s_count, *x_mb.shape[1:]), x.dtype), 1)
-    is_stage = lambda i: on_stages(jnp.broadcast_to((jnp.arange(s_count) == i)[:, None, None, None],  # noqa: E731
-                                                    out.shape), 1)
-    first_stage, last_stage = is_stage(0), is_stage(s_count - 1)
+    first_stage, last_stage = stage_mask(0, out.shape), stage_mask(s_count - 1, out.shape)
     first_row = IterationRow(*(jnp.asarray(np.asarray(a)[0]) for a in ticks.forward))
     residuals = jax.eval_shape(lambda w, x: run_forward(w, x, first_row, key, None, jnp.zeros(s_count, jnp.int32)),
                                weights, out)

@@ -159,9 +159,7 @@ def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int
     x_mb = to_microbatches(x, m_count)  # [M, b, T, D]
     io = on_stages(jnp.broadcast_to(x_mb, (stages, *x_mb.shape)), 2)
     out = on_stages(jnp.full((stages, *x_mb.shape[1:]), idle_input, x.dtype), 1)
-    # Stage 0's mask at the activations' full shape, made once: a `where` inside the loop would broadcast it every
-    # iteration, and the backward pass would keep each iteration's copy.
-    first_stage = on_stages(jnp.broadcast_to((jnp.arange(stages) == 0)[:, None, None, None], out.shape), 1)
+    first_stage = stage_mask(0, out.shape)  # made once, at the activations' full shape
 
     def iteration(carry, row: IterationRow):
         out, io, total = carry
@@ -414,11 +412,19 @@ def on_stages(a, lead: int):
     return constrain(a, LAYERS, *(None,) * (lead - 1), *RESIDUAL)
 
 
-def to_microbatches(x, m: int):
-    """[B, T, D] -> [M, B / M, T, D], microbatch i holding rows i, M + i, 2M + i, ...: each microbatch spans every
-    batch shard (a row-major split would put a microbatch on a few devices)."""
+def stage_mask(stage: int, shape: tuple) -> jax.Array:
+    """True at stage `stage`'s entries of an array of `shape` [S, ...] laid out over the stages, made once at its full
+    shape: a `where` inside a loop would broadcast it every iteration, and the backward pass keep each copy."""
+    return on_stages(jnp.broadcast_to((jnp.arange(shape[0]) == stage).reshape(-1, *(1,) * (len(shape) - 1)),
+                                      shape), 1)
+
+
+def to_microbatches(x, m: int, names: tuple = RESIDUAL):
+    """[B, T, D] -> [M, B / M, T, D] (or, with its logical `names`, any [B, ...]), microbatch i holding rows i,
+    M + i, 2M + i, ...: each microbatch spans every batch shard (a row-major split would put a microbatch on a few
+    devices)."""
     b = x.shape[0] // m
-    return constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1), None, *RESIDUAL)
+    return constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1), None, *names)
 
 
 def from_microbatches(x_mb):
@@ -449,4 +455,4 @@ def layer_ranges(layers: list[int]) -> str:
 __all__ = ["IterationRow", "PER_STAGE_ROW", "bubble_fraction", "check_pipeline", "circular_order", "data_replicas",
            "from_microbatches", "layer_ranges", "microbatch_count", "on_every_stage", "on_stages",
            "pipeline_schedule", "row_order", "run_pipeline", "shift_to_next", "stage_compute", "stage_layers",
-           "stage_weights", "store_at_stage0", "to_microbatches"]
+           "stage_mask", "stage_weights", "store_at_stage0", "to_microbatches"]

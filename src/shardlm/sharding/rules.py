@@ -414,8 +414,7 @@ def replicas_of(x: jax.Array, names: tuple, replicas: int, axes: tuple[str, ...]
     stored = logical_to_spec(names, storage, shape=x.shape, mesh=mesh)
     x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, stored))
     copies = jnp.broadcast_to(x[:, None], (x.shape[0], replicas, *x.shape[1:]))
-    used = P(stored[0], axes, *_in_use(names, stored)[1:])
-    return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, used))
+    return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, _copies_spec(names, stored, axes, at=1)))
 
 
 def copies_over(x: jax.Array, names: tuple, axes: tuple[str, ...]) -> jax.Array:
@@ -432,7 +431,15 @@ def copies_over(x: jax.Array, names: tuple, axes: tuple[str, ...]) -> jax.Array:
     x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, stored))
     n = math.prod(mesh.shape[a] for a in axes)
     copies = jnp.broadcast_to(x[None], (n, *x.shape))
-    return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, P(axes or None, *_in_use(names, stored))))
+    return jax.lax.with_sharding_constraint(copies, NamedSharding(mesh, _copies_spec(names, stored, axes, at=0)))
+
+
+def _copies_spec(names: tuple, stored: P, axes: tuple[str, ...], at: int) -> P:
+    """The spec of copies of a weight with logical `names` stored as `stored`, one per device of mesh `axes` on a
+    new axis at position `at`: the dimensions before it as stored (a pipeline's stage axis), the rest as the
+    weight is used (`_in_use`: gathered over the `STORAGE_AXES`)."""
+    kept = tuple(stored) + (None,) * (len(names) - len(stored))
+    return P(*kept[:at], axes or None, *_in_use(names, stored)[at:])
 
 
 def gradient_carrier(x: jax.Array, names: tuple, replicas: int = 1, axes: tuple[str, ...] = ()) -> jax.Array:
@@ -447,8 +454,7 @@ def gradient_carrier(x: jax.Array, names: tuple, replicas: int = 1, axes: tuple[
     if active is not None:
         mesh = active.mesh
         stored = logical_to_spec(names, active.storage, shape=x.shape, mesh=mesh)
-        in_use = _in_use(names, stored)
-        used = P(*in_use) if replicas == 1 else P(stored[0], axes, *in_use[1:])
+        used = P(*_in_use(names, stored)) if replicas == 1 else _copies_spec(names, stored, axes, at=1)
         pin = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, used))  # noqa: E731
         pin_gradient = lambda g: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, stored))  # noqa: E731
 
