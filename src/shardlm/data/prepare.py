@@ -442,10 +442,10 @@ def shared_tokenizer(spec: str, first: PreparedData) -> str:
 
 
 def training_data(d, *, progress: bool = True, log: Callable[[str], None] = print,
-                  min_val_tokens: int = 0) -> PreparedData:
+                  min_val_tokens: int = 0, what: str = "data.path") -> PreparedData:
     """The data a run trains on: a prepared directory as is, or text (or the built-in corpus) prepared once into
     the cache, its validation split at least `min_val_tokens` (up to half the text). `d` is the config's
-    DataConfig."""
+    DataConfig; `what` names `d.path` in errors (a mixture's source: `data.sources[1] (notes)`)."""
     path = Path(d.path)
     if path.is_dir() and (path / META_FILE).exists():
         data = open_prepared(path)
@@ -453,15 +453,15 @@ def training_data(d, *, progress: bool = True, log: Callable[[str], None] = prin
         if wanted.startswith("bpe:") and data.meta["tokenizer"] == "bpe":
             if not Path(wanted[4:]).is_file() or _sha256(Path(wanted[4:])) != _sha256(path / TOKENIZER_FILE) \
                     or load_tokenizer(wanted).eot_id != data.meta["eot_id"]:
-                raise ShardlmError(f"data.path={path} was prepared with another BPE than {wanted[4:]} (or another "
+                raise ShardlmError(f"{what}={path} was prepared with another BPE than {wanted[4:]} (or another "
                                    "document separator); prepare the data again with that tokenizer, or train on "
                                    "the directory's own (data.tokenizer=auto, without init.from)")
         elif wanted not in ("auto", data.meta["tokenizer"]):
-            raise ShardlmError(f"data.path={path} was prepared with the {data.meta['tokenizer']} tokenizer, not "
+            raise ShardlmError(f"{what}={path} was prepared with the {data.meta['tokenizer']} tokenizer, not "
                                f"{wanted}; set data.tokenizer=auto, or prepare the data again with {wanted}")
         return data
     spec = "bpe" if d.tokenizer == "auto" else d.tokenizer
-    resolve_inputs([d.path], "data.path")  # a missing or empty input fails before anything is announced
+    resolve_inputs([d.path], what)  # a missing or empty input fails before anything is announced
     key_settings = [str(path.resolve()) if path.exists() else d.path, spec, d.tokenizer_vocab, d.val_fraction,
                     d.text_field, d.invalid_utf8, min_val_tokens]
     key = hashlib.sha256(json.dumps(key_settings).encode()).hexdigest()[:12]
@@ -472,4 +472,4 @@ def training_data(d, *, progress: bool = True, log: Callable[[str], None] = prin
         log(f"data: preparing {d.path} into {out} (once; later runs reuse it)")
     return prepare([d.path], out, tokenizer=spec, vocab_size=d.tokenizer_vocab, val_fraction=d.val_fraction,
                    text_field=d.text_field, invalid_utf8=d.invalid_utf8, force=True, progress=progress, log=log,
-                   what="data.path", min_val_tokens=min_val_tokens)
+                   what=what, min_val_tokens=min_val_tokens)

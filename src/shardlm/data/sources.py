@@ -60,7 +60,7 @@ def resolve_inputs(inputs: list[str], what: str = "input") -> list[str]:
         elif path.is_file():
             files = [path]
         else:
-            prepared = "a prepared data directory, " if what == "data.path" else ""
+            prepared = "a prepared data directory, " if what.startswith("data.") else ""
             raise ShardlmError(f"{what} {name} does not exist; pass an existing text, .jsonl or .parquet file, a "
                                f"folder of them, {prepared}or a built-in corpus ({', '.join(BUILTIN_CORPORA)})")
         for f in files:

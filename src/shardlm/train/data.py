@@ -17,6 +17,7 @@ from shardlm.config import Config
 from shardlm.data.mixture import Source, parse_sources
 from shardlm.data.prepare import (META_FILE, PreparedData, describe_tokenizer, shared_tokenizer, tokenizer_identity,
                                   training_data)
+from shardlm.data.sources import resolve_inputs
 from shardlm.errors import ShardlmError
 from shardlm.train.evaluation import MIN_VAL_WINDOWS
 
@@ -38,14 +39,19 @@ def load_sources(cfg: Config, progress: bool = False, log=None) -> list[tuple[So
     if distributed.is_multiprocess() and not distributed.is_primary():
         distributed.barrier("data-prepared")
     floor = MIN_VAL_WINDOWS * cfg.model.seq_len + 1  # text's validation split holds this many windows at least
+    # a mixture's source is named as the config names it, `data.sources[1] (notes)`
+    names = [f"data.sources[{i}] ({src.name})" if cfg.data.sources else "data.path" for i, src in enumerate(sources)]
+    for src, name in zip(sources, names):  # every source's path, before any is prepared
+        if not (Path(src.path) / META_FILE).is_file():
+            resolve_inputs([src.path], name)
     first = training_data(dataclasses.replace(cfg.data, path=sources[0].path), progress=progress, log=log,
-                          min_val_tokens=floor)
+                          min_val_tokens=floor, what=names[0])
     prepared = [(sources[0], first)]
     shared = shared_tokenizer(cfg.data.tokenizer, first)
-    for src in sources[1:]:
+    for src, name in zip(sources[1:], names[1:]):
         is_prepared = (Path(src.path) / META_FILE).is_file()
         d = dataclasses.replace(cfg.data, path=src.path, tokenizer=cfg.data.tokenizer if is_prepared else shared)
-        prepared.append((src, training_data(d, progress=progress, log=log, min_val_tokens=floor)))
+        prepared.append((src, training_data(d, progress=progress, log=log, min_val_tokens=floor, what=name)))
     if distributed.is_multiprocess() and distributed.is_primary():
         distributed.barrier("data-prepared")
     identity = tokenizer_identity(first)
@@ -124,5 +130,5 @@ def format_inspection(report: dict) -> str:
         lines.append(f"{r['name']:<12} {r['train_tokens']:>14,} {r['val_tokens']:>12,} {r['weight']:>7.3f} "
                      f"{r['share']:>22.3f} {r['epochs']:>18.3f}  {r['path']}")
     lines.append(f"windows of {report['seq_len'] + 1} tokens, {report['batch_size']} per batch; shares and epochs "
-                 "are read off the mixed stream's indices (Grain's mix), exact")
+                 "are read off the mixed stream's indices, exact")
     return "\n".join(lines)
