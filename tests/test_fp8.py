@@ -62,6 +62,32 @@ def test_a_zero_tensor_quantizes_to_zeros():
     assert np.all(np.asarray(q.astype(jnp.float32)) == 0.0) and np.isfinite(float(scale)) and float(scale) > 0
 
 
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_one_non_finite_element_spoils_only_the_outputs_it_enters(bad):
+    """An inf (or NaN) in x, or in the output's gradient, leaves every product that does not read it exactly as
+    it is with that element at zero, and makes the ones that do non-finite, as a bfloat16 matmul does; with the
+    amax over every element, the scale was inf and every output NaN."""
+    ks = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(ks[0], (16, 32))
+    w = jax.random.normal(ks[1], (32, 24)) * 0.05
+    g = jax.random.normal(ks[2], (16, 24))
+
+    def run(x, g):
+        y, vjp = jax.vjp(lambda x, w: fp8_einsum("td,df->tf", x, w), x, w)
+        return (np.asarray(y), *(np.asarray(d) for d in vjp(g)))
+
+    y, dx, dw = run(x.at[3, 5].set(bad), g)
+    y0, dx0, dw0 = run(x, g)  # the element at its own value: outputs that do not read it are these exactly
+    clean = run(x.at[3, 5].set(0.0), g)
+    assert np.all(~np.isfinite(y[3])) and np.array_equal(np.delete(y, 3, 0), np.delete(clean[0], 3, 0))
+    assert np.all(~np.isfinite(dw[5])) and np.array_equal(np.delete(dw, 5, 0), np.delete(clean[2], 5, 0))
+    assert np.array_equal(dx, dx0)  # d x = d y w^T reads no x
+    assert np.isfinite(y0).all() and not np.array_equal(clean[0], y0)  # (the element mattered)
+    yg, dxg, dwg = run(x, g.at[7, 2].set(bad))  # the same for the output's gradient
+    assert np.array_equal(yg, y0) and np.all(~np.isfinite(dxg[7])) and np.all(~np.isfinite(dwg[:, 2]))
+    assert np.array_equal(np.delete(dxg, 7, 0), np.delete(run(x, g.at[7, 2].set(0.0))[1], 7, 0))
+
+
 def test_products_sharing_an_input_quantize_it_once_and_each_equals_its_own_call():
     """`fp8_einsums` (query, key and value; gate and up) quantizes x once: each output and each weight's gradient
     is bit for bit the separate call's, and x's gradient is the separate calls' gradients summed in float32."""

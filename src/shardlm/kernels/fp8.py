@@ -20,6 +20,11 @@ Design choices:
   once (`fp8_einsums`): separate calls kept one float8 copy of it per product (XLA did not merge them) and took
   its amax as often, which put a step's peak memory above bfloat16's.
 - Scales are float32, from an amax floored at 2^-64, so an all-zero tensor quantizes to zeros, not NaN.
+- A non-finite element (an overflowed activation or gradient) spoils what it touches and nothing more, as in a
+  bfloat16 matmul: the amax is taken over the finite elements, so the rest of the tensor keeps its scale and the
+  outputs that do not read that element are exactly what they would be without it; the element itself becomes
+  NaN (e4m3 has no infinity) and so do the outputs it enters. Taken over every element, the amax was inf, the
+  scale inf, and every output NaN. Either way the loss is not finite, and the step is treated as any such step.
 - XLA:CPU emulates the float8 types, so the CPU runs this same code; only the speed is the GPU's.
 """
 
@@ -35,7 +40,8 @@ _TINY = 2.0 ** -64  # the smallest amax a scale is taken from (a zero tensor kee
 
 def scale_of(x: jax.Array, fp8_dtype) -> jax.Array:
     """The float32 scale that maps `x`'s largest magnitude to `fp8_dtype`'s largest value: x / scale fits."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    magnitudes = jnp.abs(x)
+    amax = jnp.max(jnp.where(jnp.isfinite(magnitudes), magnitudes, 0)).astype(jnp.float32)  # see the docstring
     return jnp.maximum(amax, _TINY) / jnp.float32(jnp.finfo(fp8_dtype).max)
 
 
