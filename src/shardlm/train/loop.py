@@ -1,12 +1,13 @@
 """The training loop: config -> mesh -> data -> sharded state -> compiled step -> metrics, checkpoints, samples.
 
-`train` is a sequence of named steps (`Training`'s methods): open the data, build or restore the state, claim the
-run directory, compile, run the steps, finish.
+`train` is a sequence of named steps (`Training`'s methods): open the data, build or restore the state, compile,
+claim the run directory, run the steps, finish.
 
 Design choices:
 - Everything is built and checked before the first compile: a mesh that does not fit the devices, a degree that
   does not divide a parameter or the batch, a resume that would change the model, or an unreadable checkpoint
-  fails in seconds, before the run directory is touched.
+  fails in seconds, before the run directory is touched. The step is compiled before the directory is claimed
+  too, so that a configuration only the compiler refuses leaves nothing behind either.
 - A run directory that already holds a run is resumed from its newest checkpoint (see `rundir`), with the
   optimizer state, the step and the data position, so the continued run is the uninterrupted one.
 - The train step is compiled ahead of time (`lower().compile()`), so the compile time is reported on its own and
@@ -197,8 +198,8 @@ def train(cfg: Config, run_dir: str | Path | None = None, *, overwrite: bool = F
     run.open_data(progress)  # everything that can reject the input runs before the run directory is written
     run.initial_state()
     run.describe(explain)
+    run.compile()  # a configuration the compiler refuses stops here, before anything is written
     run.claim_run_dir()
-    run.compile()
     run.open_metrics()
     # Signals are handled from the first step until the run returns: after the loop, a first one lets it finish
     # (without samples) and a second aborts.
@@ -324,16 +325,6 @@ class Training:
                  f"steps; warming up over {warmup} steps instead")
         self.explanation = ex
 
-    # --- from here on the run directory is written ------------------------------------------------------------
-    def claim_run_dir(self) -> None:
-        if self.primary:
-            claim(self.run_dir, self.start)
-            (self.run_dir / CONFIG_FILE).write_text(self.cfg.to_yaml())
-            self.tokenizer.save(self.run_dir)
-        distributed.barrier("run-dir-claimed")  # no process opens the checkpoints before process 0 cleared them
-        self.ckpts = RunCheckpoints(self.run_dir, keep=self.cfg.checkpoint.keep, also_keep=(self.cfg.train.steps,))
-        self.meta = checkpoint_meta(self.cfg, self.mesh, self.data, self.vocab, self.stream, self.schedule)
-
     def compile(self) -> None:
         cfg, ts, mesh = self.cfg, self.ts, self.mesh
         t0 = time.perf_counter()
@@ -352,6 +343,16 @@ class Training:
              f"({self.source.flops_convention}) | "
              f"peak {self.peak / 1e12:.3f} TFLOP/s per device ({self.peak_label})")
         self.evaluation.load()
+
+    # --- from here on the run directory is written ------------------------------------------------------------
+    def claim_run_dir(self) -> None:
+        if self.primary:
+            claim(self.run_dir, self.start)
+            (self.run_dir / CONFIG_FILE).write_text(self.cfg.to_yaml())
+            self.tokenizer.save(self.run_dir)
+        distributed.barrier("run-dir-claimed")  # no process opens the checkpoints before process 0 cleared them
+        self.ckpts = RunCheckpoints(self.run_dir, keep=self.cfg.checkpoint.keep, also_keep=(self.cfg.train.steps,))
+        self.meta = checkpoint_meta(self.cfg, self.mesh, self.data, self.vocab, self.stream, self.schedule)
 
     def evaluate(self, state, step: int) -> dict:
         """The eval numbers over the fixed validation batches (`evaluation`), and a mixture's epochs per source."""
