@@ -167,3 +167,26 @@ def test_moe_tiny_trains_on_the_default_corpus_and_generates_on_an_expert_mesh(t
         tokens[name] = gen.generate([prompt, prompt[:3]], 12, Sampling(temperature=0.0))
     assert [c.ids for c in tokens["one"]] == [c.ids for c in tokens["ep4 x fsdp2"]]
     assert all(len(c.ids) > 0 for c in tokens["one"])
+
+
+def test_dense_and_sparse_layers_mixed_checkpoint_per_layer_and_resume(tmp_path):
+    """`model.moe_every=2`: its layers differ (every other one a mixture), so they cannot stack into the stored
+    layout. The checkpoint keeps them per layer, as held (saving once crashed stacking them, after the run directory
+    was written), and the run resumes from it."""
+    from shardlm.checkpoint import RunCheckpoints
+    from shardlm.config import load_config
+    from shardlm.train.loop import train
+
+    run_dir = tmp_path / "run"
+    overrides = MOE[:5] + ["model.moe_every=2", "model.scan_layers=false", "model.n_layers=2", "train.batch_size=4",
+                           "train.sample_tokens=0", "train.eval_batches=1", "checkpoint.every=1",
+                           "data.tokenizer=bytes"]
+    one = jax.devices()[:1]
+    first = train(load_config(None, overrides + ["train.steps=2"]), run_dir, progress=False, devices=one)
+    reader = RunCheckpoints(run_dir, read_only=True)
+    stored = reader.stored_tree(2)["blocks"]
+    reader.close()
+    assert sorted(map(str, stored)) == ["0", "1"] and "router" in stored["1"]["mlp"] and "router" not in \
+        stored["0"]["mlp"]
+    resumed = train(load_config(None, overrides + ["train.steps=3"]), run_dir, progress=False, devices=one)
+    assert first["finished"] and resumed["resumed_from"] == 2 and np.isfinite(resumed["final_loss"])

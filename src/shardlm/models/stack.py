@@ -199,6 +199,16 @@ def is_per_layer(tree) -> bool:
     return bool(found) and all(isinstance(k, int) for k in found[0])
 
 
+def layers_alike(tree) -> bool:
+    """Whether every per-layer `blocks` subtree of a pure-dict tree holds layers of one structure and shapes, so
+    that they stack (a mixture of experts in every other layer, `model.moe_every`, does not)."""
+    for blocks in _find_blocks(tree):
+        shapes = [jax.tree.map(jnp.shape, blocks[i]) for i in sorted(blocks)]
+        if any(jax.tree.structure(t) != jax.tree.structure(shapes[0]) or t != shapes[0] for t in shapes[1:]):
+            return False
+    return True
+
+
 def _find_blocks(tree) -> list[dict]:
     """Every `blocks` subtree of a pure-dict tree (a model's, and each optimizer-state copy of it)."""
     if not isinstance(tree, dict):

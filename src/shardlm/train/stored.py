@@ -5,7 +5,8 @@ Design choices:
 - shardlm's own models store their blocks stacked on a leading layers axis (`shardlm.models.stack`), as a scanned
   model holds them: saving a scanned state converts nothing, and a stacked array splits over a pipeline's stages
   as it is. A per-layer state is stacked for the save (in one jit, its output sharded like the layers plus a whole
-  leading axis) and split back on restore.
+  leading axis) and split back on restore. Layers that differ (dense and sparse layers mixed, `model.moe_every`)
+  cannot stack, and are stored per layer, as held; such a model is per layer wherever it is restored.
 - Restoring reads each array in the stored layout straight into the sharding the in-memory layout implies (the
   same spec, with or without the leading layers axis), then converts in one jit whose outputs are the target's
   shardings; no array is gathered whole. Checkpoints written before blocks were stored stacked (per layer on
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from shardlm.checkpoint import RunCheckpoints
 from shardlm.models.stack import (
     is_per_layer,
+    layers_alike,
     per_layer_tree,
     permuted_blocks,
     rows_of_layers,
@@ -49,7 +51,7 @@ def save_state(ckpts: RunCheckpoints, step: int, state, position: int, meta: dic
     blocks stacked first, and a stack held in a circular pipeline's `order` (row p holds layer order[p]) put in
     layer order."""
     pure = nnx.to_pure_dict(state)
-    if stacks_blocks and is_per_layer(pure["model"]):
+    if stacks_blocks and is_per_layer(pure["model"]) and layers_alike(pure["model"]):
         pure = jax.jit(stacked_tree)(pure)
     elif stacks_blocks and order is not None:
         pure = _permuted(pure, tuple(rows_of_layers(order)))
