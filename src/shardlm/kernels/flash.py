@@ -7,16 +7,30 @@ Design choices:
   sequence, and key j is visible to query i when kv_pos[j] <= q_pos[i]. One kernel then serves a whole sequence
   (positions 0..T-1), a context-parallel device's chunk against another device's chunk, and the zigzag layout
   (`shardlm.kernels.ring`), where a device's rows are two separate stretches of the sequence.
-- Blocks of `block_q` queries against `block_k` keys: the forward pass keeps, per query, a running max, sum of
-  exponentials and weighted sum of values (the online softmax), in float32; it saves q, k, v, the output and the
-  log-sum-exp per query and head, nothing of size [T, T]. A block with no visible key (above the diagonal) is
-  skipped with `lax.cond`, so the causal half costs nothing.
-- The output is returned in float32 with its log-sum-exp: partial results over different keys (the ring's steps)
-  merge exactly by their log-sum-exps (`merge`) before the one cast to the compute dtype. A row that sees no key
-  has log-sum-exp -inf and output 0, and merges as nothing.
+- Blocks of queries against blocks of keys: the forward pass keeps, per query, a running max, sum of exponentials
+  and weighted sum of values (the online softmax), in float32; it saves q, k, v, the output and the log-sum-exp
+  per query and head, nothing of size [T, T]. A block with no visible key (above the diagonal) is skipped with
+  `lax.cond`, so the causal half costs nothing.
+- Any length, in ceil(T / block) blocks (`blocking`): T rows are cut into n = ceil(T / block) blocks of
+  ceil(T / n) rows, rounded up to a multiple of 8 (at most `block`), and the rows past T are padding: a padded key
+  sits at a position after every query (no query sees it), a padded query before every key (it sees none: output
+  0, and its rows are dropped, so its gradient is zero). Shrinking the block to a divisor of T instead, as this
+  kernel once did, cuts a prime length into blocks of 1 row (T = 1031 took 17-19x the time of 1024, measured).
+  Balanced blocks rather than full ones keep the padding under 8 rows per block (1031 in blocks of 512 would be
+  1536 rows; balanced, 3 blocks of 344: 1032). 8 rows are a float32 tile's sublanes on a TPU (the row granularity
+  XLA:TPU lays a block out in, whatever its size), and any length that is a multiple of 8 per block (1024, 4096,
+  640, ...) needs no padding.
+- The output of a chunk (`chunk_forward`) is float32 with its log-sum-exp: partial results over different keys (the
+  ring's steps) merge exactly by their log-sum-exps (`merge`) before the one cast to the compute dtype. A row that
+  sees no key has log-sum-exp -inf and output 0, and merges as nothing. A whole sequence's (`blockwise_attention`)
+  has nothing to merge and is cast at once.
 - The backward pass (a `custom_vjp`) recomputes each block's probabilities from q, k and the saved log-sum-exp, as
   flash attention's does; the log-sum-exp's own cotangent (from a merge) enters through D = rowsum(dO * O) - dlse.
   Matmul operands are in the inputs' dtype with float32 accumulation, as a fused kernel's.
+- What `blockwise_attention`'s backward pass keeps of the forward pass, the output (in the inputs' dtype) and the
+  log-sum-exp, is named `residual_name`, as the fused kernels' residuals are (`shardlm.kernels.attention`): a remat
+  policy that saves that name keeps them, and the backward pass runs no second forward pass (unnamed, every named
+  policy, `none` included, recomputed them: the forward's matmuls twice per step).
 - Grouped-query heads as `jax.nn.dot_product_attention` reads them: query head n uses kv head n // (heads / kv_heads).
 """
 
@@ -26,22 +40,28 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-BLOCK = 512  # rows of queries and of keys per block, at most (the largest divisor of the length up to this)
-
-
-def block_size(length: int, most: int) -> int:
-    """The largest divisor of `length` that is at most `most`."""
-    for size in range(min(length, most), 0, -1):
-        if length % size == 0:
-            return size
-    return 1
+BLOCK = 512  # rows of queries and of keys per block, at most
+ROWS = 8  # a block's rows are a multiple of this (unless the block is less): see the module docstring
+_NO_KEY = jnp.iinfo(jnp.int32).min  # a padded query's position: before every key
+_NO_QUERY = jnp.iinfo(jnp.int32).max  # a padded key's position: after every query
 
 
-def blockwise_attention(q, k, v, q_pos, kv_pos, *, block_q: int = BLOCK, block_k: int = BLOCK):
-    """q [b, tq, heads, d], k and v [b, tk, kv_heads, d], q_pos [tq] and kv_pos [tk] int32 -> (out [b, tq, heads, d]
-    float32, lse [b, tq, heads] float32). Causal by position; see the module docstring."""
-    bq, bk = block_size(q.shape[1], block_q), block_size(k.shape[1], block_k)
+def blocking(length: int, most: int) -> tuple[int, int]:
+    """(rows per block, blocks) for `length` rows in blocks of at most `most`: n = ceil(length / most) blocks of
+    ceil(length / n) rows rounded up to a multiple of `ROWS` (capped at `most`); n x rows >= length, and the rows
+    past `length`, fewer than ROWS x n, are padding."""
+    count = -(-length // most)
+    rows = -(-length // count)
+    return min(most, -(-rows // ROWS) * ROWS), count
+
+
+def blockwise_attention(q, k, v, q_pos, kv_pos, *, block_q: int = BLOCK, block_k: int = BLOCK,
+                        residual_name: str | None = None):
+    """q [b, tq, heads, d], k and v [b, tk, kv_heads, d], q_pos [tq] and kv_pos [tk] int32 -> out [b, tq, heads, d]
+    in q's dtype. Causal by position; blocks of at most `block_q` queries and `block_k` keys (`blocking`). The output
+    and log-sum-exp the backward pass keeps are named `residual_name`."""
     # Positions are usually constants (the same for every layer). Under a differentiated loop (the scanned layers)
     # JAX hoists whatever depends on constants alone out of it as residuals: every block's causal mask, and the
     # scores it selects, [T, T] in all (1.5 GiB at 8,192 positions, measured). Tying the positions to q through a
@@ -50,15 +70,19 @@ def blockwise_attention(q, k, v, q_pos, kv_pos, *, block_q: int = BLOCK, block_k
 
     @jax.custom_vjp
     def attend(q, k, v, q_pos, kv_pos):
-        return _forward(q, k, v, q_pos, kv_pos, bq, bk)
+        return _forward(q, k, v, q_pos, kv_pos, block_q, block_k)[0].astype(q.dtype)
 
     def attend_forward(q, k, v, q_pos, kv_pos):
-        out, lse = _forward(q, k, v, q_pos, kv_pos, bq, bk)
-        return (out, lse), (q, k, v, q_pos, kv_pos, out, lse)
+        out, lse = _forward(q, k, v, q_pos, kv_pos, block_q, block_k)
+        out = out.astype(q.dtype)
+        if residual_name:
+            out, lse = checkpoint_name(out, residual_name), checkpoint_name(lse, residual_name)
+        return out, (q, k, v, q_pos, kv_pos, out, lse)
 
-    def attend_backward(saved, cotangents):
+    def attend_backward(saved, d_out):
         q, k, v, q_pos, kv_pos, out, lse = saved
-        dq, dk, dv = _backward(q, k, v, q_pos, kv_pos, out, lse, *cotangents, bq, bk)
+        d_lse = jnp.zeros(lse.shape, jnp.float32)
+        dq, dk, dv = _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, block_q, block_k)
         return dq, dk, dv, None, None
 
     attend.defvjp(attend_forward, attend_backward)
@@ -69,7 +93,7 @@ def chunk_forward(q, k, v, causal: bool, *, block: int = BLOCK):
     """The ring's per-chunk kernel, forward: q [b, tq, heads, d] against k, v [b, tk, kv_heads, d], causal within
     the chunk (tq == tk) or every key visible -> (out float32, lse [b, tq, heads] float32)."""
     q, q_pos, kv_pos = _chunk_positions(q, k, causal)
-    return _forward(q, k, v, q_pos, kv_pos, block_size(q.shape[1], block), block_size(k.shape[1], block))
+    return _forward(q, k, v, q_pos, kv_pos, block, block)
 
 
 def chunk_backward(q, k, v, out, lse, d_out, causal: bool, *, block: int = BLOCK):
@@ -77,8 +101,7 @@ def chunk_backward(q, k, v, out, lse, d_out, causal: bool, *, block: int = BLOCK
     keys, not this one's alone: then each chunk's probabilities are already normalised, and dq, dk, dv of the
     chunks add up to the whole attention's) -> (dq, dk, dv) in the inputs' dtype."""
     q, q_pos, kv_pos = _chunk_positions(q, k, causal)
-    return _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, jnp.zeros(lse.shape, jnp.float32),
-                     block_size(q.shape[1], block), block_size(k.shape[1], block))
+    return _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, jnp.zeros(lse.shape, jnp.float32), block, block)
 
 
 def _chunk_positions(q, k, causal: bool):
@@ -111,6 +134,25 @@ def _varying_axes(x) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
+def _padded(x, rows: int, value=0, axis: int = 1):
+    """`x` with its `axis` padded to `rows` with `value` (as it is when it has them)."""
+    extra = rows - x.shape[axis]
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _blocked(q, k, v, q_pos, kv_pos, block_q, block_k):
+    """The inputs padded to whole blocks (`blocking`), and the blocks' rows: (q, k, v, q_pos, kv_pos, bq, bk)."""
+    bq, nq = blocking(q.shape[1], block_q)
+    bk, nk = blocking(k.shape[1], block_k)
+    q, q_pos = _padded(q, bq * nq), _padded(q_pos, bq * nq, _NO_KEY, 0)
+    k, v, kv_pos = _padded(k, bk * nk), _padded(v, bk * nk), _padded(kv_pos, bk * nk, _NO_QUERY, 0)
+    return q, k, v, q_pos, kv_pos, bq, bk
+
+
 def _split(q, k, v, bq, bk):
     """Blocks first: q [nq, b, bq, kv_heads, group, d], k and v [nk, b, bk, kv_heads, d]."""
     b, tq, h, d = q.shape
@@ -131,8 +173,11 @@ def _visible(qp, kp):
     return kp.min() <= qp.max()
 
 
-def _forward(q, k, v, q_pos, kv_pos, bq, bk):
+def _forward(q, k, v, q_pos, kv_pos, block_q, block_k):
+    """-> (out [b, tq, heads, d] float32, lse [b, tq, heads] float32), in blocks of at most `block_q` queries and
+    `block_k` keys."""
     b, tq, h, d = q.shape
+    q, k, v, q_pos, kv_pos, bq, bk = _blocked(q, k, v, q_pos, kv_pos, block_q, block_k)
     qb, kb, vb = _split(q, k, v, bq, bk)
     qpb, kpb = q_pos.reshape(-1, bq), kv_pos.reshape(-1, bk)
     stat_shape = (b, k.shape[2], h // k.shape[2], bq)
@@ -163,22 +208,27 @@ def _forward(q, k, v, q_pos, kv_pos, bq, bk):
         return acc / jnp.where(seen, l, 1.0)[..., None], lse
 
     out, lse = jax.lax.map(query_block, (qb, qpb))  # [nq, b, kvh, g, bq, (d)]
-    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tq, h, d)
-    lse = lse.transpose(1, 0, 4, 2, 3).reshape(b, tq, h)
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, -1, h, d)[:, :tq]
+    lse = lse.transpose(1, 0, 4, 2, 3).reshape(b, -1, h)[:, :tq]
     return out, lse
 
 
-def _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, bq, bk):
+def _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, block_q, block_k):
+    """-> (dq, dk, dv) in the inputs' dtypes, given the rows' output, log-sum-exp and their cotangents."""
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
+    q, k, v, q_pos, kv_pos, bq, bk = _blocked(q, k, v, q_pos, kv_pos, block_q, block_k)
+    rows = q.shape[1]  # padded: the padded queries' output and cotangents are 0, their log-sum-exp -inf
+    out, d_out, d_lse = (_padded(t.astype(jnp.float32), rows) for t in (out, d_out, d_lse))
+    lse = _padded(lse, rows, -jnp.inf)
     qb, kb, vb = _split(q, k, v, bq, bk)
     qpb, kpb = q_pos.reshape(-1, bq), kv_pos.reshape(-1, bk)
     # per query and head: D = rowsum(dO * O) - dlse, and the log-sum-exp (+inf where no key was seen: p = 0)
     delta = (d_out * out).sum(-1) - d_lse
-    per_block = lambda t: t.reshape(b, tq // bq, bq, kvh, g).transpose(1, 0, 3, 4, 2)  # noqa: E731
+    per_block = lambda t: t.reshape(b, rows // bq, bq, kvh, g).transpose(1, 0, 3, 4, 2)  # noqa: E731
     lse_b, delta_b = per_block(jnp.where(jnp.isfinite(lse), lse, jnp.inf)), per_block(delta)
-    do_b = d_out.astype(q.dtype).reshape(b, tq // bq, bq, kvh, g, d).swapaxes(0, 1)
+    do_b = d_out.astype(q.dtype).reshape(b, rows // bq, bq, kvh, g, d).swapaxes(0, 1)
     scale = 1.0 / math.sqrt(d)
 
     def query_block(carry, args):
@@ -203,11 +253,11 @@ def _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, bq, bk):
 
         # the inner loop carries this query block's dq and the keys' running dk, dv
         state = (_varying_like(jnp.zeros(qi.shape, jnp.float32), q, k, v, d_out), dk, dv)
-        (dq_i, dk, dv), _ = jax.lax.scan(key_block, state, (jnp.arange(tk // bk), kb, vb, kpb))
+        (dq_i, dk, dv), _ = jax.lax.scan(key_block, state, (jnp.arange(kb.shape[0]), kb, vb, kpb))
         return (dk, dv), dq_i
 
-    zeros = _varying_like(jnp.zeros((tk // bk, b, bk, kvh, d), jnp.float32), q, k, v, d_out)
+    zeros = _varying_like(jnp.zeros((kb.shape[0], b, bk, kvh, d), jnp.float32), q, k, v, d_out)
     (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), (qb, qpb, lse_b, delta_b, do_b))
-    dq = dq.swapaxes(0, 1).reshape(b, tq, h, d).astype(q.dtype)
-    dk, dv = (t.swapaxes(0, 1).reshape(b, tk, kvh, d).astype(k.dtype) for t in (dk, dv))
+    dq = dq.swapaxes(0, 1).reshape(b, rows, h, d)[:, :tq].astype(q.dtype)
+    dk, dv = (t.swapaxes(0, 1).reshape(b, -1, kvh, d)[:, :tk].astype(k.dtype) for t in (dk, dv))
     return dq, dk, dv

@@ -18,7 +18,9 @@ Design choices:
 - The per-chunk kernel is the platform's fused one, behind one interface (`ChunkKernel`): forward gives the output
   and log-sum-exp of queries against a chunk of keys, causal or all visible; backward gives dq, dk, dv given the
   whole row's output and log-sum-exp. cuDNN's (`kernels.attention`) on NVIDIA GPUs, splash's (`kernels.splash`)
-  on TPUs, the blockwise kernel in plain JAX (`kernels.flash`) on the CPU and wherever neither applies.
+  on TPUs, the blockwise kernel in plain JAX (`kernels.flash`) on the CPU and wherever neither applies. A chunk may
+  be any length for the blockwise kernel (it pads the last of its blocks); splash takes chunks that
+  `splash.splash_block` can block (multiples of 128), which the model checks before choosing it.
 - The backward pass is a ring of its own (a `custom_vjp`; the fused kernels' derivatives do not see the
   log-sum-exp the merge needs). Every step's probabilities are normalised by the whole row's log-sum-exp, so each
   chunk's dq, dk, dv are exact parts of the whole's, and add up. Keys and values travel the ring again, with their

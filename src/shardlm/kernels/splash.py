@@ -7,8 +7,12 @@ Design choices:
   and v [b, T, kv_heads, d]; the kernel takes heads-major [heads, T, d] per sequence and is `vmap`ped over the
   batch. Grouped-query heads are the kernel's own (query head n reads kv head n // (heads / kv_heads), as
   `jax.nn.dot_product_attention` reads them). The kernel does not scale: q is multiplied by 1/sqrt(d) first.
-- Blocks of `block_size(T, block)` queries and keys (the largest divisor of T up to `block`), for the forward and
-  both backward kernels; XLA:TPU wants multiples of 128, which `attention_impl` checks before picking splash.
+- Blocks of `splash_block(T, block)` queries and keys, for the forward and both backward kernels: the largest
+  multiple of 128 (the TPU's lane width, which the kernel requires of every block) that divides T and is at most
+  max(128, block), `model.attention_block`. Any T that is a multiple of 128 has one (128 itself); no other T has
+  any, and the model's gates (`models.layers.attention_impl`, `ring_chunk`) ask this same function before picking
+  splash for a sequence or a ring's chunk. (The largest divisor of T up to `block`, as the blockwise kernel once
+  chose, is 320 for T = 640 or 1280, which the kernel refuses.)
 - The kernel's residuals (its output and log-sum-exp) are named `residual_name`, so that a remat policy saving the
   attention output keeps them instead of running the forward kernel again in the backward pass.
 - Off a TPU (the CPU tests) the same kernel runs in Pallas's interpret mode: the same blocking and code path,
@@ -22,7 +26,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-from shardlm.kernels.flash import block_size
+LANES = 128  # the TPU's vector lanes: every splash block is a multiple of them
+
+
+def splash_block(length: int, most: int = 512) -> int:
+    """Splash's block for `length` positions: the largest multiple of `LANES` (128) that divides `length` and is
+    at most max(128, `most`); 0 when `length` is not a positive multiple of 128 (splash cannot take it)."""
+    if length <= 0 or length % LANES:
+        return 0
+    lanes = length // LANES
+    return LANES * max(n for n in range(1, max(1, most // LANES) + 1) if lanes % n == 0)
 
 
 def _modules():
@@ -34,9 +47,12 @@ def _modules():
 
 def _kernel(tq: int, tk: int, heads: int, causal: bool, block: int, interpret: bool, **options):
     """The splash kernel for one sequence's heads: q [tq] rows against k [tk], causal (tq == tk) or every key
-    visible, blocks of the largest divisors of tq and tk up to `block`, for the forward and both backward kernels."""
+    visible, blocks of `splash_block(tq, block)` queries and `splash_block(tk, block)` keys, for the forward and
+    both backward kernels."""
     kernels, masks = _modules()
-    bq, bk = block_size(tq, block), block_size(tk, block)
+    bq, bk = splash_block(tq, block), splash_block(tk, block)
+    if not bq or not bk:
+        raise ValueError(f"splash attention takes multiples of {LANES} positions, not {tq} queries and {tk} keys")
     sizes = kernels.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                                block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
     mask = masks.CausalMask((tq, tk)) if causal else masks.FullMask((tq, tk))

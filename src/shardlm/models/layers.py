@@ -27,8 +27,14 @@ Design choices:
 - Every block trains under a remat policy over its named activations (`shardlm.models.remat`), `model.remat=none`
   included: "none" saves the matmul outputs the backward pass needs and recomputes the elementwise work from them;
   "full" saves only the block's input; the others save subsets, or offload them to host memory.
-- The attention kernels (`shardlm.kernels.attention`) name what their backward pass keeps (a fused kernel's output
-  and softmax statistics), so that a policy saves them rather than running the kernel's forward pass again.
+- The attention kernels (`shardlm.kernels.attention`, `.flash`, `.splash`, `.ring`) name what their backward pass
+  keeps (the output and the softmax statistics), so that a policy saves them rather than running the kernel's
+  forward pass again.
+- A kernel asked for by name where it cannot run is a one-line error, said for the accelerator being compiled for
+  (`shardlm.accelerator.current`): cuDNN's off an NVIDIA GPU of compute capability 8.0+ or with float32 inputs
+  (`check_cudnn`), splash at a length that is not a multiple of 128 (`kernels.splash.splash_block`: the one rule
+  of splash's blocks, which its gates here ask too). Generation (a prefill, a decode step) takes XLA's attention wherever cuDNN's
+  does not run, so a model trained on GPUs generates on any host.
 - The blocks are one module per layer or one scanned stack (`model.scan_layers`, `shardlm.models.stack`); the
   KV cache is stacked over the layers either way.
 """
@@ -47,7 +53,7 @@ from shardlm.kernels.attention import cudnn_attention, xla_attention
 from shardlm.kernels.flash import blockwise_attention
 from shardlm.kernels.ring import (CHUNK_KERNEL_NAMES, chunk_kernel, chunk_kernel_available, from_zigzag,
                                   ring_attention, to_zigzag)
-from shardlm.kernels.splash import splash_attention
+from shardlm.kernels.splash import splash_attention, splash_block
 from shardlm.models import remat
 from shardlm.models.head import head_loss, token_axes
 from shardlm.models.one_f_one_b import run_1f1b
@@ -138,9 +144,11 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
     check_attention(requested, seq_split, context)
     if seq_split > 1:
         return "ring" if uses_ring(requested, context) else "xla"
-    if requested == "splash" and length % 128:
+    if requested == "splash" and not splash_block(length, block):
         raise ShardlmError(f"model.attention=splash needs a sequence that is a multiple of 128 positions (the TPU "
                            f"kernel's lane width), got {length}; use model.attention=auto or a multiple of 128")
+    if requested == "cudnn":
+        check_cudnn(dtype)
     if requested != "auto":
         return requested
     if _cudnn_applies(dtype, head_dim):
@@ -150,18 +158,42 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
     return "flash" if length > block else "xla"
 
 
+def check_cudnn(dtype) -> None:
+    """`model.attention=cudnn` where cuDNN's fused kernel cannot run, a one-line error: the accelerator being
+    compiled for (`shardlm.accelerator.current`: a CPU host compiling for H100s passes) is not an NVIDIA GPU of
+    compute capability 8.0 or newer, or the inputs (`dtype`, the compute dtype) are not 16-bit. Unchecked, the
+    first is cuDNN's own traceback ("cuDNN is not detected") and the second a KeyError from inside JAX."""
+    refusal = _cudnn_refusal(dtype)
+    if refusal:
+        raise ShardlmError(refusal)
+
+
+def _cudnn_refusal(dtype) -> str:
+    """Why cuDNN's fused kernel cannot run on the accelerator being compiled for with `dtype` inputs (a one-line
+    error's text), or ""."""
+    target = current()
+    if target.platform != "gpu" or (target.compute_capability or 8.0) < 8.0:
+        where = "cpu" if target.platform == "cpu" else target.device_kind + (
+            f" (compute capability {target.compute_capability})" if target.compute_capability else "")
+        return (f"model.attention=cudnn needs an NVIDIA GPU of compute capability 8.0 or newer, and this run is on "
+                f"{where}; use model.attention=auto or xla")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return (f"model.attention=cudnn takes 16-bit inputs only, and model.dtype is {jnp.dtype(dtype).name}; use "
+                "model.dtype=bfloat16, or model.attention=auto or xla")
+    return ""
+
+
 def _cudnn_applies(dtype, head_dim: int) -> bool:
     """cuDNN's fused kernel takes it: an NVIDIA GPU of compute capability 8.0 or newer (the one being compiled
-    for), 16-bit inputs, head_dim a multiple of 8 up to 128."""
-    target = current()
-    return (target.platform == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and target.compute_capability is not None and target.compute_capability >= 8.0
+    for, its capability known), 16-bit inputs, head_dim a multiple of 8 up to 128."""
+    return (not _cudnn_refusal(dtype) and current().compute_capability is not None
             and head_dim % 8 == 0 and head_dim <= 128)
 
 
 def _splash_applies(length: int, head_dim: int) -> bool:
-    """Splash takes it: a TPU, a multiple of 128 positions (its lane width), head_dim 64 or 128."""
-    return current().platform == "tpu" and length % 128 == 0 and length >= 128 and head_dim in (64, 128)
+    """Splash takes it: a TPU, a length splash can block (a multiple of 128, its lane width: `splash_block`),
+    head_dim 64 or 128."""
+    return current().platform == "tpu" and splash_block(length) > 0 and head_dim in (64, 128)
 
 
 def ring_chunk(requested: str, dtype, head_dim: int, length: int, seq_split: int) -> str:
@@ -169,10 +201,12 @@ def ring_chunk(requested: str, dtype, head_dim: int, length: int, seq_split: int
     each chunk is length / (2 seq_split) positions. "auto": cuDNN's where it applies, splash on a TPU, the
     blockwise kernel elsewhere; a kernel asked for by name is that one."""
     chunk = length // (2 * seq_split)
-    if requested == "splash" and chunk % 128:
+    if requested == "splash" and not splash_block(chunk):
         raise ShardlmError(f"model.attention=splash in the ring needs chunks of a multiple of 128 positions, got "
                            f"{length} / (2 x context {seq_split}) = {chunk}; use model.attention=auto, or a "
                            f"seq_len that is a multiple of {256 * seq_split}")
+    if requested == "cudnn":
+        check_cudnn(dtype)
     if requested in ("cudnn", "splash") and not chunk_kernel_available(requested):
         raise ShardlmError(f"model.attention={requested} in the ring needs JAX internals this JAX does not have "
                            f"({CHUNK_KERNEL_NAMES[requested]}'s rules under their 0.10 names); use "
@@ -254,8 +288,8 @@ def self_attention(q, k, v, cache: LayerCache | None, ctx: Context):
         elif ctx.impl == "splash":
             y = _per_device_splash(q, k, v, ctx.block)
         elif ctx.impl == "flash":
-            out = blockwise_attention(q, k, v, ctx.positions, ctx.positions, block_q=ctx.block, block_k=ctx.block)
-            y = remat.named(out[0].astype(q.dtype), remat.ATTENTION)
+            y = blockwise_attention(q, k, v, ctx.positions, ctx.positions, block_q=ctx.block, block_k=ctx.block,
+                                    residual_name=remat.ATTENTION)
         else:
             k_all, v_all = (remat.named(constrain(t, "batch", "kv_seq", "act_kv_heads", "head_dim"),
                                         remat.KV_GATHERED) for t in (k, v))
@@ -583,10 +617,16 @@ class CausalLM(nnx.Module):
         """(the embedding's output in the blocks' layout, the blocks' attention `Context`, the pass's dropout key):
         what every pass does before the blocks."""
         seq_split, length = active_degree("seq"), tokens.shape[1]
-        impl = attention_impl(self.attention, self.dtype, self.head_dim, seq_split, length=length,
-                              block=self.attention_block, context=self.context_attention)
-        if impl in ("ring", "flash", "splash") and (cache is not None or pos is not None):
-            impl = "xla"  # a prefill writes the cache in the sequence's order; a decode step attends to it
+        if cache is not None or pos is not None:
+            # A prefill writes the cache in the sequence's order, a decode step attends to it: XLA's attention, or
+            # cuDNN's where it was asked for (or is auto's) and runs, so that a model trained on GPUs generates
+            # anywhere. A decode step attends to the cache by its own einsums whatever this says.
+            wants = (self.attention == "cudnn" and not _cudnn_refusal(self.dtype)) or (
+                self.attention == "auto" and _cudnn_applies(self.dtype, self.head_dim))
+            impl = "cudnn" if wants and seq_split == 1 else "xla"
+        else:
+            impl = attention_impl(self.attention, self.dtype, self.head_dim, seq_split, length=length,
+                                  block=self.attention_block, context=self.context_attention)
         # One dropout key for the pass: layer i draws from it folded with i, the embedding with n_layers
         # (`stack.layer_rngs`), whichever layout the blocks are in.
         key = rngs.dropout() if rngs is not None else None
