@@ -202,6 +202,17 @@ def test_cudnn_where_it_cannot_run_is_one_line_said_for_the_target(tmp_path):
             assert "takes 16-bit inputs only, and model.dtype is float32" in refusal(jnp.float32, 64, ring=ring)
             assert (ring_chunk("cudnn", jnp.bfloat16, 64, 1024, 2) if ring else
                     attention_impl("cudnn", jnp.bfloat16, 64, length=1024)) == "cudnn"
+            assert "head sizes that are multiples of 8 up to 256 on NVIDIA H100" in refusal(jnp.bfloat16, 260, ring=ring)
+    with compiling_for(H100.accelerator):
+        # an odd length (a sequence, or a ring's chunk): JAX's cuDNN attention raised NotImplementedError while
+        # tracing, `auto` included; `auto` now takes another kernel, and asked for by name it is one line
+        with pytest.raises(ShardlmError, match="takes an even number of positions .* this pass has 97"):
+            attention_impl("cudnn", jnp.bfloat16, 64, length=97)
+        with pytest.raises(ShardlmError, match="this pass has 25"):
+            ring_chunk("cudnn", jnp.bfloat16, 64, 100, 2)
+        assert attention_impl("auto", jnp.bfloat16, 64, length=97) == "xla"
+        assert ring_chunk("auto", jnp.bfloat16, 64, 100, 2) == "flash"
+        assert attention_impl("auto", jnp.bfloat16, 64, length=98) == "cudnn"
     cfg = load_config(None, MICRO + ["model.attention=cudnn", "train.steps=1"])
     with pytest.raises(ShardlmError, match="model.attention=cudnn needs an NVIDIA GPU") as e:
         train(cfg, tmp_path / "run", progress=False)

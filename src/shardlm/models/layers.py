@@ -31,10 +31,11 @@ Design choices:
   keeps (the output and the softmax statistics), so that a policy saves them rather than running the kernel's
   forward pass again.
 - A kernel asked for by name where it cannot run is a one-line error, said for the accelerator being compiled for
-  (`shardlm.accelerator.current`): cuDNN's off an NVIDIA GPU of compute capability 8.0+ or with float32 inputs
-  (`check_cudnn`), splash at a length that is not a multiple of 128 (`kernels.splash.splash_block`: the one rule
-  of splash's blocks, which its gates here ask too). Generation (a prefill, a decode step) takes XLA's attention wherever cuDNN's
-  does not run, so a model trained on GPUs generates on any host.
+  (`shardlm.accelerator.current`): cuDNN's off an NVIDIA GPU of compute capability 8.0+, with float32 inputs, a
+  head size it does not take or an odd length (`check_cudnn`, the same rule `auto` asks before picking it), splash
+  at a length that is not a multiple of 128 (`kernels.splash.splash_block`: the one rule of splash's blocks, which
+  its gates here ask too). Generation (a prefill, a decode step) takes XLA's attention wherever cuDNN's does not
+  run, so a model trained on GPUs generates on any host.
 - The blocks are one module per layer or one scanned stack (`model.scan_layers`, `shardlm.models.stack`); the
   KV cache is stacked over the layers either way.
 """
@@ -137,8 +138,8 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
                    block: int = 512, context: str = "ring") -> str:
     """The kernel for a training or evaluation pass over `length` positions. A sequence split over devices: the
     ring (`context="ring"`, for "auto" and "flash") or XLA's attention over all-gathered keys and values. Else
-    "auto" is cuDNN's fused kernel where it applies (NVIDIA GPUs of compute capability 8.0 or newer, 16-bit inputs,
-    head_dim a multiple of 8 up to 128), the blockwise kernel for sequences longer than a `block`, XLA's attention
+    "auto" is cuDNN's fused kernel where it applies (`_cudnn_refusal`: NVIDIA GPUs of compute capability 8.0 or
+    newer, 16-bit inputs, head_dim a multiple of 8 up to 128 or 256, an even length), the blockwise kernel for sequences longer than a `block`, XLA's attention
     for shorter ones (whose [T, T] is small and which XLA fuses). The GPU is the one being compiled for
     (`shardlm.accelerator.current`), so a compile for an H100 from a CPU host picks what a run on the H100 would."""
     check_attention(requested, seq_split, context)
@@ -148,29 +149,32 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
         raise ShardlmError(f"model.attention=splash needs a sequence that is a multiple of 128 positions (the TPU "
                            f"kernel's lane width), got {length}; use model.attention=auto or a multiple of 128")
     if requested == "cudnn":
-        check_cudnn(dtype)
+        check_cudnn(dtype, head_dim, length)
     if requested != "auto":
         return requested
-    if _cudnn_applies(dtype, head_dim):
+    if _cudnn_applies(dtype, head_dim, length):
         return "cudnn"
     if _splash_applies(length, head_dim):
         return "splash"
     return "flash" if length > block else "xla"
 
 
-def check_cudnn(dtype) -> None:
-    """`model.attention=cudnn` where cuDNN's fused kernel cannot run, a one-line error: the accelerator being
-    compiled for (`shardlm.accelerator.current`: a CPU host compiling for H100s passes) is not an NVIDIA GPU of
-    compute capability 8.0 or newer, or the inputs (`dtype`, the compute dtype) are not 16-bit. Unchecked, the
-    first is cuDNN's own traceback ("cuDNN is not detected") and the second a KeyError from inside JAX."""
-    refusal = _cudnn_refusal(dtype)
+def check_cudnn(dtype, head_dim: int = 0, length: int = 0) -> None:
+    """`model.attention=cudnn` where cuDNN's fused kernel cannot run, a one-line error (`_cudnn_refusal`).
+    Unchecked, a CPU host was cuDNN's own traceback ("cuDNN is not detected"), float32 a KeyError from inside JAX,
+    and an odd length JAX's NotImplementedError."""
+    refusal = _cudnn_refusal(dtype, head_dim, length)
     if refusal:
         raise ShardlmError(refusal)
 
 
-def _cudnn_refusal(dtype) -> str:
-    """Why cuDNN's fused kernel cannot run on the accelerator being compiled for with `dtype` inputs (a one-line
-    error's text), or ""."""
+def _cudnn_refusal(dtype, head_dim: int = 0, length: int = 0) -> str:
+    """Why cuDNN's fused kernel cannot run on the accelerator being compiled for (`shardlm.accelerator.current`: a
+    CPU host compiling for H100s passes) with `dtype` inputs, heads of `head_dim` and `length` positions (0: not
+    known here), as a one-line error's text, or "". It takes what JAX's cuDNN attention takes: an NVIDIA GPU of
+    compute capability 8.0 or newer, 16-bit inputs, head sizes that are multiples of 8 up to 128 (256 from
+    Hopper on), and, training, an even length (JAX passes the kernel an empty bias, and refuses odd lengths with a
+    bias)."""
     target = current()
     if target.platform != "gpu" or (target.compute_capability or 8.0) < 8.0:
         where = "cpu" if target.platform == "cpu" else target.device_kind + (
@@ -180,14 +184,21 @@ def _cudnn_refusal(dtype) -> str:
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return (f"model.attention=cudnn takes 16-bit inputs only, and model.dtype is {jnp.dtype(dtype).name}; use "
                 "model.dtype=bfloat16, or model.attention=auto or xla")
+    most = 256 if (target.compute_capability or 0.0) >= 9.0 else 128
+    if head_dim and (head_dim % 8 or head_dim > most):
+        return (f"model.attention=cudnn takes head sizes that are multiples of 8 up to {most} on "
+                f"{target.device_kind}, and d_model / n_heads is {head_dim}; change model.n_heads or model.d_model, "
+                "or use model.attention=auto or xla")
+    if length % 2:
+        return (f"model.attention=cudnn takes an even number of positions (JAX's cuDNN attention refuses an odd "
+                f"one in training), and this pass has {length}; use an even model.seq_len, or model.attention=auto "
+                "or xla")
     return ""
 
 
-def _cudnn_applies(dtype, head_dim: int) -> bool:
-    """cuDNN's fused kernel takes it: an NVIDIA GPU of compute capability 8.0 or newer (the one being compiled
-    for, its capability known), 16-bit inputs, head_dim a multiple of 8 up to 128."""
-    return (not _cudnn_refusal(dtype) and current().compute_capability is not None
-            and head_dim % 8 == 0 and head_dim <= 128)
+def _cudnn_applies(dtype, head_dim: int, length: int = 0) -> bool:
+    """cuDNN's fused kernel takes it (`_cudnn_refusal`), on a GPU whose compute capability is known."""
+    return not _cudnn_refusal(dtype, head_dim, length) and current().compute_capability is not None
 
 
 def _splash_applies(length: int, head_dim: int) -> bool:
@@ -206,14 +217,14 @@ def ring_chunk(requested: str, dtype, head_dim: int, length: int, seq_split: int
                            f"{length} / (2 x context {seq_split}) = {chunk}; use model.attention=auto, or a "
                            f"seq_len that is a multiple of {256 * seq_split}")
     if requested == "cudnn":
-        check_cudnn(dtype)
+        check_cudnn(dtype, head_dim, chunk)
     if requested in ("cudnn", "splash") and not chunk_kernel_available(requested):
         raise ShardlmError(f"model.attention={requested} in the ring needs JAX internals this JAX does not have "
                            f"({CHUNK_KERNEL_NAMES[requested]}'s rules under their 0.10 names); use "
                            "model.attention=auto or flash")
     if requested in ("cudnn", "splash", "flash"):
         return requested
-    if _cudnn_applies(dtype, head_dim) and chunk_kernel_available("cudnn"):
+    if _cudnn_applies(dtype, head_dim, chunk) and chunk_kernel_available("cudnn"):
         return "cudnn"
     return "splash" if _splash_applies(chunk, head_dim) and chunk_kernel_available("splash") else "flash"
 
@@ -621,8 +632,7 @@ class CausalLM(nnx.Module):
             # A prefill writes the cache in the sequence's order, a decode step attends to it: XLA's attention, or
             # cuDNN's where it was asked for (or is auto's) and runs, so that a model trained on GPUs generates
             # anywhere. A decode step attends to the cache by its own einsums whatever this says.
-            wants = (self.attention == "cudnn" and not _cudnn_refusal(self.dtype)) or (
-                self.attention == "auto" and _cudnn_applies(self.dtype, self.head_dim))
+            wants = self.attention in ("cudnn", "auto") and _cudnn_applies(self.dtype, self.head_dim, length)
             impl = "cudnn" if wants and seq_split == 1 else "xla"
         else:
             impl = attention_impl(self.attention, self.dtype, self.head_dim, seq_split, length=length,
