@@ -395,6 +395,19 @@ def test_plan_compares_fp8_with_bfloat16_each_at_its_own_peak():
     assert f"FP8 matmuls against the compute dtype's, per strategy: fsdp2: {speedup:.2f}x faster" in text
 
 
+def test_a_known_compiler_failure_says_the_way_round_it():
+    """XLA:GPU's Triton GEMM emitter fails on some matmul shapes (compiled for 4 A100s: moe-tiny at d_model 96,
+    seq_len 640, fsdp 2 x context 2); the one line names XLA's flag that compiles them another way (checked by
+    hand: with it that step compiles)."""
+    from shardlm.perf.compiled import _failure
+
+    said = ("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot.156 = bf16[1280,96]{1,0} dot("
+            "%bitcast.1496, %parameter_1.3), lhs_contracting_dims={1}, " + "x" * 400 + "\n\n*** Begin stack trace")
+    message = str(_failure("gpu", RuntimeError(said)))
+    assert "\n" not in message and message.startswith("XLA:GPU failed to compile the step: INTERNAL: Couldn't find")
+    assert message.endswith("compile without it: XLA_FLAGS=--xla_gpu_enable_triton_gemm=false)")
+
+
 def test_a_compiler_failure_is_one_line_naming_the_strategy(capsys, monkeypatch):
     """A compiler that fails (here XLA:CPU, made to fail as XLA:GPU fails when ptxas does) on one strategy of a
     plan: that strategy's line says so and the others rank, as text and as JSON; on every strategy, or under

@@ -101,12 +101,22 @@ class CompileFailed(ShardlmError):
     """The compiler failed on a step (not a refusal for memory, which is reported): what it said, in one line."""
 
 
+# Compiler failures whose cause and way round are known: (what the compiler says, what to do).
+KNOWN_FAILURES = (
+    # XLA:GPU's Triton GEMM emitter finds no tiling for some matmul shapes (for an A100, a [1280, 96] output of a
+    # model of width 96); XLA's other GEMM paths (cuBLAS) compile them
+    ("Couldn't find output tile sizes", "XLA:GPU's Triton GEMM emitter cannot tile one of the step's matmuls; "
+                                        "compile without it: XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"),
+)
+
+
 def _failure(platform: str, error: Exception) -> CompileFailed:
     """`error` from a compiler as one line: the compiler and the first line of what it said (XLA's errors run to
-    pages: a C++ stack, the module, the flags)."""
+    pages: a C++ stack, the module, the flags), and the way round it where the cause is known (`KNOWN_FAILURES`)."""
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
     compiler = {"gpu": "XLA:GPU", "tpu": "XLA:TPU"}.get(platform, "XLA:CPU")
-    return CompileFailed(f"{compiler} failed to compile the step: {first[:400]}")
+    hint = next((f" ({fix})" for said, fix in KNOWN_FAILURES if said in first), "")
+    return CompileFailed(f"{compiler} failed to compile the step: {first[:400 - len(hint) // 2]}{hint}")
 
 
 def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops: float = 0.0,
