@@ -1,5 +1,5 @@
-"""The CLI as a user runs it: exit codes and one-line errors, as real subprocesses and in this process (the commands' runs and the files
-they write are the README's, in `test_quickstart`)."""
+"""The CLI as a user runs it: exit codes and one-line errors, as real subprocesses and in this process (the
+commands' runs and the files they write are the README's, in `test_quickstart`)."""
 
 import os
 import subprocess
