@@ -119,6 +119,9 @@ def check_model(m: ModelConfig) -> None:
     """Sizes, family, head layout, dtypes and the remat/attention choices of `m`, each a one-line error."""
     for key in ("n_layers", "n_heads", "d_model", "d_mlp", "seq_len"):
         check_positive(f"model.{key}", getattr(m, key))
+    if m.seq_len < 2:  # one token attends to nothing, and leaves no room for a prompt and a generated token
+        raise ShardlmError(f"model.seq_len={m.seq_len} leaves no context to attend over and no room to generate; "
+                           "use model.seq_len >= 2")
     if m.vocab_size < 0:
         raise ShardlmError(f"model.vocab_size must be >= 0 (0 = the tokenizer's), got {m.vocab_size}")
     if m.d_model % m.n_heads:
