@@ -92,8 +92,9 @@ class ModelConfig:
     moe_exchange: str = "auto"
     # The load-balancing loss's weight in the training loss (Switch Transformer's; 1.0 when perfectly balanced).
     moe_aux_loss_weight: float = 0.01
-    # The training loss's head runs over the vocabulary in this many chunks per device (0 = automatic: each
-    # chunk's float32 logits under 128 MiB per device; `shardlm.models.head`)
+    # The training loss's head runs over the vocabulary in this many chunks per device, its logits recomputed in
+    # the backward pass (1: one tile, its gradients taken in the forward pass; 0 = automatic: in the forward pass
+    # where the head fits a GiB per device, else recomputed in tiles under 128 MiB; `shardlm.models.head`)
     loss_chunks: int = 0
     # Attention's kernel: auto (cuDNN on NVIDIA GPUs for 16-bit dtypes, Pallas splash on TPUs; elsewhere XLA's for
     # sequences up to attention_block, the blockwise kernel beyond) | xla | cudnn | flash (`shardlm.kernels.flash`,
