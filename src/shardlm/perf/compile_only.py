@@ -23,6 +23,7 @@ from shardlm.config import Config, describe
 from shardlm.flops import jaxpr_matmul_flops, mfu, peak_dtype, possible_mfu
 from shardlm.foreign.modules import is_py
 from shardlm.mesh import describe_mesh, mesh_from_config
+from shardlm.models.head import recording
 from shardlm.models.layers import attention_summary
 from shardlm.perf import hlo
 from shardlm.perf.compiled import CompiledStep, CompileFailed, compile_step
@@ -50,6 +51,7 @@ class CompileReport:
     model_flops: float  # per step, all devices
     est: Estimate  # shardlm's estimate: the per-kernel timeline
     attention: str = ""  # the kernel the step compiled with, and why (`models.layers.attention_summary`)
+    head: str = ""  # the fused head and loss's schedule per device, with its bytes (`models.head.Schedule`)
 
     @property
     def fits(self) -> bool:
@@ -94,6 +96,7 @@ class CompileReport:
                 "compiler_step_withheld": s.compiler_withheld,
                 "compiler_mfu": self.mfu(s.compiler_s), "est_step_s": self.est.step_s,
                 "est_mfu": self.mfu(self.est.step_s), "compile_s": s.compile_s, "attention": self.attention,
+                "head": self.head,
                 "gemms_by_dtype": self.gemms_by_dtype,
                 "rematerialisations": [x.to_dict() for x in s.rematerialisations]}
 
@@ -111,8 +114,9 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
     vocab = tokenizer_vocab(cfg, log=log)
     with tracing_for(target) if target else contextlib.nullcontext():
         _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
-        traced = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).trace(
-            abstract, batch_struct(cfg, mesh))
+        with recording() as heads:
+            traced = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).trace(
+                abstract, batch_struct(cfg, mesh))
         lowered = traced.lower()
         attention = "" if is_py(cfg.model.preset) else attention_summary(cfg.model, mesh.shape["context"])
         options = step_compiler_options(cfg)
@@ -129,7 +133,7 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
     return CompileReport(cfg, describe_mesh(mesh), n, target, hardware, step, shard_bytes(abstract["model"]),
                          shard_bytes(abstract["optimizer"]), model_flops_per_step(cfg, vocab, mesh.shape["tensor"]),
                          step_estimate(step.program, step.flops_per_device, step.collectives, n, hardware),
-                         attention)
+                         attention, heads[0].describe() if heads else "")
 
 
 def _seconds(s: float | None) -> str:
@@ -165,6 +169,8 @@ def format_report(r: CompileReport) -> str:
              + (" (abstract devices: nothing ran)" if r.target else "")]
     if r.attention:
         lines.append(f"attention: {r.attention}")
+    if r.head:
+        lines.append(f"output head and loss, per device: {r.head}")
     if s.refusal:
         lines.append(f"memory per device: the train step refused by the compiler: {s.refusal}")
         lines.append(f"fits: NO (the target has {fmt_bytes(hw.memory_bytes)} per device)")

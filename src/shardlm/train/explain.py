@@ -1,6 +1,6 @@
 """`shardlm explain`: the training state built exactly as `shardlm train` would build it for a config, and where
 every parameter and optimizer-state leaf of it lives (`shardlm.explain`), with the notes a run header gives: the
-sequence split's traffic, the pipeline's stages and which mesh axes cross hosts. Nothing is trained and nothing is written."""
+sequence split's traffic, the pipeline's stages, the output head's schedule and which mesh axes cross hosts. Nothing is trained and nothing is written."""
 
 from shardlm import distributed
 from shardlm.config import Config, agree_on_config
@@ -22,8 +22,11 @@ def explain_run(cfg: Config, log, devices=None) -> Explanation:
     check_shardable(cfg, mesh)
     state = (abstract_train_state(cfg, mesh, vocab)[2] if devices is not None
              else create_train_state(cfg, mesh, vocab).state)
-    ex = model_source(cfg).explain(state, mesh)
+    source = model_source(cfg)
+    ex = source.explain(state, mesh)
     ex.notes.extend(split_notes(cfg, mesh))
+    if head := source.head_note(mesh, vocab):
+        ex.notes.append(head)
     if hosts := describe_hosts(mesh):
         ex.notes.append(f"{distributed.process_count()} processes on {hosts}")
         ex.axes_across_hosts = axes_across_hosts(mesh)

@@ -41,6 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardlm.accelerator import resolve_dtype
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
 from shardlm.explanation import explain_state, explain_trees
@@ -53,7 +54,8 @@ from shardlm.foreign.placement import opt_state_shardings, resolve_layout
 from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
-from shardlm.models.layers import check_attention, uses_ring
+from shardlm.models.head import plan as head_plan
+from shardlm.models.layers import DTYPES, check_attention, uses_ring
 from shardlm.models.moe import exchange_capacity
 from shardlm.models.one_f_one_b import in_flight
 from shardlm.models.pipeline import (
@@ -265,6 +267,23 @@ class OwnModel:
                 f"of {fmt_bytes(buffer)} per device each way ({rows / (tokens * m.moe_top_k):g} x the balanced "
                 f"share), forward and backward")
 
+    def head_note(self, mesh, vocab_size: int) -> str:
+        """The fused head and loss's schedule on each device, with its bytes (`models.head.plan`, the schedule the
+        step traces: per gradient-accumulation step, or per microbatch where a 1F1B pipeline runs the head)."""
+        m, t = self.cfg.model, self.cfg.train
+        padded = self.vocab_sizes(vocab_size, mesh.shape["tensor"])[1]
+        rows = t.batch_size // t.grad_accum
+        one_f_one_b = mesh.shape.get("stage", 1) > 1 and m.pipeline_schedule == "1f1b"
+        if one_f_one_b:
+            rows //= microbatch_count(m.pipeline_microbatches, mesh.shape["stage"])
+        w_shape = (padded, m.d_model) if m.tie_embeddings else (m.d_model, padded)
+        copies = (1,) if one_f_one_b else ()  # a copy per device, whole over the embedding dimension: its shape
+        with use_mesh_rules(mesh, self.rules(), storage=self.storage_rules(mesh)):
+            schedule = head_plan((rows, m.seq_len, m.d_model), copies + w_shape, tied=m.tie_embeddings,
+                                 compute_dtype=DTYPES[resolve_dtype(m.dtype)], chunks=m.loss_chunks,
+                                 token_copies=one_f_one_b)
+        return f"output head and loss, per device: {schedule.describe()}"
+
     def _pipeline_note(self, mesh) -> str | None:
         """Which layers each stage holds, the schedule's bubble, and what a stage hands the next."""
         stages = mesh.shape.get("stage", 1)
@@ -467,6 +486,9 @@ class PlannedModel:
 
     def split_notes(self, mesh) -> list[str]:
         return []  # its attention is its own: what a context split costs it is in the compiled step (`plan`)
+
+    def head_note(self, mesh, vocab_size: int) -> None:
+        return None  # its head and loss are its own
 
     def generator(self, graphdef, state, mesh, *, eot_id: int, vocab_size: int, **options):
         options["use_cache"] = False
