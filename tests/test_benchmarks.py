@@ -39,3 +39,18 @@ def test_compile_depth_benchmark_measures_scanned_and_looped_steps():
     assert all(r["compile_s"] > 0 and r["lower_s"] > 0 for r in rows.values())
     assert rows[6, True]["hlo_kb"] < 1.2 * rows[2, True]["hlo_kb"]
     assert rows[6, False]["hlo_kb"] > 2 * rows[2, False]["hlo_kb"]
+
+
+def test_peers_benchmark_times_shardlm_and_names_a_missing_nanogpt(tmp_path, monkeypatch):
+    """benchmarks/peers.py's shardlm worker at a tiny shape (nanoGPT's side needs its model.py, which the
+    benchmark downloads and CI has no network for): steps run, the loss falls from about ln(vocab), and the head's
+    schedule is named; a --nanogpt path without model.py is one line."""
+    peers = load("peers")
+    monkeypatch.setattr(peers, "SHAPES", {"tiny": (1, 2, 32, 512)})
+    monkeypatch.setattr(peers, "BATCH", 2)
+    run, about = peers.shardlm_worker("tiny")
+    first = run(1)
+    assert first == pytest.approx(math.log(512), abs=0.5) and run(3) < first
+    assert about["head"].startswith("gradients in the forward pass")
+    with pytest.raises(SystemExit, match=r"^peers.py: no nanoGPT model.py at .*; pass --nanogpt a clone"):
+        peers.nanogpt_model(str(tmp_path))
