@@ -405,13 +405,17 @@ def test_plan_cli_simulates_more_devices_than_the_host_and_emits_json():
 
 
 def assert_progress_counts_to(stderr: str, total: int) -> list[str]:
-    """A plan's progress lines ("[3/57] fsdp8: compiled in 2.1 s"): one per candidate, counted 1, 2, ... against
-    a total that never changes. Returns them."""
+    """A plan's progress lines ("[3/57] fsdp8: compiled in 2.1 s; 54 to go, about 6 min 20 s left"): one per
+    candidate, counted 1, 2, ... against a total that never changes, each but the last saying how many are left
+    and how long they will take at the pace so far. Returns them."""
     import re
 
     lines = [line for line in stderr.splitlines() if re.match(r"\[\d+/\d+\] ", line)]
     counts = [tuple(map(int, re.match(r"\[(\d+)/(\d+)\]", line).groups())) for line in lines]
     assert counts == [(i, total) for i in range(1, total + 1)], lines
+    for i, line in enumerate(lines[:-1], 1):
+        assert re.search(rf"; {total - i} to go, about (\d+ s|\d+ min \d\d s) left$", line), line
+    assert " to go" not in lines[-1], lines[-1]
     return lines
 
 

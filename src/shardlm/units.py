@@ -44,3 +44,13 @@ def parse_rate(text: str) -> float:
         raise ValueError(f"{text!r} is not a rate; write e.g. 400Gb/s, 3.2Tb/s or 50GB/s (b = bits, B = bytes)")
     scale = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[m.group(2)]
     return float(m.group(1)) * scale / (8 if m.group(3) == "b" else 1)
+
+
+def fmt_duration(seconds: float) -> str:
+    """A wall-clock duration as people say it: 45 s, 6 min 20 s, 1 h 05 min."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

@@ -63,7 +63,7 @@ from shardlm.perf.strategies import (
 from shardlm.perf.targets import Target
 from shardlm.perf.timeline import step_estimate
 from shardlm.perf.xla_log import Rematerialisation
-from shardlm.units import fmt_bytes
+from shardlm.units import fmt_bytes, fmt_duration
 
 
 @dataclasses.dataclass
@@ -359,8 +359,12 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
 
     def progress(c: Candidate, what: str) -> None:
         """A line per candidate as its fate is known: compiled, failed or pruned, counted against all of them, so
-        that the count's total never changes."""
-        log(f"[{len(results) + len(failed) + len(pruned)}/{len(candidates)}] {c.name}: {what}")
+        that the count's total never changes; with how many are left and, at the pace so far, how long they take."""
+        done = len(results) + len(failed) + len(pruned)
+        left = len(candidates) - done
+        pace = (time.perf_counter() - t0) / done
+        log(f"[{done}/{len(candidates)}] {c.name}: {what}"
+            + (f"; {left} to go, about {fmt_duration(pace * left)} left" if left else ""))
 
     def read(c, p_bytes, o_bytes, future):
         try:
