@@ -440,12 +440,27 @@ def test_progress_counts_pruned_candidates_against_a_total_fixed_from_the_start(
     assert sum("pruned, not compiled: pruned by the test" in line for line in progress) == 2, progress
 
 
+def test_a_budget_stops_starting_compiles_and_says_what_it_did_not_reach():
+    """`--budget`: once it has run out (here at once) and one candidate has been started, the rest are not
+    compiled, each listed as pruned with the budget as the reason, counted in the progress lines as any other."""
+    cfg = load_config(None, MICRO + [f"model.vocab_size={VOCAB}"])
+    lines = []
+    p = plan(cfg, 2, log=lines.append, budget_s=1e-9)
+    assert len(p.strategies) == 1 and len(p.pruned) == 2, lines
+    assert all(why == "not compiled: the --budget of 0 s ran out" for _, why in p.pruned), p.pruned
+    assert_progress_counts_to("\n".join(lines), 3)
+    assert sum("--budget" in r.get("pruned", "") for r in p.to_list()) == 2  # in the JSON too
+
+
 def test_plan_and_bench_cli_errors(tmp_path, capsys):
     from shardlm.cli import main
 
     for command in (["plan"], ["train", "--compile-only"]):  # a target's abstract devices: 0 was taken as 1
         assert main([*command, "--target", "h100", "--devices", "0", *MICRO]) == 2
         assert capsys.readouterr().err.strip() == "shardlm: error: --devices must be at least 1, got 0"
+    assert main(["plan", "--devices", "8", "--budget", "soon", *MICRO]) == 2
+    assert capsys.readouterr().err.strip() == ("shardlm: error: --budget 'soon' is not a duration; write e.g. 5m, 90s "
+                                               "or 1h")
     assert_one_line_error(shardlm("plan", "--devices", "8", "--memory", "lots", *MICRO), "--memory 'lots'")
     assert_one_line_error(shardlm("plan", "--devices", "8", "--peak-tflops", "0", *MICRO), "--peak-tflops")
     assert_one_line_error(shardlm("plan", "--devices", "0", *MICRO), "--devices must be at least 1")

@@ -33,7 +33,7 @@ from shardlm import distributed
 from shardlm.accelerator import cpu_unless_accelerator, gpu_xla_flags, start_cpu_quietly
 from shardlm.distributed import add_options as add_distributed_options
 from shardlm.errors import ShardlmError
-from shardlm.units import parse_bytes
+from shardlm.units import parse_bytes, parse_duration
 
 EXIT_USAGE = 2
 VERBOSE_ENV = "SHARDLM_VERBOSE"  # `launch --verbose`, for the processes it starts
@@ -138,6 +138,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     _target_options(plan, devices=False)
     plan.add_argument("--strategies", metavar="LIST",
                       help="only these strategies, comma-separated as plan names them (e.g. fsdp8,fsdp4+tp2)")
+    plan.add_argument("--budget", metavar="TIME",
+                      help="stop starting compiles after this long (e.g. 5m, 90s) and rank what compiled; the "
+                           "rest are listed as not reached")
     plan.add_argument("--remat", metavar="LIST",
                       help="compile each strategy under each of these remat policies (e.g. none,save_attention,full)"
                            " and name the cheapest that fits each; default: model.remat alone")
@@ -409,6 +412,7 @@ def _plan(args: argparse.Namespace) -> None:
     from shardlm.perf.planner import format_plan, plan, plan_peak_dtype, report_progress
     from shardlm.perf.strategies import parse_strategies
 
+    budget = parse_duration(args.budget) if args.budget else None  # before anything slow: a typo fails at once
     target = _target(args)
     n = args.devices or (1 if target else jax.device_count())
     cfg = _load_for(target, args)
@@ -427,10 +431,12 @@ def _plan(args: argparse.Namespace) -> None:
     strategies = parse_strategies(args.strategies, n) if args.strategies is not None else None
     remats = [r.strip() for r in args.remat.split(",") if r.strip()] if args.remat else None
     p = plan(cfg, n if target else args.devices, hw, strategies=strategies, log=report_progress, target=target,
-             hosts=args.hosts, remats=remats, matmul_dtypes=matmul_dtypes)
+             hosts=args.hosts, remats=remats, matmul_dtypes=matmul_dtypes, budget_s=budget)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
+    unreached = sum("--budget" in why for _, why in p.pruned)
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s"
-                    + (f" ({len(p.pruned)} more pruned: they cannot win)" if p.pruned else ""))
+                    + (f" ({len(p.pruned) - unreached} more pruned: they cannot win)" if len(p.pruned) > unreached
+                       else "") + (f" ({unreached} not reached within --budget {args.budget})" if unreached else ""))
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -46,6 +46,14 @@ def parse_rate(text: str) -> float:
     return float(m.group(1)) * scale / (8 if m.group(3) == "b" else 1)
 
 
+def parse_duration(text: str, flag: str = "--budget") -> float:
+    """'5m' -> 300, '90s' -> 90, '1.5h' -> 5400, '300' -> 300 seconds; `flag` names the option in the error."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h)?\s*", text.lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ShardlmError(f"{flag} {text!r} is not a duration; write e.g. 5m, 90s or 1h")
+    return float(m.group(1)) * {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}[m.group(2) or "s"]
+
+
 def fmt_duration(seconds: float) -> str:
     """A wall-clock duration as people say it: 45 s, 6 min 20 s, 1 h 05 min."""
     seconds = max(0, round(seconds))

@@ -304,14 +304,16 @@ def _devices(n_devices: int | None, target: Target | None, hosts: int | None) ->
 def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = None, *, vocab_size: int | None = None,
          strategies: list[Strategy] | None = None, workers: int | None = None, log=None,
          target: Target | None = None, hosts: int | None = None, remats: list[str] | None = None,
-         matmul_dtypes: list[str] | None = None) -> Plan:
+         matmul_dtypes: list[str] | None = None, budget_s: float | None = None) -> Plan:
     """Compile the train step of `cfg` for every strategy over `n_devices` (default: all devices JAX sees, or one
     device of `target`), or only for `strategies`, and rank them. Without a target JAX must already see that many
     devices (the CLI's `--devices` simulates them on a CPU host); with one, they are its abstract devices over
     `hosts` hosts. `hardware` defaults to the target's, or an H100 SXM at its dense peak for `model.dtype`.
     `remats`: compile each strategy under each of these remat policies (`model.remat`), not the config's alone;
     `matmul_dtypes` likewise for the blocks' matmuls (`model.matmul_dtype`: auto, fp8), each costed and held against
-    the peak of its own (`Hardware.for_matmuls`)."""
+    the peak of its own (`Hardware.for_matmuls`). `budget_s`: once that much time has passed and something has
+    been compiled, no further candidate is started; each is listed as pruned, the budget named as the reason (the
+    compiles already started finish)."""
     from shardlm.train.source import model_flops_per_step
     from shardlm.train.data import tokenizer_vocab
     from shardlm.train.step import step_compiler_options
@@ -398,6 +400,10 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
             for item in [p for p in pending if p[3].done()]:
                 pending.remove(item)
                 read(*item)
+            if budget_s is not None and time.perf_counter() - t0 > budget_s and (results or pending):
+                pruned.append((c, why := f"not compiled: the --budget of {fmt_duration(budget_s)} ran out"))
+                progress(c, why)
+                continue
             prepared = _abstract_state(cfg_c, s, vocab, devices, target)
             why = None if strategies is not None else _pruning(prepared, bounds[s], best[0], hardware)
             if why:
