@@ -24,6 +24,7 @@ people run on a laptop's CPU). shardlm's is `shardlm bench`'s: the real train st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -132,7 +133,7 @@ def nanogpt_worker(shape: str, model_py: str):
 
 def serve(kind: str, shape: str, model_py: str | None) -> None:
     """A worker: set up, warm up, say so; then for each line `N` on stdin, time N steps and print the result."""
-    with contextlib_redirect_stdout_to_stderr():
+    with contextlib.redirect_stdout(sys.stderr):  # setup's prints (nanoGPT's notes): stdout is the protocol
         run, about = shardlm_worker(shape) if kind == "shardlm" else nanogpt_worker(shape, model_py)
         run(3)
     print(json.dumps(about), flush=True)
@@ -142,17 +143,6 @@ def serve(kind: str, shape: str, model_py: str | None) -> None:
         loss = run(n)
         seconds = time.perf_counter() - t0
         print(json.dumps({"tokens_per_s": n * BATCH * SEQ / seconds, "loss": loss}), flush=True)
-
-
-class contextlib_redirect_stdout_to_stderr:
-    """Setup's prints (nanoGPT's parameter count, its optimizer's notes) go to stderr: stdout is the protocol."""
-
-    def __enter__(self):
-        self.saved = sys.stdout
-        sys.stdout = sys.stderr
-
-    def __exit__(self, *exc):
-        sys.stdout = self.saved
 
 
 # --- the parent: start both workers, alternate rounds, print the table --------------------------------------------

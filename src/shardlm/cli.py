@@ -433,7 +433,7 @@ def _plan(args: argparse.Namespace) -> None:
     p = plan(cfg, n if target else args.devices, hw, strategies=strategies, log=report_progress, target=target,
              hosts=args.hosts, remats=remats, matmul_dtypes=matmul_dtypes, budget_s=budget)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
-    unreached = sum("--budget" in why for _, why in p.pruned)
+    unreached = p.unreached
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s"
                     + (f" ({len(p.pruned) - unreached} more pruned: they cannot win)" if len(p.pruned) > unreached
                        else "") + (f" ({unreached} not reached within --budget {args.budget})" if unreached else ""))

@@ -97,7 +97,7 @@ class Tiling(NamedTuple):
     blocks: int
     in_forward: bool
 
-    def describe(self, rows: int, tokens: int, compute_bytes: int) -> str:
+    def describe(self, rows: int, tokens: int) -> str:
         """The schedule in a line, with its bytes per device (`rows` and `tokens` as given to `tiling`)."""
         tile = tokens // self.blocks * self.width * 4
         cut = f"{self.blocks} block(s) of {tokens // self.blocks:,} tokens"
@@ -172,9 +172,9 @@ def recompute_tiling(rows: int, tokens: int, budget: int = CHUNK_BYTES) -> Tilin
     the fewest tiles."""
     if tokens * rows * 4 <= budget:
         return Tiling(rows, 1, False)
-    best = None
+    best, splits = None, divisors(tokens)
     for width in sorted({min(w, rows) for w in range(128, rows + 128, 128)}):
-        blocks = next((n for n in divisors(tokens) if tokens // n * width * 4 <= budget), None)
+        blocks = next((n for n in splits if tokens // n * width * 4 <= budget), None)
         if blocks is None:
             break
         chunks = -(-rows // width)
@@ -200,8 +200,7 @@ def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool, voc
     and each device's gradient stays its copy's own: nothing is gathered or reduced for the weight. The budgets
     and `flops_per_byte` (default: the platform's) choose the schedule (`tiling`)."""
     layout = _layout(x.shape, w.shape, tied=tied, token_copies=token_copies)
-    schedule = plan(x.shape, w.shape, tied=tied, compute_dtype=compute_dtype, chunks=chunks, budget=budget,
-                    forward_budget=forward_budget, flops_per_byte=flops_per_byte, token_copies=token_copies)
+    schedule = _schedule(layout, compute_dtype, chunks, budget, forward_budget, flops_per_byte)
     for record in _RECORDS:
         record.append(schedule)
     head = _PerDevice(schedule, tied=tied, vocab_size=vocab_size, compute_dtype=compute_dtype,
@@ -214,15 +213,14 @@ def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool, voc
 
 class Schedule(NamedTuple):
     """What one device does for a head input of a given shape: its `tiling`, of its `rows` of the vocabulary and
-    its `tokens`, in `compute_bytes` per element."""
+    its `tokens`."""
 
     tiling: Tiling
     rows: int
     tokens: int
-    compute_bytes: int
 
     def describe(self) -> str:
-        return self.tiling.describe(self.rows, self.tokens, self.compute_bytes)
+        return self.tiling.describe(self.rows, self.tokens)
 
 
 def plan(x_shape: tuple, w_shape: tuple, *, tied: bool, compute_dtype, chunks: int = 0, budget: int = CHUNK_BYTES,
@@ -231,15 +229,19 @@ def plan(x_shape: tuple, w_shape: tuple, *, tied: bool, compute_dtype, chunks: i
     """The schedule `head_loss` runs for these shapes under the active mesh rules, on the platform being compiled
     for (what `explain` and the compile report say)."""
     layout = _layout(x_shape, w_shape, tied=tied, token_copies=token_copies)
+    return _schedule(layout, compute_dtype, chunks, budget, forward_budget, flops_per_byte)
+
+
+def _schedule(layout: _Layout, compute_dtype, chunks: int, budget: int, forward_budget: int,
+              flops_per_byte: float | None) -> Schedule:
+    """The schedule for what each device holds under `layout`, on the platform being compiled for."""
     rows, tokens, d = layout.per_device
-    compute_bytes = jnp.dtype(compute_dtype).itemsize
     platform = current().platform
     if flops_per_byte is None:
         flops_per_byte = FLOPS_PER_BYTE.get(platform, FLOPS_PER_BYTE["gpu"])
-    return Schedule(tiling(rows, tokens, chunks, budget, d=d, compute_bytes=compute_bytes,
+    return Schedule(tiling(rows, tokens, chunks, budget, d=d, compute_bytes=jnp.dtype(compute_dtype).itemsize,
                            forward_budget=forward_budget, flops_per_byte=flops_per_byte,
-                           forward_tile=FORWARD_TILE_BYTES.get(platform)),
-                    rows, tokens, compute_bytes)
+                           forward_tile=FORWARD_TILE_BYTES.get(platform)), rows, tokens)
 
 
 _RECORDS: list[list[Schedule]] = []
@@ -398,9 +400,11 @@ class _PerDevice:
             dc = jax.lax.psum(dc, self.axes.other_token)
         return dc
 
-    def weight_zeros(self, d):
-        """A chunk's float32 weight gradient, zero, typed as the sum over tokens and rows it will hold."""
-        return _varying(jnp.zeros((self.width, d) if self.tied else (d, self.width), jnp.float32),
+    def weight_zeros(self, d, width=None):
+        """A chunk's float32 weight gradient (of `width` rows, default the chunks'), zero, typed as the sum over
+        tokens and rows it will hold."""
+        width = width or self.width
+        return _varying(jnp.zeros((width, d) if self.tied else (d, width), jnp.float32),
                         tuple(dict.fromkeys(self.axes.token + self.axes.vocab)))
 
     def in_blocks(self, a):
@@ -460,9 +464,8 @@ class _PerDevice:
             dc = dc + self.weight_share(x, dlogits)
             return dc, (lse - target_logit, self.input_share(dlogits, c))
 
-        zeros = _varying(jnp.zeros((real, x.shape[-1]) if tied else (x.shape[-1], real), jnp.float32),
-                         tuple(dict.fromkeys(axes.token + axes.vocab)))
-        dc, (losses, dx) = self.over_blocks(block, zeros, (self.in_blocks(x), self.in_blocks(targets)))
+        dc, (losses, dx) = self.over_blocks(block, self.weight_zeros(x.shape[-1], real),
+                                            (self.in_blocks(x), self.in_blocks(targets)))
         if axes.vocab:
             dx = jax.lax.psum(dx, axes.vocab)
         if real < self.rows:  # the padding rows' gradient: zero

@@ -66,6 +66,9 @@ from shardlm.perf.xla_log import Rematerialisation
 from shardlm.units import fmt_bytes, fmt_duration
 
 
+BUDGET_RAN_OUT = "not compiled: the --budget of"  # a candidate's reason when the plan's time was up before it
+
+
 @dataclasses.dataclass
 class StrategyPlan:
     strategy: Strategy
@@ -190,6 +193,12 @@ class Plan:
     target: Target | None = None
     pruned: list[tuple["Candidate", str]] = dataclasses.field(default_factory=list)  # not compiled: cannot win
     failed: list[tuple["Candidate", str]] = dataclasses.field(default_factory=list)  # the compiler failed: why
+
+    @property
+    def unreached(self) -> int:
+        """How many of the pruned were not compiled because the plan's budget ran out, not because they cannot
+        win."""
+        return sum(why.startswith(BUDGET_RAN_OUT) for _, why in self.pruned)
 
     @property
     def best(self) -> StrategyPlan | None:
@@ -401,7 +410,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                 pending.remove(item)
                 read(*item)
             if budget_s is not None and time.perf_counter() - t0 > budget_s and (results or pending):
-                pruned.append((c, why := f"not compiled: the --budget of {fmt_duration(budget_s)} ran out"))
+                pruned.append((c, why := f"{BUDGET_RAN_OUT} {fmt_duration(budget_s)} ran out"))
                 progress(c, why)
                 continue
             prepared = _abstract_state(cfg_c, s, vocab, devices, target)
