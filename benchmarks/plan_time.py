@@ -51,7 +51,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from shardlm.mesh import simulate_cpu_devices
+    from shardlm.perf.planner import planning_flags
 
+    planning_flags()  # as `shardlm plan` compiles: LLVM at -O0, the memory-minimising scheduler
     simulate_cpu_devices(args.devices)
     import jax._src.compiler as compiler
 

@@ -121,7 +121,7 @@ def test_the_pruning_bound_stays_below_the_compiled_estimates_of_expert_splits()
     from shardlm.config import load_config
     from shardlm.perf.bounds import lower_bound
     from shardlm.perf.costmodel import Hardware
-    from shardlm.perf.planner import _param_count, plan
+    from shardlm.perf.planner import _padded_vocab, _param_count, plan
     from shardlm.perf.strategies import parse_strategies
     from shardlm.train.source import model_flops_per_step
 
@@ -133,7 +133,8 @@ def test_the_pruning_bound_stays_below_the_compiled_estimates_of_expert_splits()
         p = compiled.rerank(Hardware(devices_per_node=per_host, inter_node_bw=6.25e9))
         for r in p.strategies:
             bound = lower_bound(cfg, r.strategy, p.hardware,
-                                model_flops_per_step(cfg, VOCAB, r.strategy.tensor), count)
+                                model_flops_per_step(cfg, VOCAB, r.strategy.tensor), count,
+                                padded_vocab=_padded_vocab(cfg, VOCAB, r.strategy.tensor), platform="cpu")
             # a bound without the margin: experts stored over context too were once charged context times
             # their data-parallel traffic, 1.1x the estimate at 4 devices a host (the margin hid it)
             assert bound.step_s <= r.est.step_s, (per_host, r.strategy.name, bound, r.est.step_s)

@@ -6,19 +6,25 @@ fits, skips every remaining one whose bound already exceeds it (`Bound.beats`); 
 with the reason. Strategies named with `--strategies` are always compiled.
 
 The bound counts only what a strategy cannot avoid, and charges it as cheaply as the hardware allows, so that it
-stays below the estimate of the compiled step (`shardlm.perf.timeline`: every kernel at no more than peak, every
-collective the compiler emitted, some hidden behind compute). It is the longer of compute and traffic, since
-the schedule may hide all of the traffic:
-- compute: the model's FLOPs per step (6N + 6LTd per token for shardlm's models: 12LTd of attention with the
-  causal half a fused kernel skips taken off) spread over the devices, at peak; with pipeline stages, times the
-  iterations over the useful ones (idle stages compute on zeros);
+stays below the estimate of the compiled step (`shardlm.perf.timeline`: every kernel at the rate its kind and
+shape reach, every collective the compiler emitted, some hidden behind compute). It is the longer of compute and
+traffic where the compiler's collectives are asynchronous (XLA:GPU, XLA:TPU: the schedule may hide all of the
+traffic), their sum where they block (XLA:CPU, whose timeline adds them):
+- compute: the model's matmuls per device at the rates the hardware's efficiency table gives the largest shapes
+  they could take (`matmul_seconds`: the rate of a [1024, 768] x [768, 2304] product is not the peak's, and a
+  64-way ring's attention is thousands of small products), the rest of the model's FLOPs (6N + 6LTd per token:
+  12LTd of attention with the causal half a fused kernel skips taken off) at peak; with pipeline stages, times
+  the iterations over the useful ones (idle stages compute on zeros). A plan scales it by what the strategies
+  it has compiled show of the rest of a step's kernels (`Calibration`);
 - per device, in the compute dtype, each sent once over the links the cost model charges it to (within a host,
-  or a device's share of its host's network between hosts, for a ring laid out as the mesh is), no latency:
+  or a device's share of its host's network between hosts, for a ring laid out as the mesh is), no latency but
+  the ring's:
   - the weights' storage split (fsdp x context x expert; the experts' own, split over `expert`, over fsdp x
     context): each device's weights gathered once and their gradients reduce-scattered once, (g-1)/g each way;
   - data parallelism: the gradient all-reduce of what a device holds, 2(d-1)/d of it;
   - tensor parallelism: Megatron's four activation all-reduces per layer (two forward, two backward);
-  - the context split: attention's key/value all-gather per layer (forward);
+  - the context split: attention's keys and values sent around the ring once per layer (forward), and the
+    latency of each of the ring's hand-offs, 3c - 2 per layer (`_ring_latency`);
   - pipeline stages: a microbatch's activations handed on per iteration, forward and backward;
   - experts: each sparse layer's top-k copies of every token sent to their experts and back, forward and backward
     (the balanced share; the dropless buffer sends more).
@@ -28,6 +34,7 @@ A margin (`MARGIN`) absorbs what the formula rounds away (the vocabulary's paddi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -42,32 +49,69 @@ MARGIN = 0.8  # the bound is scaled by this before it is compared: pruning must 
 class Bound:
     compute_s: float
     comm_s: float
+    overlap: bool = True  # whether the compiler may hide collectives behind compute
 
     @property
     def step_s(self) -> float:
-        """The longer of the two: the schedule may hide every collective behind compute."""
-        return max(self.compute_s, self.comm_s)
+        """The longer of the two where the schedule may hide every collective behind compute, else their sum."""
+        return max(self.compute_s, self.comm_s) if self.overlap else self.compute_s + self.comm_s
 
     def beats(self, best_s: float) -> bool:
         """Whether a strategy with this bound could still be faster than an estimate of `best_s`."""
         return MARGIN * self.step_s <= best_s
 
 
-def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count: int) -> Bound:
+class Calibration:
+    """The bound's known error on this plan's compiler, learnt as strategies compile: the least ratio yet of a
+    compiled step's kernel time (`Estimate.compute_s`) to its bound's compute. The analytic compute counts the
+    model's matmuls only, where a compiled step also runs its norms, activations, softmax, optimizer and the
+    copies its compiler adds, all at the rates their shapes reach; every compiled strategy so far took at least
+    `factor` times its bound, and the rest are held to the same (the margin, `MARGIN`, still applies). The
+    strategies compile in the order of their bounds, so the ratio is learnt on the likeliest winners, whose
+    kernels are the largest and so the nearest their bound (on gpt2-small at 64 devices: 2.5x for the leaders,
+    up to 7x for a 64-way ring's small products)."""
+
+    def __init__(self):
+        self.factor = 1.0
+        self._seen = False
+
+    def learn(self, bound: Bound, compute_s: float) -> None:
+        """One compiled strategy's bound and the kernel time of its compiled step."""
+        if bound.compute_s <= 0:
+            return
+        ratio = max(compute_s / bound.compute_s, 1.0)
+        self.factor = ratio if not self._seen else min(self.factor, ratio)
+        self._seen = True
+
+    def applied(self, bound: Bound) -> Bound:
+        """`bound` with its compute scaled by what the compiled steps showed."""
+        return dataclasses.replace(bound, compute_s=bound.compute_s * self.factor)
+
+
+def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count: int, *,
+                padded_vocab: int = 0, platform: str = "") -> Bound:
     """The bound for `cfg` (shardlm's models; a py: file's model gets its compute only) on strategy `s`, whose
-    step costs `model_flops` over all devices, for a model of `param_count` parameters."""
+    step costs `model_flops` over all devices, for a model of `param_count` parameters. With `padded_vocab` (the
+    vocabulary as the model pads it for `s.tensor`), the model's matmuls are charged at the rates the hardware's
+    table gives their shapes (`matmul_seconds`), else at peak. `platform`: what the step is compiled for, when
+    known: XLA:CPU's collectives block (its step is compute plus traffic, nothing hidden) and it has no fused
+    attention kernel; any other (or "") may hide every collective and fuse attention."""
     from shardlm.models.pipeline import microbatch_count  # imports JAX: planning_flags runs before JAX starts
 
     m, t = cfg.model, cfg.train
     if not m.preset.startswith("py:"):  # causal attention: fused kernels skip the masked half of 12LTd per token
         model_flops -= 6 * m.n_layers * m.seq_len * m.d_model * t.batch_size * m.seq_len
-    compute = model_flops / s.devices / hw.peak_flops
+    per_device = model_flops / s.devices
+    compute = per_device / hw.peak_flops
+    if padded_vocab and not m.preset.startswith("py:"):
+        seconds, flops = matmul_seconds(cfg, s, hw, padded_vocab, fused_attention=platform != "cpu")
+        compute = seconds + max(per_device - flops, 0.0) / hw.peak_flops  # the rest (experts, norms) at peak
     micro = microbatch_count(m.pipeline_microbatches, s.stage)
     iterations = micro * m.pipeline_repeats + s.stage - 1
     if s.stage > 1:
         compute *= iterations / (micro * m.pipeline_repeats)
     if m.preset.startswith("py:"):
-        return Bound(compute, 0.0)
+        return Bound(compute, 0.0, platform != "cpu")
     dtype = 2 if m.dtype == "bfloat16" else 4
     experts = (m.n_layers // m.moe_every) * m.moe_experts * 3 * m.d_model * (m.moe_d_ff or m.d_mlp) \
         if m.moe_experts else 0  # split over `expert`, stored over fsdp (x context)
@@ -87,13 +131,14 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
         + _send(s, hw, ("data",), 2 * (weights / storage + expert_weights / expert_shards))  # twice a gather's share
         + _send(s, hw, ("tensor",), 4 * layers * 2 * activation * t.grad_accum)
         + _send(s, hw, ("context",), layers * kv * t.grad_accum)
+        + _ring_latency(s, hw, layers * t.grad_accum)
     )
     if s.stage > 1:
         seconds += _hand_offs(s, hw, 2 * iterations * activation / micro * t.grad_accum)
     if m.moe_experts and s.expert > 1:  # each sparse layer's tokens to their experts and back, forward and backward
         sparse = m.n_layers // m.moe_every // s.stage
         seconds += _send(s, hw, ("expert",), 4 * sparse * activation * m.moe_top_k * t.grad_accum)
-    return Bound(compute, seconds)
+    return Bound(compute, seconds, platform != "cpu")
 
 
 def _group(s: Strategy, axes: tuple[str, ...], per_host: int) -> tuple[int, int]:
@@ -120,7 +165,66 @@ def _send(s: Strategy, hw: Hardware, axes: tuple[str, ...], nbytes: float) -> fl
     return within + across
 
 
+def _ring_latency(s: Strategy, hw: Hardware, layers: int) -> float:
+    """The latency of the ring's hand-offs on the context axis over `layers` layers, where the hardware's table does
+    not measure permutes (the cost model then charges each its latency): a ring of c devices hands keys and
+    values on c - 1 times forward, and c - 1 times backward beside c hand-offs of their gradients, counted here as
+    if each pair travelled as one."""
+    if s.context == 1 or hw.rates().collective_bytes_per_s("collective-permute", 2, 1) is not None:
+        return 0.0
+    return layers * (3 * s.context - 2) * hw.latency_s
+
+
 def _hand_offs(s: Strategy, hw: Hardware, nbytes: float) -> float:
     """Seconds for a stage to hand `nbytes` to the next: across hosts when a stage spans whole hosts."""
     m, h = _group(s, ("stage",), hw.devices_per_node)
     return nbytes / (hw.inter_node_bw if h > 1 else hw.intra_node_bw)
+
+
+def matmul_seconds(cfg, s: Strategy, hw: Hardware, padded_vocab: int, *, fused_attention: bool = True
+                   ) -> tuple[float, float]:
+    """(seconds, FLOPs) per device of the matmuls every step of `cfg` on `s` runs, forward and backward: the
+    blocks' projections and MLP (the dense ones: a mixture's experts are left to the caller's peak), attention's
+    two products over the causal half, and the output head. Each is charged at the rate the hardware's table
+    gives (`perf.rates`) the largest shape it could take on `s`, so that no compiled kernel is faster:
+    - rows: a device's sequences, not cut by microbatches or gradient accumulation (a larger M is never slower);
+    - the projections as if merged (q, k and v in one, the gate and up in one), as XLA:GPU's dot merger may;
+    - attention as `context` steps (a ring's; one without a context split), each two products forward and four
+      backward of half a [T / context]^2 block per head and row, each charged at the rate of a whole block (a
+      ring's chunks and a blockwise kernel's blocks are no larger) laid whichever way is fastest, or, where a
+      fused kernel may run (`fused_attention`), its rate at that length if faster: small products are slow by
+      their count, not their FLOPs;
+    - in the compute dtype's column, or FP8's (twice bf16's rate) where the bound's hardware is FP8's.
+    The three products of a weight (forward, the input's gradient, the weight's) have their own shapes."""
+    m, t = cfg.model, cfg.train
+    rates = hw.rates()
+    fp8 = bool(hw.fp8_peak_flops) and hw.peak_flops >= hw.fp8_peak_flops  # held against the FP8 peak
+    column = "f8e4m3" if fp8 else "f32" if m.dtype == "float32" else "bf16"
+    rows = max(t.batch_size // (s.data * s.fsdp * s.expert), 1)
+    tokens = rows * m.seq_len // s.context
+    head_dim, kv = m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
+    gated = m.family == "llama"
+    dense = m.n_layers - (m.n_layers // m.moe_every if m.moe_experts else 0)
+    per_layer = [(m.d_model, (m.n_heads + 2 * kv) * head_dim // s.tensor), (m.n_heads * head_dim // s.tensor,
+                                                                           m.d_model)]
+    mlp = [(m.d_model, (2 if gated else 1) * m.d_mlp // s.tensor), (m.d_mlp // s.tensor, m.d_model)]
+    layers = m.n_layers // s.stage
+    weights = ([(k, n, layers) for k, n in per_layer] + [(k, n, max(dense // s.stage, 0)) for k, n in mlp]
+               + [(m.d_model, padded_vocab // s.tensor, 1)])
+    seconds = flops = 0.0
+    for k, n, times in weights:
+        product = 2 * tokens * k * n
+        for b, mm, nn, kk in ((1, tokens, n, k), (1, tokens, k, n), (1, k, n, tokens)):
+            seconds += times * product / rates.gemm_flops_per_s(column, b, mm, nn, kk)
+        flops += times * 3 * product
+    # attention over the causal half, as `context` steps of a ring (one step without a context split), each step
+    # half a [T / context]^2 block of work: two products forward (q k^T, p v), four backward
+    chunk, heads = m.seq_len // s.context, rows * m.n_heads // s.tensor
+    step = 2 * heads * chunk * (chunk // 2) * head_dim
+    gemm_rate = max(rates.gemm_flops_per_s(column, heads, *dims) for dims in itertools.permutations(
+        (chunk, chunk, head_dim)))  # whichever way round the compiler lays the product, the fastest
+    for products, backward in ((2, False), (4, True)):
+        rate = max(gemm_rate, rates.attention_flops_per_s(chunk, head_dim, backward) if fused_attention else 0)
+        seconds += layers * s.context * products * step / rate
+    flops += layers * s.context * 6 * step
+    return seconds, flops

@@ -48,7 +48,7 @@ from shardlm.config import Config, describe
 from shardlm.errors import ShardlmError
 from shardlm.flops import peak_dtype
 from shardlm.perf import hlo
-from shardlm.perf.bounds import lower_bound
+from shardlm.perf.bounds import Calibration, lower_bound
 from shardlm.perf.compiled import CompiledStep, CompileFailed, compile_step
 from shardlm.perf.costmodel import Estimate, Hardware, h100_peak, issued, split_traffic
 from shardlm.perf.kernels import Program
@@ -355,7 +355,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     param_count = _param_count(cfg, vocab)
     # one bound for every variant: at the highest peak any of them is held against
     bound_hw = hardware.for_matmuls("fp8") if "fp8" in (matmul_dtypes or [cfg.model.matmul_dtype]) else hardware
-    bounds = {s: lower_bound(cfg, s, bound_hw, model_flops_per_step(cfg, vocab, s.tensor), param_count)
+    bounds = {s: lower_bound(cfg, s, bound_hw, model_flops_per_step(cfg, vocab, s.tensor), param_count,
+                             padded_vocab=_padded_vocab(cfg, vocab, s.tensor), platform=platform)
               for s in candidates}
     if strategies is None:  # the likeliest winners first, so that the rest can be pruned against them
         candidates.sort(key=lambda s: bounds[s].step_s)
@@ -363,6 +364,9 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     pruned: list[tuple[Candidate, str]] = []
     failed: list[tuple[Candidate, str]] = []
     best: list = [None]  # (estimated step time, strategy) of the fastest fitting strategy compiled so far
+    # the least the compiled steps' kernels took over the bound's compute, so far: the bound's known error
+    # (`bounds.Calibration`)
+    calibration = Calibration()
 
     def compile_one(lowered, matmul_flops, devices_used):
         return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops,
@@ -394,6 +398,7 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                          host_temps=step.host_temp_bytes, remat=c.remat, program=step.program,
                          matmul_dtype=c.matmul_dtype, rematerialisations=step.rematerialisations)
         rank_strategies([r], hardware)
+        calibration.learn(bounds[s], r.est.compute_s)
         if r.fits and (best[0] is None or r.est.step_s < best[0][0]):
             best[0] = (r.est.step_s, c)
         results.append(r)
@@ -414,7 +419,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                 progress(c, why)
                 continue
             prepared = _abstract_state(cfg_c, s, vocab, devices, target)
-            why = None if strategies is not None else _pruning(prepared, bounds[s], best[0], hardware)
+            why = None if strategies is not None else _pruning(prepared, calibration.applied(bounds[s]), best[0],
+                                                               hardware)
             if why:
                 pruned.append((c, why))
                 progress(c, f"pruned, not compiled: {why}")
@@ -431,6 +437,15 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                 time.perf_counter() - t0, platform, target, pruned, failed)
 
 
+def _padded_vocab(cfg: Config, vocab: int, tensor: int) -> int:
+    """The vocabulary as shardlm's models pad it for `tensor` devices (0 for a py: file's model, whose matmuls
+    the bound does not know)."""
+    from shardlm.foreign.modules import is_py
+    from shardlm.models import padded_vocab_size
+
+    return 0 if is_py(cfg.model.preset) else padded_vocab_size(cfg.model.vocab_size or vocab, tensor)
+
+
 def _pruning(prepared, bound, best, hardware: Hardware) -> str | None:
     """Why a candidate (its `_abstract_state`, its lower bound) need not be compiled, or None: it cannot fit, or
     it cannot beat `best` (estimated step time, candidate) of those compiled so far."""
@@ -438,8 +453,8 @@ def _pruning(prepared, bound, best, hardware: Hardware) -> str | None:
         return why
     if best is not None and not bound.beats(best[0]):
         return (f"cannot beat {best[1].name} ({_format_seconds(best[0])}): its lower bound is "
-                f"{_format_seconds(bound.step_s)} ({_format_seconds(bound.compute_s)} compute + "
-                f"{_format_seconds(bound.comm_s)} of unavoidable traffic)")
+                f"{_format_seconds(bound.step_s)} ({_format_seconds(bound.compute_s)} compute "
+                f"{'+' if not bound.overlap else 'or'} {_format_seconds(bound.comm_s)} of unavoidable traffic)")
     return None
 
 
