@@ -5,6 +5,7 @@ DP all-reduces exactly the gradients, Megatron TP's MLP needs one all-reduce).""
 import json
 import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -450,6 +451,33 @@ def test_a_budget_stops_starting_compiles_and_says_what_it_did_not_reach():
     assert all(why == "not compiled: the --budget of 0 s ran out" for _, why in p.pruned), p.pruned
     assert_progress_counts_to("\n".join(lines), 3)
     assert sum("--budget" in r.get("pruned", "") for r in p.to_list()) == 2  # in the JSON too
+
+
+def test_the_lowering_runs_at_most_one_candidate_ahead_of_the_compiles(monkeypatch):
+    """A budget must stop within a compile's time: the main thread lowers the next candidate while the workers
+    compile, never more than one ahead (it once lowered every candidate into the queue, and a 2-minute budget on
+    a Mixtral plan ran 6 minutes). Each compile is held back here, so that an unbounded lowering would race
+    ahead."""
+    from shardlm.perf import planner
+
+    in_flight, most = [0], [0]
+    lower, compile_step = planner._lower, planner.compile_step
+
+    def counted_lower(*args, **kwargs):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        return lower(*args, **kwargs)
+
+    def slow_compile(*args, **kwargs):
+        time.sleep(0.5)
+        in_flight[0] -= 1
+        return compile_step(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "_lower", counted_lower)
+    monkeypatch.setattr(planner, "compile_step", slow_compile)
+    cfg = load_config(None, MICRO + [f"model.vocab_size={VOCAB}"])
+    p = plan(cfg, 4, workers=1, strategies=parse_strategies("dp4,fsdp4,dp2+fsdp2,dp2+tp2", 4))
+    assert len(p.strategies) == 4 and most[0] == 2, most  # one compiling, one lowered and queued
 
 
 def test_plan_and_bench_cli_errors(tmp_path, capsys):

@@ -406,17 +406,32 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                  + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
 
     # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering. Results are
-    # read as they finish, so that the best estimate so far can prune what is left.
+    # read as they finish, so that the best estimate so far can prune what is left. The lowering runs at most one
+    # candidate ahead of the compiles: a budget then stops within a compile's time, and no more than `workers` + 1
+    # lowered programs are held at once.
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending = []
-        for c in candidates:
-            s, cfg_c = c.strategy, compiled_as[c.remat, c.matmul_dtype]
+
+        def settle(wait: bool) -> None:
+            """Read the compiles that have finished; with `wait`, first wait for one while every worker is busy and
+            one more is queued."""
+            if wait and len(pending) > workers:
+                concurrent.futures.wait([p[3] for p in pending], return_when=concurrent.futures.FIRST_COMPLETED)
             for item in [p for p in pending if p[3].done()]:
                 pending.remove(item)
                 read(*item)
-            if budget_s is not None and time.perf_counter() - t0 > budget_s and (results or pending):
-                pruned.append((c, why := f"{BUDGET_RAN_OUT} {fmt_duration(budget_s)} ran out"))
-                progress(c, why)
+
+        def out_of_time(c: Candidate) -> bool:
+            if budget_s is None or time.perf_counter() - t0 <= budget_s or not (results or pending):
+                return False
+            pruned.append((c, why := f"{BUDGET_RAN_OUT} {fmt_duration(budget_s)} ran out"))
+            progress(c, why)
+            return True
+
+        for c in candidates:
+            s, cfg_c = c.strategy, compiled_as[c.remat, c.matmul_dtype]
+            settle(wait=True)
+            if out_of_time(c):
                 continue
             prepared = _abstract_state(cfg_c, s, vocab, devices, target)
             why = None if strategies is not None else _pruning(prepared, calibration.applied(bounds[s]), best[0],
@@ -429,6 +444,10 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                                                              c.program_name)
             pending.append((c, p_bytes, o_bytes, pool.submit(compile_one, lowered, matmul_flops, s.devices)))
             del lowered
+        for item in list(pending):  # a compile not yet started when the budget ran out is not started
+            if budget_s is not None and time.perf_counter() - t0 > budget_s and results and item[3].cancel():
+                pending.remove(item)
+                out_of_time(item[0])
         while pending:  # drop each executable once read: 64 devices' worth of programs add up
             read(*pending.pop(0))
     if failed and not results:
