@@ -475,9 +475,12 @@ def test_the_lowering_runs_at_most_one_candidate_ahead_of_the_compiles(monkeypat
 
     monkeypatch.setattr(planner, "_lower", counted_lower)
     monkeypatch.setattr(planner, "compile_step", slow_compile)
+    monkeypatch.setattr(planner, "LONG_PLAN_S", 0)  # every plan is long: the hint for --budget is given, once
     cfg = load_config(None, MICRO + [f"model.vocab_size={VOCAB}"])
-    p = plan(cfg, 4, workers=1, strategies=parse_strategies("dp4,fsdp4,dp2+fsdp2,dp2+tp2", 4))
+    lines = []
+    p = plan(cfg, 4, workers=1, strategies=parse_strategies("dp4,fsdp4,dp2+fsdp2,dp2+tp2", 4), log=lines.append)
     assert len(p.strategies) == 4 and most[0] == 2, most  # one compiling, one lowered and queued
+    assert sum(line.startswith("this plan may take ") and "--budget" in line for line in lines) == 1, lines
 
 
 def test_plan_and_bench_cli_errors(tmp_path, capsys):

@@ -66,6 +66,7 @@ from shardlm.perf.xla_log import Rematerialisation
 from shardlm.units import fmt_bytes, fmt_duration
 
 
+LONG_PLAN_S = 600  # a plan whose pace says it will take longer than this is told of --budget, once
 BUDGET_RAN_OUT = "not compiled: the --budget of"  # a candidate's reason when the plan's time was up before it
 
 
@@ -372,6 +373,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
         return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops,
                             options=step_compiler_options(cfg, platform))
 
+    hinted: list = []  # the hint for a long plan is given once
+
     def progress(c: Candidate, what: str) -> None:
         """A line per candidate as its fate is known: compiled, failed or pruned, counted against all of them, so
         that the count's total never changes; with how many are left and, at the pace so far, how long they take."""
@@ -380,6 +383,10 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
         pace = (time.perf_counter() - t0) / done
         log(f"[{done}/{len(candidates)}] {c.name}: {what}"
             + (f"; {left} to go, about {fmt_duration(pace * left)} left" if left else ""))
+        if budget_s is None and not hinted and done >= workers and pace * left > LONG_PLAN_S:
+            hinted.append(True)
+            log(f"this plan may take {fmt_duration(pace * left)} more: `--budget {LONG_PLAN_S // 60}m` ranks what "
+                "compiles in that time, the likeliest winners first, and lists the rest as not reached")
 
     def read(c, p_bytes, o_bytes, future):
         try:
