@@ -25,6 +25,13 @@ _PRESETS: dict[str, dict] = {
     # Llama 3.2 1B's shape (16 layers, 32 query and 8 kv heads, SwiGLU 8192): 1.04B (1.24B with its 128k vocabulary).
     "llama-1b": dict(_LLAMA, n_layers=16, n_heads=32, n_kv_heads=8, d_model=2048, d_mlp=8192, seq_len=2048,
                      rope_theta=500000.0),
+    # Llama 3.1 8B's and Llama 3 70B's shapes, for `plan`, `explain` and `--compile-only` at the sizes users plan
+    # for (8.03B and 70.6B with their 128,256-token vocabulary, untied; sequences of 8192; plain rotary embeddings,
+    # without Llama 3.1's long-context scaling).
+    "llama-3.1-8b": dict(_LLAMA, n_layers=32, n_heads=32, n_kv_heads=8, d_model=4096, d_mlp=14336, seq_len=8192,
+                         vocab_size=128256, tie_embeddings=False, rope_theta=500000.0, layer_norm_eps=1e-5),
+    "llama-3-70b": dict(_LLAMA, n_layers=80, n_heads=64, n_kv_heads=8, d_model=8192, d_mlp=28672, seq_len=8192,
+                        vocab_size=128256, tie_embeddings=False, rope_theta=500000.0, layer_norm_eps=1e-5),
     # Mixtures of experts (SwiGLU experts, top-2 routing, dropless): llama-tiny's shape with 8 experts per layer,
     # and Mixtral 8x7B's (46.7B parameters, 12.9B active per token, untied; sequences of 4096 here, of its 32k).
     "moe-tiny": dict(_LLAMA, n_layers=4, n_heads=4, n_kv_heads=2, d_model=128, d_mlp=256, seq_len=128,
