@@ -281,6 +281,18 @@ def test_experts_compile_to_grouped_kernels_whose_work_is_the_routed_rows(target
     assert {(op.kind, op.bytes) for op in ragged} == {("all-to-all", 1024 * 256 * 2 // 2)}
 
 
+def test_a_mesh_whose_axis_splits_a_torus_axis_is_made_not_refused():
+    """A v5p-64 (32 chips) is a 2x2x8 torus: an axis of 4 after two of 2 must split its 8, which `jax.make_mesh`
+    refuses (NotImplementedError, a traceback out of `shardlm plan --target tpu-v5p --devices 32`). The mesh is
+    made over the split axis instead, every chip once."""
+    from shardlm.mesh import make_named_mesh
+
+    chips = targets.topology(targets.get("tpu-v5p"), 32).devices
+    mesh = make_named_mesh({"data": 2, "fsdp": 2, "tensor": 4, "context": 2}, chips)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 4, "context": 2}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in chips)
+
+
 @pytest.mark.parametrize("devices", [4])
 def test_the_step_compiles_for_a_tpu_v5e_slice_with_activations_offloaded(devices):
     """FSDP 4 on a v5e slice, the MLP's hidden activations offloaded to the host (`model.remat_offload`): XLA:TPU

@@ -129,8 +129,18 @@ def make_named_mesh(degrees: dict[str, int], devices=None):
         # Host by host, so the inner axes stay inside hosts (a TPU slice is one network; one process keeps the
         # order it was given).
         devices.sort(key=lambda d: (d.process_index, d.id))
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape),
-                         devices=devices)
+    axis_types = (AxisType.Auto,) * len(shape)
+    try:
+        return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        # A TPU slice whose torus has no subset of axes of some degree (a v5p-64 is 2x2x8: an axis of 4 must
+        # split its 8): JAX then lays the axis across a split physical axis, as MaxText allows
+        # (`allow_split_physical_axes`), rather than refuse the mesh.
+        from jax.experimental import mesh_utils
+        from jax.sharding import Mesh
+
+        grid = mesh_utils.create_device_mesh(tuple(shape.values()), devices, allow_split_physical_axes=True)
+        return Mesh(grid, tuple(shape), axis_types=axis_types)
 
 
 def balanced_degrees(n_devices: int, n_axes: int) -> tuple[int, ...]:
