@@ -209,7 +209,7 @@ def matmul_seconds(cfg, s: Strategy, hw: Hardware, padded_vocab: int, *, fused_a
                                                                            m.d_model)]
     mlp = [(m.d_model, (2 if gated else 1) * m.d_mlp // s.tensor), (m.d_mlp // s.tensor, m.d_model)]
     layers = m.n_layers // s.stage
-    weights = ([(k, n, layers) for k, n in per_layer] + [(k, n, max(dense // s.stage, 0)) for k, n in mlp]
+    weights = ([(k, n, layers) for k, n in per_layer] + [(k, n, dense // s.stage) for k, n in mlp]
                + [(m.d_model, padded_vocab // s.tensor, 1)])
     seconds = flops = 0.0
     for k, n, times in weights:

@@ -18,7 +18,7 @@ devices span hosts; to experts for a mixture of experts), the real train step (t
 
 Strategies are compiled in the order of an analytic lower bound on their step time (`shardlm.perf.bounds`);
 once one that fits has an estimate, those whose bound exceeds it are not compiled (listed as pruned, with the
-reason). Progress is a line per candidate as its fate is known (compiled, failed or pruned), counted against all
+reason); the bound's compute is scaled by what the strategies compiled so far showed of it (`bounds.Calibration`). Progress is a line per candidate as its fate is known (compiled, failed or pruned), counted against all
 of them: the count's total never changes. What XLA logs while compiling is kept off the terminal; the tensors
 its partitioner had to replicate to reshard them are reported per strategy (`shardlm.perf.xla_log`).
 
@@ -428,17 +428,18 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                 pending.remove(item)
                 read(*item)
 
-        def out_of_time(c: Candidate) -> bool:
-            if budget_s is None or time.perf_counter() - t0 <= budget_s or not (results or pending):
-                return False
+        def time_up() -> bool:
+            return budget_s is not None and time.perf_counter() - t0 > budget_s
+
+        def not_reached(c: Candidate) -> None:
             pruned.append((c, why := f"{BUDGET_RAN_OUT} {fmt_duration(budget_s)} ran out"))
             progress(c, why)
-            return True
 
         for c in candidates:
             s, cfg_c = c.strategy, compiled_as[c.remat, c.matmul_dtype]
             settle(wait=True)
-            if out_of_time(c):
+            if time_up() and (results or pending):  # something has been compiled, or is being
+                not_reached(c)
                 continue
             prepared = _abstract_state(cfg_c, s, vocab, devices, target)
             why = None if strategies is not None else _pruning(prepared, calibration.applied(bounds[s]), best[0],
@@ -452,9 +453,9 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
             pending.append((c, p_bytes, o_bytes, pool.submit(compile_one, lowered, matmul_flops, s.devices)))
             del lowered
         for item in list(pending):  # a compile not yet started when the budget ran out is not started
-            if budget_s is not None and time.perf_counter() - t0 > budget_s and results and item[3].cancel():
+            if time_up() and results and item[3].cancel():
                 pending.remove(item)
-                out_of_time(item[0])
+                not_reached(item[0])
         while pending:  # drop each executable once read: 64 devices' worth of programs add up
             read(*pending.pop(0))
     if failed and not results:
@@ -467,9 +468,9 @@ def _padded_vocab(cfg: Config, vocab: int, tensor: int) -> int:
     """The vocabulary as shardlm's models pad it for `tensor` devices (0 for a py: file's model, whose matmuls
     the bound does not know)."""
     from shardlm.foreign.modules import is_py
-    from shardlm.models import padded_vocab_size
+    from shardlm.train.source import model_source
 
-    return 0 if is_py(cfg.model.preset) else padded_vocab_size(cfg.model.vocab_size or vocab, tensor)
+    return 0 if is_py(cfg.model.preset) else model_source(cfg).vocab_sizes(vocab, tensor)[1]
 
 
 def _pruning(prepared, bound, best, hardware: Hardware) -> str | None:
