@@ -18,7 +18,8 @@ devices span hosts; to experts for a mixture of experts), the real train step (t
 
 Strategies are compiled in the order of an analytic lower bound on their step time (`shardlm.perf.bounds`);
 once one that fits has an estimate, those whose bound exceeds it are not compiled (listed as pruned, with the
-reason); the bound's compute is scaled by what the strategies compiled so far showed of it (`bounds.Calibration`). Progress is a line per candidate as its fate is known (compiled, failed or pruned), counted against all
+reason); the bound's compute is scaled by what the strategies compiled so far showed of it (`bounds.Calibration`).
+Progress is a line per candidate as its fate is known (compiled, failed or pruned), counted against all
 of them: the count's total never changes. What XLA logs while compiling is kept off the terminal; the tensors
 its partitioner had to replicate to reshard them are reported per strategy (`shardlm.perf.xla_log`).
 
