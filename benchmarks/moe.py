@@ -2,8 +2,9 @@
 
 Issue 38's case, compiled for 8 H100s and for a TPU v5p-8 from this CPU host (`shardlm.perf.compile_only`; nothing
 runs): a 4-layer Llama, d_model 2048, batch 32 x 2048, either dense (SwiGLU 14336, FSDP 8) or 8 experts of 7168 with
-top-2 routing (the same active FLOPs per token) under expert 8, expert 4 x fsdp 2 and fsdp 8, dropless, and the two
-expert splits again with a capacity factor of 1.25 and of 1.0 (`model.moe_capacity_factor`). Each MoE row uses the
+top-2 routing (the same active FLOPs per token) under expert 8, expert 4 x fsdp 2 and fsdp 8, dropless (in rounds,
+the default, and expert 8 again with one exchange buffer of the worst case, `model.moe_dropless=buffer`), and the
+two expert splits again with a capacity factor of 1.25 and of 1.0 (`model.moe_capacity_factor`). Each MoE row uses the
 platform's grouped kernel (`model.moe_kernel=auto`: shardlm's Pallas Triton kernel on H100s, Megablox on TPUs); the
 last H100 row is XLA's `ragged_dot` (`model.moe_kernel=xla`), which multiplies every row by every local expert.
 Printed: peak memory per device and the part of it that is the parameters and AdamW's moments, the FLOPs per
@@ -30,6 +31,7 @@ MOE = ["model.moe_experts=8", "model.moe_top_k=2", "model.moe_d_ff=7168"]
 CASES = [  # (label, overrides)
     ("dense, fsdp 8", DENSE + ["mesh.fsdp=8"]),
     ("MoE, expert 8", MOE + ["mesh.expert=8"]),
+    ("MoE, expert 8, dropless in one worst-case buffer", MOE + ["mesh.expert=8", "model.moe_dropless=buffer"]),
     ("MoE, expert 4 x fsdp 2", MOE + ["mesh.expert=4", "mesh.fsdp=2"]),
     ("MoE, fsdp 8", MOE + ["mesh.fsdp=8"]),
     ("MoE, expert 8, capacity factor 1.25", MOE + ["mesh.expert=8", "model.moe_capacity_factor=1.25"]),

@@ -31,11 +31,11 @@ PARAMS = ("router", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "sha
 
 
 def make_layer(num_experts: int, shared: bool, seed: int = 0, kernel: str = "auto",
-               capacity_factor: float = 0.0, exchange: str = "auto") -> MoeMLP:
+               capacity_factor: float = 0.0, exchange: str = "auto", dropless: str = "rounds") -> MoeMLP:
     with nnx.use_eager_sharding(False):  # placed by the rule table (`state_shardings`), as the trainer does
         return MoeMLP(D_MODEL, D_FF, num_experts, TOP_K, shared_expert=shared, n_layers=2, dtype=jnp.float32,
                       param_dtype=jnp.float32, rngs=nnx.Rngs(seed), kernel=kernel, capacity_factor=capacity_factor,
-                      exchange=exchange)
+                      exchange=exchange, dropless=dropless)
 
 
 def make_x(seed: int = 1) -> jax.Array:
@@ -307,6 +307,24 @@ def test_stats_are_global(on_mesh, one_device):
     assert float(one_device["stats"].expert_tokens.sum()) == BATCH * SEQ * TOP_K
 
 
+def test_what_overflows_the_first_round_is_counted(on_mesh, one_device):
+    """Dropless in rounds: each device's first round to each expert device carries its balanced share, ceil(T x k /
+    EP) rows; the rest go in later rounds and are counted. By hand from the one-device routing, each device's
+    tokens being a contiguous block of the batch: random routing overflows the first round on every expert split
+    here, and the layer above still matches one device."""
+    degrees = on_mesh["degrees"]
+    ep = degrees.get("expert", 1)
+    blocks = degrees.get("data", 1) * degrees.get("fsdp", 1) * ep
+    state = one_device["state"]
+    xf = np.asarray(one_device["x"]).reshape(blocks, -1, D_MODEL)
+    experts = np.asarray(jax.lax.top_k(xf @ np.asarray(state["router"][...]), TOP_K)[1])  # [blocks, T, k]
+    first = -(-xf.shape[1] * TOP_K // ep)
+    per_pair = np.stack([np.bincount(e.reshape(-1) // (8 // ep), minlength=ep) for e in experts])
+    expected = np.clip(per_pair - first, 0, None).sum() if ep > 1 else 0
+    assert float(on_mesh["stats"].overflow) == expected
+    assert (expected > 0) == (ep > 1)
+
+
 def test_tokens_travel_by_all_to_all(on_mesh):
     count = on_mesh["forward_hlo"].count("all-to-all(")
     if on_mesh["degrees"].get("expert", 1) > 1:
@@ -328,12 +346,15 @@ def test_expert_weights_split_over_expert_devices(on_mesh):
             assert shard.nbytes * ep == arr.nbytes  # pure EP: each device holds 1/EP of the experts' bytes
 
 
-def test_expert_parallel_is_dropless_under_skew(one_device):
-    """The worst case for the fixed-size exchange: every token picks experts 0 and 1, both held by expert device
-    0 of 4, so every device sends it the full buffer (T_local * min(k, E / EP) rows) and the others nothing.
-    Against the float64 per-expert loop, without the load-balancing loss: under routing this saturated its
-    gradient is a float32 cancellation whose rounding depends on how the sums are split (the host's CPU too)."""
-    layer = make_layer(8, shared=False)
+@pytest.mark.parametrize("dropless", ["rounds", "buffer"])
+def test_expert_parallel_is_dropless_under_skew(one_device, dropless):
+    """The worst case for a dropless exchange: every token picks experts 0 and 1, both held by expert device 0 of
+    4, so every device sends it all its 32 assignments (T_local * min(k, E / EP)) and the others nothing. In
+    rounds, the first carries the balanced share (ceil(16 x 2 / 4) = 8 per pair) and 24 later rounds of 1 the
+    rest, counted as overflow (8 devices x 24); the buffer holds all 32 at once. Against the float64 per-expert
+    loop, without the load-balancing loss: under routing this saturated its gradient is a float32 cancellation
+    whose rounding depends on how the sums are split (the host's CPU too)."""
+    layer = make_layer(8, shared=False, dropless=dropless)
     x = one_device["x"].at[..., 0].set(1.0)
     layer.router[...] = layer.router[...].at[0, :2].set(10.0)
     graphdef, state = nnx.split(layer)
@@ -343,6 +364,8 @@ def test_expert_parallel_is_dropless_under_skew(one_device):
     with use_mesh_rules(mesh):
         _, y_ep, stats_ep, g_state_ep, g_x_ep = layer_loss_fn(graphdef, 0.0)(placed, x)
     np.testing.assert_array_equal(np.asarray(stats_ep.expert_tokens), [BATCH * SEQ] * 2 + [0] * 6)
+    assert float(stats_ep.dropped) == 0.0
+    assert float(stats_ep.overflow) == (8 * (32 - 8) if dropless == "rounds" else 0)
     assert_close(y_ep, ref_y, what="y")
     assert_close(g_x_ep, ref_gx, what="d loss / d x")
     assert_grads_close(weights_of(nnx.merge(graphdef, g_state_ep)), ref_g)

@@ -116,7 +116,8 @@ def models(draw, mesh: Mesh, tidy: bool) -> list[str]:
                 f"model.moe_capacity_factor={draw(st.sampled_from([0.0, 0.5, 1.0, 1.25]))}",
                 f"model.moe_shared_expert={draw(st.booleans())}",
                 f"model.moe_kernel={draw(st.sampled_from(['auto', 'xla', 'triton', 'megablox']))}",
-                f"model.moe_exchange={draw(st.sampled_from(['auto', 'all_to_all', 'ragged']))}"]
+                f"model.moe_exchange={draw(st.sampled_from(['auto', 'all_to_all', 'ragged']))}",
+                f"model.moe_dropless={draw(st.sampled_from(['rounds', 'buffer']))}"]
         if draw(st.booleans()) and not (tidy and stages > 1):
             out += ["model.moe_every=2", "model.scan_layers=false", f"model.n_layers={draw(st.sampled_from([2, 4]))}"]
     if family == "gpt":

@@ -82,6 +82,10 @@ class ModelConfig:
     # assignments past it are dropped (the token keeps its residual and its other experts), counted and logged.
     # Without an expert split there is no exchange and nothing is dropped.
     moe_capacity_factor: float = 0.0
+    # How a dropless exchange between expert devices is sized: rounds (a first round of the balanced share, then
+    # as many rounds of an eighth of it as the busiest pair of devices needs; the activations of the balanced
+    # share) | buffer (one exchange of the worst case, T x min(k, experts per device) rows per pair).
+    moe_dropless: str = "rounds"
     # The experts' grouped matmuls (`shardlm.kernels.grouped`): auto (a Pallas Triton kernel on NVIDIA GPUs,
     # Megablox on TPUs, XLA's ragged_dot elsewhere) | xla | triton | megablox. XLA's ragged_dot multiplies every row
     # by every expert off TPUs; the kernels only by its own.
@@ -197,6 +201,7 @@ def _check_kinds(m: ModelConfig) -> None:
     check_one_of("model.context_attention", m.context_attention, ("ring", "all_gather"))
     check_one_of("model.moe_kernel", m.moe_kernel, ("auto",) + GROUPED_KERNELS)
     check_one_of("model.moe_exchange", m.moe_exchange, ("auto",) + EXCHANGES)
+    check_one_of("model.moe_dropless", m.moe_dropless, ("rounds", "buffer"))
     check_positive("model.attention_block", m.attention_block)
     check_positive("model.rope_theta", m.rope_theta)
     kv = m.n_kv_heads or m.n_heads

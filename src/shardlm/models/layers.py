@@ -453,8 +453,8 @@ class PreNormBlock(nnx.Module):
     sparse = False
 
     def __call__(self, x, rngs: nnx.Rngs | None, cache: LayerCache | None, ctx: Context):
-        """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens", "moe_dropped"} for a sparse block, {} for a
-        dense one."""
+        """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens", "moe_dropped", "moe_overflow"} for a sparse
+        block, {} for a dense one."""
         x = remat.named(x, remat.BLOCK_INPUT)
         a, cache = self.attn(_projections_input(self.ln1(x)), cache, ctx)
         x = x + self._dropout(_residual_branch(a), rngs, ctx)
@@ -462,7 +462,8 @@ class PreNormBlock(nnx.Module):
         h, stats = self.mlp(_projections_input(self.ln2(x))), {}
         if self.sparse:
             h, moe = h
-            stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens, "moe_dropped": moe.dropped}
+            stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens, "moe_dropped": moe.dropped,
+                     "moe_overflow": moe.overflow}
         h = remat.named(_residual_branch(h), remat.MLP_OUT)
         x = x + self._dropout(h, rngs, ctx)
         return constrain(x, *RESIDUAL), cache, stats
@@ -542,7 +543,7 @@ class CausalLM(nnx.Module):
         if not getattr(self, "moe_experts", 0):
             return {}
         return {"aux_loss": jnp.zeros((), jnp.float32), "expert_tokens": jnp.zeros((self.moe_experts,), jnp.float32),
-                "moe_dropped": jnp.zeros((), jnp.float32)}
+                "moe_dropped": jnp.zeros((), jnp.float32), "moe_overflow": jnp.zeros((), jnp.float32)}
 
     def _forward(self, tokens, rngs, cache=None, pos=None, at=None, head=True):
         """(logits, cache, stats); with `head=False`, the final norm's output [batch, T, d_model] instead of the

@@ -87,7 +87,7 @@ class Block(PreNormBlock):
             self.mlp = MoeMLP(cfg.d_model, cfg.moe_d_ff or cfg.d_mlp, cfg.moe_experts, cfg.moe_top_k,
                               shared_expert=cfg.moe_shared_expert, n_layers=cfg.n_layers, dtype=dt, param_dtype=pd,
                               rngs=rngs, kernel=cfg.moe_kernel, capacity_factor=cfg.moe_capacity_factor,
-                              exchange=cfg.moe_exchange)
+                              exchange=cfg.moe_exchange, dropless=cfg.moe_dropless)
         else:
             self.mlp = SwiGLU(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)

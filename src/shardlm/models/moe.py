@@ -26,21 +26,30 @@ Design choices:
   once per call, as FSDP gathers any weight for its use.
 - Expert parallelism (EP = mesh.shape["expert"] > 1): each expert device holds E / EP experts, expert e on
   device e // (E / EP). Every device routes its own T tokens, then sends each assignment to the device holding
-  its expert with `jax.lax.all_to_all` over `expert`, and the results come back by the same exchange.
-  The exchange buffer is a fixed size that is provably big enough (`model.moe_exchange=ragged` sends only its
-  rows in use with `ragged_all_to_all` on GPUs and TPUs, `shardlm.kernels.exchange`; not the default, see
-  `exchange_kind`): top-k picks k distinct experts per token, of which at most min(k, E / EP) live on any one
-  device, so one source sends at most C = T * min(k, E / EP) assignments to one destination. The send buffer is
-  [EP, C, D], sorted by destination then expert and zero-padded, and the [EP, E / EP] per-(destination, local
-  expert) counts travel alongside. A receiver gets EP * C = T * min(EP * k, E) rows, min(EP, E / k) times the
-  balanced share T * k: memory buys droplessness. It regroups them by local expert (padding rows last, outside
-  every group: zero rows that produce zero and receive no weight gradient), runs the ragged matmuls with its
-  local experts, and un-does each permutation on the way back. The exchange [EP, C, ...] -> [EP, C, ...] (block i
-  to device i, block j received from device j) is its own inverse, so the same function sends and returns.
+  its expert with `jax.lax.all_to_all` over `expert`, and the results come back by the same exchange
+  (`model.moe_exchange=ragged` sends only the rows in use with `ragged_all_to_all` on GPUs and TPUs,
+  `shardlm.kernels.exchange`; not the default, see `exchange_kind`). The send buffer is [EP, C, D], sorted by
+  destination then expert and zero-padded, and the [EP, E / EP] per-(destination, local expert) counts travel
+  alongside. A receiver regroups the EP x C rows by local expert (padding rows last, outside every group: zero
+  rows that produce zero and receive no weight gradient), runs the ragged matmuls with its local experts, and
+  un-does each permutation on the way back. The exchange [EP, C, ...] -> [EP, C, ...] (block i to device i, block
+  j received from device j) is its own inverse, so the same function sends and returns.
+- Dropless needs no buffer of the worst case (`model.moe_dropless=rounds`, the default). Top-k picks k distinct
+  experts per token, of which at most min(k, E / EP) live on one device, so one source may send one destination
+  up to T x min(k, E / EP) rows: a buffer that size (`moe_dropless=buffer`) receives T x min(EP x k, E) rows,
+  min(EP, E / k) times the balanced share T x k, and the experts' activations over it, which the backward pass
+  keeps, grow as much (3.7x the dense step's peak compiled for 8 H100s at `benchmarks/moe.py`'s shape, where
+  rounds are 1.6x). In rounds, the first exchange carries up to the balanced share, C = ceil(T x k / EP) rows per
+  pair, and what routing sends past it goes in later rounds of C / 8 rows (`round_sizes`), as many as the busiest
+  pair of devices needs (the same count on every device, a `pmax`): a `while` loop whose count is known only
+  once routing is. The first round is differentiated as any layer (its activations kept by the remat policy);
+  the later ones by a `custom_vjp` that keeps nothing of them and runs each round again under `jax.vjp` in the
+  backward pass. Under balanced routing the overflow is a few rows per pair, one small round; the share of
+  assignments that travelled in later rounds is logged (`moe_overflow`). The cost model counts the loop's body
+  once: a step's estimate carries one later round.
 - Capacity (`capacity_factor` > 0, GShard's and Switch's, for the exchange): each device sends each expert device
-  at most C = ceil(factor x T x k / EP) rows (its balanced share times the factor) instead of the dropless
-  T x min(k, E / EP), so the receive buffer, the experts' activations over it and the all-to-alls shrink by
-  min(EP, E / k) / factor. Within a destination's block the assignments are in expert order, then token order;
+  at most C = ceil(factor x T x k / EP) rows (its balanced share times the factor) in one exchange, and no later
+  rounds. Within a destination's block the assignments are in expert order, then token order;
   those past C are dropped: they are not sent, their output is zero (the token keeps its residual and its other
   experts), and their count (`MoeStats.dropped`) is logged. Without an expert split nothing is exchanged and the
   layer stays dropless.
@@ -71,6 +80,7 @@ from shardlm.kernels.exchange import exchange, ragged_exchange
 from shardlm.kernels.grouped import grouped_matmul
 from shardlm.models import remat
 from shardlm.models.layers import param, use
+from shardlm.models.rows import Routes, from_slots, permute, to_slots
 from shardlm.sharding import active_mesh, active_spec, constrain
 from shardlm.sharding.rules import as_axes
 
@@ -81,6 +91,7 @@ class MoeStats(NamedTuple):
     aux_loss: jax.Array  # scalar float32, 1.0 when perfectly balanced
     expert_tokens: jax.Array  # [num_experts] float32: token-assignments routed to each expert
     dropped: jax.Array  # scalar float32: assignments past the exchange's capacity, dropped (0 when dropless)
+    overflow: jax.Array  # scalar float32: assignments that travelled in a dropless exchange's later rounds
 
 
 # --- routing and the load-balancing loss -------------------------------------------------------------------------
@@ -161,19 +172,19 @@ def experts_ragged(rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: 
     return matmul(jax.nn.silu(gate) * up, w_down)
 
 
-def combine(out_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
-    """Expert outputs in sorted order [N * k, D] -> [N, D]: un-sorted, weighted (in float32) and summed over k."""
-    n, k = weights.shape
-    out = out_sorted[inverse_permutation(order)].reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weights).astype(out_sorted.dtype)
+def sorted_routes(order: jax.Array) -> Routes:
+    """Every assignment in a buffer of its own, in expert-sorted order: slot i holds assignment order[i]."""
+    everywhere = jnp.ones(order.shape, bool)
+    return Routes(order, everywhere, inverse_permutation(order), everywhere)
 
 
 def dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel: str = "xla") -> jax.Array:
     """Every expert on this device: x_flat [N, D] with its routing -> [N, D]."""
     order, sizes = sort_by_expert(experts, w_gate.shape[0])
-    rows = remat.named(x_flat[order // weights.shape[1]], remat.MOE_DISPATCH)  # assignment a is token a // k's
+    routes = sorted_routes(order)
+    rows = remat.named(to_slots(x_flat, routes, weights.shape[1]), remat.MOE_DISPATCH)
     out = experts_ragged(rows, w_gate, w_up, w_down, sizes, kernel)
-    return combine(remat.named(out, remat.MOE_OUT), order, weights)
+    return from_slots(remat.named(out, remat.MOE_OUT), weights, routes).astype(x_flat.dtype)
 
 
 # --- expert parallelism: dispatch over the expert axis ----------------------------------------------------------
@@ -200,19 +211,24 @@ def plan_dispatch(experts: jax.Array, num_experts: int, ep: int) -> Dispatch:
     return Dispatch(order, dest, slot, counts)
 
 
-def pack(rows_sorted: jax.Array, plan: Dispatch, capacity: int) -> jax.Array:
-    """[A, D] in sorted order -> the send buffer [EP, capacity, D], block d for device d, zero-padded; rows past a
-    block's capacity are dropped."""
-    ep = plan.counts.shape[0]
-    buf = jnp.zeros((ep, capacity, rows_sorted.shape[-1]), rows_sorted.dtype)
-    return buf.at[plan.dest, plan.slot].set(rows_sorted, unique_indices=True, mode="drop")
+def window_routes(plan: Dispatch, lo, size: int) -> Routes:
+    """The buffer [EP x size] of one exchange round: block d holds the rows [lo, lo + size) of what this device
+    sends device d, which are consecutive in the sorted order (by destination, then local expert)."""
+    dest_sizes = plan.counts.sum(1)
+    row = lo + jnp.arange(size, dtype=jnp.int32)
+    used = row[None, :] < dest_sizes[:, None]  # [EP, size]
+    at = jnp.where(used, (jnp.cumsum(dest_sizes) - dest_sizes)[:, None] + row[None, :], 0)
+    inside = (plan.slot >= lo) & (plan.slot < lo + size)  # [A], sorted order
+    slot = jnp.where(inside, plan.dest * size + plan.slot - lo, 0)
+    back = inverse_permutation(plan.order)
+    return Routes(plan.order[at].reshape(-1), used.reshape(-1), slot[back], inside[back])
 
 
-def kept_counts(counts: jax.Array, capacity: int) -> jax.Array:
-    """[EP, E / EP] assignments per (destination, local expert) -> those within each destination block's first
-    `capacity` rows (the block holds its local experts' rows in order)."""
+def window_counts(counts: jax.Array, lo, size: int) -> jax.Array:
+    """[EP, E / EP] assignments per (destination, local expert) -> how many of them are among rows [lo, lo + size)
+    of their destination's block (the block holds its local experts' rows in order)."""
     start = jnp.cumsum(counts, axis=1) - counts
-    return jnp.clip(capacity - start, 0, counts).astype(counts.dtype)
+    return jnp.clip(jnp.minimum(start + counts, lo + size) - jnp.maximum(start, lo), 0).astype(counts.dtype)
 
 
 def regroup(recv_counts: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -240,9 +256,10 @@ def experts_remote(sent: jax.Array, counts: jax.Array, w_gate, w_up, w_down, axi
 
     received = send(sent, sizes_out, sizes_in)
     order, sizes = regroup(recv_counts, capacity)
-    rows = remat.named(received.reshape(ep * capacity, d)[order], remat.MOE_DISPATCH)
+    inverse = inverse_permutation(order)
+    rows = remat.named(permute(received.reshape(ep * capacity, d), order, inverse), remat.MOE_DISPATCH)
     out = experts_ragged(rows, w_gate, w_up, w_down, sizes, kernel, expected_rows)
-    back = out[inverse_permutation(order)].reshape(ep, capacity, d)
+    back = permute(out, inverse, order).reshape(ep, capacity, d)
     return remat.named(send(back, sizes_in, sizes_out), remat.MOE_OUT)
 
 
@@ -253,37 +270,122 @@ def exchange_capacity(t: int, k: int, num_experts: int, ep: int, capacity_factor
     return dropless if capacity_factor <= 0 else min(dropless, max(1, math.ceil(capacity_factor * t * k / ep)))
 
 
-def expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_experts: int, ep: int, axis: str,
-                    kernel: str = "xla", capacity_factor: float = 0.0,
-                    ragged: bool = False) -> tuple[jax.Array, jax.Array]:
+def round_sizes(t: int, k: int, num_experts: int, ep: int) -> tuple[int, int]:
+    """Rows per pair of devices in a dropless exchange's first round (the balanced share T x k / EP) and in each
+    later round (an eighth of it), each at most the worst case (`exchange_capacity`)."""
+    first = exchange_capacity(t, k, num_experts, ep, 1.0)
+    return first, max(1, min(math.ceil(first / LATER_ROUND_SHARE), exchange_capacity(t, k, num_experts, ep) - first))
+
+
+LATER_ROUND_SHARE = 8  # a later round carries 1 / 8 of the first round's rows: what overflows is a small share
+
+
+class Exchange(NamedTuple):
+    """How an expert-parallel layer's rows travel: over which axis, to which kernel, by which collective."""
+
+    axis: str
+    kernel: str = "xla"
+    ragged: bool = False
+
+
+def exchange_round(x_flat, weights, w_gate, w_up, w_down, plan: Dispatch, lo, size: int, how: Exchange,
+                   expected_rows: int | None = None) -> jax.Array:
+    """The assignments among rows [lo, lo + size) of each destination's block: sent, run by their experts and
+    brought back -> [T, D] float32, each token's weighted outputs summed (the other assignments add nothing)."""
+    ep, routes = plan.counts.shape[0], window_routes(plan, lo, size)
+    sent = to_slots(x_flat, routes, weights.shape[1]).reshape(ep, size, x_flat.shape[1])
+    back = experts_remote(sent, window_counts(plan.counts, lo, size), w_gate, w_up, w_down, how.axis, how.kernel,
+                          expected_rows=expected_rows, ragged=how.ragged)
+    return from_slots(back.reshape(ep * size, -1), weights, routes)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def later_rounds(first: int, size: int, how: Exchange, x_flat, weights, w_gate, w_up, w_down, plan: Dispatch,
+                 rounds) -> jax.Array:
+    """The rows past each block's `first` in `rounds` exchanges of `size` rows -> [T, D] float32. A `while` loop
+    (its count is known only when routing is), differentiated by a second one that runs each round again under
+    `jax.vjp`: nothing of a round is kept for the backward pass (see the docstring)."""
+    return _later_rounds_forward(first, size, how, x_flat, weights, w_gate, w_up, w_down, plan, rounds)
+
+
+def _later_round(first, size, how, plan, r):
+    """Later round r (from 0) as a function of (x_flat, weights, w_gate, w_up, w_down)."""
+    return lambda *primals: exchange_round(*primals, plan, first + r * size, size, how)
+
+
+def _zeros_like_in_place(x: jax.Array) -> jax.Array:
+    """Zeros shaped as `x`, computed from it (x * 0, which XLA does not fold for floats) rather than broadcast:
+    XLA hoists a broadcast zero out of the scan over layers as a loop invariant and keeps it for the whole step,
+    then copies it into each loop that sums into it (one weight's gradient, 28 MiB a buffer at
+    `benchmarks/moe.py`'s shape). Exact for finite x, as the sums' starts are."""
+    return x * jnp.zeros((), x.dtype)
+
+
+def _later_rounds_forward(first, size, how, x_flat, weights, w_gate, w_up, w_down, plan, rounds):
+    primals = (x_flat, weights, w_gate, w_up, w_down)
+    return jax.lax.fori_loop(0, rounds, lambda r, y: y + _later_round(first, size, how, plan, r)(*primals),
+                             _zeros_like_in_place(x_flat.astype(jnp.float32)))
+
+
+def _later_rounds_fwd(first, size, how, x_flat, weights, w_gate, w_up, w_down, plan, rounds):
+    y = _later_rounds_forward(first, size, how, x_flat, weights, w_gate, w_up, w_down, plan, rounds)
+    return y, (x_flat, weights, w_gate, w_up, w_down, plan, rounds)
+
+
+def _later_rounds_bwd(first, size, how, residuals, dy):
+    *primals, plan, rounds = residuals
+
+    def add_round(r, sums):
+        grads = jax.vjp(_later_round(first, size, how, plan, r), *primals)[1](dy)
+        return tuple(s + g for s, g in zip(sums, grads))
+
+    sums = jax.lax.fori_loop(0, rounds, add_round, tuple(_zeros_like_in_place(p) for p in primals))
+    return (*sums, None, None)
+
+
+later_rounds.defvjp(_later_rounds_fwd, _later_rounds_bwd)
+
+
+def expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_experts: int, ep: int, how: Exchange,
+                    capacity_factor: float = 0.0, rounds: bool = True,
+                    sync_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array, jax.Array]:
     """This device's tokens x_flat [T, D], its local experts' weights [E / EP, ...] -> ([T, D], this device's
-    dropped assignments)."""
+    dropped assignments, and those that travelled in later rounds). Dropless (`capacity_factor` 0) in `rounds` (a
+    first of the balanced share, then as many small ones as the busiest pair of devices needs, the same count on
+    every device of `sync_axes`), or in one exchange of the worst case; else one exchange of the capacity."""
     t, k = weights.shape
-    capacity = exchange_capacity(t, k, num_experts, ep, capacity_factor)
     plan = plan_dispatch(experts, num_experts, ep)
-    sent = pack(x_flat[plan.order // k], plan, capacity)
-    bounded = capacity < exchange_capacity(t, k, num_experts, ep)  # else dropless: every assignment fits
-    counts = kept_counts(plan.counts, capacity) if bounded else plan.counts
-    # balanced routing fills T * k of the EP * C rows received (the cost model's expectation)
-    back = experts_remote(sent, counts, w_gate, w_up, w_down, axis, kernel, expected_rows=min(t * k, ep * capacity),
-                          ragged=ragged)
-    if not bounded:
-        return combine(back[plan.dest, plan.slot], plan.order, weights), jnp.float32(0.0)
-    kept = plan.slot < capacity
-    out = jnp.where(kept[:, None], back[plan.dest, jnp.minimum(plan.slot, capacity - 1)], 0)
-    return combine(out, plan.order, weights), (plan.counts.sum() - counts.sum()).astype(jnp.float32)
+    worst = exchange_capacity(t, k, num_experts, ep)
+    if capacity_factor > 0 or not rounds:
+        size = exchange_capacity(t, k, num_experts, ep, capacity_factor)
+        # balanced routing fills T * k of the EP * C rows received (the cost model's expectation)
+        y = exchange_round(x_flat, weights, w_gate, w_up, w_down, plan, 0, size, how,
+                           expected_rows=min(t * k, ep * size))
+        kept = window_counts(plan.counts, 0, size).sum() if size < worst else plan.counts.sum()
+        return y.astype(x_flat.dtype), (plan.counts.sum() - kept).astype(jnp.float32), jnp.float32(0.0)
+    first, later = round_sizes(t, k, num_experts, ep)
+    y = exchange_round(x_flat, weights, w_gate, w_up, w_down, plan, 0, first, how, expected_rows=min(t * k, ep * first))
+    if first >= worst:  # the balanced share is the worst case: one round carries everything
+        return y.astype(x_flat.dtype), jnp.float32(0.0), jnp.float32(0.0)
+    busiest = plan.counts.sum(1).max()  # the most rows this device sends one device
+    n = jnp.maximum(busiest - first + later - 1, 0) // later
+    n = jax.lax.pmax(n, sync_axes) if sync_axes else n
+    y = y + later_rounds(first, later, how, x_flat, weights, w_gate, w_up, w_down, plan, n)
+    overflow = plan.counts.sum() - window_counts(plan.counts, 0, first).sum()
+    return y.astype(x_flat.dtype), jnp.float32(0.0), overflow.astype(jnp.float32)
 
 
 # --- the layer, without and with a mesh --------------------------------------------------------------------------
 
 
 def global_stats(probs, experts, num_experts: int, n_tokens: int, token_axes: tuple[str, ...],
-                 dropped: jax.Array | float = 0.0) -> MoeStats:
+                 dropped: jax.Array | float = 0.0, overflow: jax.Array | float = 0.0) -> MoeStats:
     """The stats of the global batch of `n_tokens` tokens, from this device's share split over `token_axes`."""
-    counts, prob_sums, dropped = expert_counts(experts, num_experts), probs.sum(0), jnp.float32(dropped)
+    counts, prob_sums = expert_counts(experts, num_experts), probs.sum(0)
+    dropped, overflow = jnp.float32(dropped), jnp.float32(overflow)
     if token_axes:
-        counts, prob_sums, dropped = jax.lax.psum((counts, prob_sums, dropped), token_axes)
-    return MoeStats(aux_from_sums(counts, prob_sums, n_tokens, experts.shape[1]), counts, dropped)
+        counts, prob_sums, dropped, overflow = jax.lax.psum((counts, prob_sums, dropped, overflow), token_axes)
+    return MoeStats(aux_from_sums(counts, prob_sums, n_tokens, experts.shape[1]), counts, dropped, overflow)
 
 
 def moe_local(x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla") -> tuple[jax.Array, MoeStats]:
@@ -315,7 +417,8 @@ def check_expert_parallel(mesh, num_experts: int, d_ff: int, token_axes: tuple[s
 
 
 def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla",
-                capacity_factor: float = 0.0, exchange_kind: str = "all_to_all") -> tuple[jax.Array, MoeStats]:
+                capacity_factor: float = 0.0, exchange_kind: str = "all_to_all",
+                dropless: str = "rounds") -> tuple[jax.Array, MoeStats]:
     """The routed experts per device inside `jax.shard_map` over the whole active mesh (see the docstring)."""
     x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
     token_axes = as_axes(x_spec[0]) + as_axes(x_spec[1])
@@ -328,16 +431,18 @@ def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str =
         b, s, d = x.shape
         x_flat = x.reshape(b * s, d)
         weights, experts, probs = route(x_flat, router, top_k)
-        dropped = 0.0
+        dropped = overflow = 0.0
         if ep_axis is None:
             y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel)
         else:
-            y, dropped = expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, num_experts=num_experts,
-                                         ep=mesh.shape[ep_axis], axis=ep_axis, kernel=kernel,
-                                         capacity_factor=capacity_factor, ragged=exchange_kind == "ragged")
+            y, dropped, overflow = expert_parallel(
+                x_flat, weights, experts, w_gate, w_up, w_down, num_experts=num_experts, ep=mesh.shape[ep_axis],
+                how=Exchange(ep_axis, kernel, exchange_kind == "ragged"), capacity_factor=capacity_factor,
+                rounds=dropless == "rounds", sync_axes=token_axes)
         if tp_axis is not None:  # the down projection's partial sums over d_ff (after the linear combine)
             y = jax.lax.psum(y, tp_axis)
-        return y.reshape(b, s, d), global_stats(probs, experts, num_experts, n_tokens, token_axes, dropped)
+        return y.reshape(b, s, d), global_stats(probs, experts, num_experts, n_tokens, token_axes, dropped,
+                                                overflow)
 
     w_in, w_out = P(ep_axis, None, tp_axis), P(ep_axis, tp_axis, None)
     # check_vma=False: a Pallas kernel's outputs carry no varying-axes type, which the check needs (as for splash),
@@ -345,7 +450,7 @@ def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str =
     # (as for the ring). Unchecked, the transpose divides each output's gradient by the devices it is replicated
     # over and sums each input's over the devices it is replicated over: the same gradients.
     return jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec, P(), w_in, w_in, w_out),
-                         out_specs=(x_spec, MoeStats(P(), P(), P())), check_vma=False)(
+                         out_specs=(x_spec, MoeStats(P(), P(), P(), P())), check_vma=False)(
         x, router, w_gate, w_up, w_down)
 
 
@@ -355,11 +460,11 @@ class MoeMLP(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, shared_expert: bool,
                  n_layers: int, dtype, param_dtype, rngs: nnx.Rngs, kernel: str = "auto",
-                 capacity_factor: float = 0.0, exchange: str = "auto"):
+                 capacity_factor: float = 0.0, exchange: str = "auto", dropless: str = "rounds"):
         if not 1 <= top_k <= num_experts:
             raise ShardlmError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
         self.dtype, self.top_k, self.kernel, self.capacity_factor = dtype, top_k, kernel, capacity_factor
-        self.exchange = exchange
+        self.exchange, self.dropless = exchange, dropless
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual scaling, as SwiGLU
         self.router = param(rngs, init, (d_model, num_experts), ("embed", None), jnp.float32, read_in_float32=True)
@@ -384,7 +489,7 @@ class MoeMLP(nnx.Module):
             y, stats = moe_local(xc, router, *experts, self.top_k, kernel)
         else:
             y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k, kernel, self.capacity_factor,
-                                   exchange_kind(self.exchange))
+                                   exchange_kind(self.exchange), self.dropless)
         if self.shared_gate is not None:
             y = y + self._shared(xc)
         return y.astype(x.dtype), stats

@@ -56,7 +56,7 @@ from shardlm.generate import Generator
 from shardlm.models import FAMILIES, padded_vocab_size
 from shardlm.models.head import plan as head_plan
 from shardlm.models.layers import DTYPES, check_attention, uses_ring
-from shardlm.models.moe import exchange_capacity
+from shardlm.models.moe import exchange_capacity, round_sizes
 from shardlm.models.one_f_one_b import in_flight
 from shardlm.models.pipeline import (
     bubble_fraction,
@@ -257,15 +257,21 @@ class OwnModel:
         if ep == 1:
             return what + "; every device holds every expert (mesh.expert=1)"
         tokens = self._rows_per_device(mesh) * m.seq_len // mesh.shape["context"]
+        worst = ep * exchange_capacity(tokens, m.moe_top_k, m.moe_experts, ep)
         rows = ep * exchange_capacity(tokens, m.moe_top_k, m.moe_experts, ep, m.moe_capacity_factor)
-        kind = "a dropless buffer"
-        if rows < ep * exchange_capacity(tokens, m.moe_top_k, m.moe_experts, ep):
+        row_bytes = m.d_model * (2 if m.dtype == "bfloat16" else 4)
+        if rows < worst:
             kind = f"a buffer bounded by model.moe_capacity_factor={m.moe_capacity_factor:g}"
-        buffer = rows * m.d_model * (2 if m.dtype == "bfloat16" else 4)
+        elif m.moe_dropless == "rounds":
+            first, later = round_sizes(tokens, m.moe_top_k, m.moe_experts, ep)
+            rows, kind = ep * first, (f"dropless in rounds (model.moe_dropless=rounds): then as many of "
+                                      f"{fmt_bytes(ep * later * row_bytes)} as routing overflows, the first")
+        else:
+            kind = "a dropless buffer of the worst case (model.moe_dropless=buffer)"
         return (what + f"; experts split over expert={ep}: each device holds {m.moe_experts // ep} of them per "
                 f"layer; each sparse layer sends tokens to their experts and back by all-to-all, {kind} "
-                f"of {fmt_bytes(buffer)} per device each way ({rows / (tokens * m.moe_top_k):g} x the balanced "
-                f"share), forward and backward")
+                f"of {fmt_bytes(rows * row_bytes)} per device each way ({rows / (tokens * m.moe_top_k):g} x the "
+                f"balanced share), forward and backward")
 
     def head_note(self, mesh, vocab_size: int) -> str:
         """The fused head and loss's schedule on each device, with its bytes (`models.head.plan`, the schedule the

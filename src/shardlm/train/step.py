@@ -89,15 +89,17 @@ def step_compiler_options(cfg, platform: str | None = None) -> dict:
 def model_metrics(stats: dict) -> dict:
     """What a training step logs of the model's statistics: a mixture of experts' load-balancing loss (per sparse
     layer, 1.0 when perfectly balanced), its busiest and idlest expert's load over the mean load (1.0 each
-    when balanced; summed over the sparse layers), and the share of its assignments dropped past the exchange's
-    capacity (`model.moe_capacity_factor`; 0 when dropless); nothing for a dense model."""
+    when balanced; summed over the sparse layers), the share of its assignments dropped past the exchange's
+    capacity (`model.moe_capacity_factor`; 0 when dropless), and the share a dropless exchange sent in rounds
+    after its first (`model.moe_dropless=rounds`); nothing for a dense model."""
     if "expert_tokens" not in stats:
         return {}
     tokens = stats["expert_tokens"]
     mean = jnp.maximum(tokens.mean(), 1.0)
     return {"aux_loss": stats["aux_loss"], "expert_load_max": tokens.max() / mean,
             "expert_load_min": tokens.min() / mean,
-            "moe_dropped": stats.get("moe_dropped", 0.0) / jnp.maximum(tokens.sum(), 1.0)}
+            "moe_dropped": stats.get("moe_dropped", 0.0) / jnp.maximum(tokens.sum(), 1.0),
+            "moe_overflow": stats.get("moe_overflow", 0.0) / jnp.maximum(tokens.sum(), 1.0)}
 
 
 def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch_sharding, cast_once=None):
