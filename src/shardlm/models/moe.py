@@ -46,7 +46,8 @@ Design choices:
   the later ones by a `custom_vjp` that keeps nothing of them and runs each round again under `jax.vjp` in the
   backward pass. Under balanced routing the overflow is a few rows per pair, one small round; the share of
   assignments that travelled in later rounds is logged (`moe_overflow`). The cost model counts the loop's body
-  once: a step's estimate carries one later round.
+  once: a step's estimate carries one later round's exchanges and passes, and the grouped matmuls T x k rows in
+  all (each assignment is computed once, in whichever round).
 - Capacity (`capacity_factor` > 0, GShard's and Switch's, for the exchange): each device sends each expert device
   at most C = ceil(factor x T x k / EP) rows (its balanced share times the factor) in one exchange, and no later
   rounds. Within a destination's block the assignments are in expert order, then token order;
@@ -309,8 +310,11 @@ def later_rounds(first: int, size: int, how: Exchange, x_flat, weights, w_gate, 
 
 
 def _later_round(first, size, how, plan, r):
-    """Later round r (from 0) as a function of (x_flat, weights, w_gate, w_up, w_down)."""
-    return lambda *primals: exchange_round(*primals, plan, first + r * size, size, how)
+    """Later round r (from 0) as a function of (x_flat, weights, w_gate, w_up, w_down). For the cost model its
+    grouped matmuls expect no rows: each assignment is computed once in all the rounds, and balanced routing (the
+    cost model's expectation, as for the first round) fills the first; a later round still costs its exchanges
+    and its passes over the buffers."""
+    return lambda *primals: exchange_round(*primals, plan, first + r * size, size, how, expected_rows=0)
 
 
 def _zeros_like_in_place(x: jax.Array) -> jax.Array:
