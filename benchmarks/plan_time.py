@@ -4,6 +4,7 @@ phases add up to more than the wall time on a host with idle cores, and contend 
 
     python benchmarks/plan_time.py                                  # gpt2-small on 64 simulated devices
     python benchmarks/plan_time.py --devices 8 model=llama-1b train.batch_size=16
+    python benchmarks/plan_time.py --again                          # then re-plan, reading the step cache
 
 Phases, each wrapped around the planner's own function:
 - `abstract state`: the train state's shapes and shardings for a strategy (`planner._abstract_state`);
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -47,6 +50,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=64)
     ap.add_argument("--quiet", action="store_true", help="no progress line per strategy")
+    ap.add_argument("--again", action="store_true",
+                    help="then plan again, as `shardlm plan` does with its step cache, and print that wall time")
     ap.add_argument("overrides", nargs="*", default=["model=gpt2-small"])
     args = ap.parse_args()
 
@@ -59,6 +64,7 @@ def main() -> None:
 
     from shardlm.config import load_config
     from shardlm.perf import kernels, planner
+    from shardlm.perf.step_cache import caching_steps
 
     phases: dict[str, float] = collections.defaultdict(float)
     counts: collections.Counter = collections.Counter()
@@ -69,9 +75,11 @@ def main() -> None:
         timed(phases, counts, lock, module, name, label)
 
     cfg = load_config(None, args.overrides)
+    cache = tempfile.mkdtemp(prefix="shardlm-plan-time-")  # empty: the first plan compiles everything
     t0 = time.perf_counter()
     log = None if args.quiet else (lambda m: print(f"{time.perf_counter() - t0:7.1f} s  {m}", flush=True))
-    p = planner.plan(cfg, args.devices, log=log)
+    with caching_steps(cache):
+        p = planner.plan(cfg, args.devices, log=log)
     wall = time.perf_counter() - t0
     best = p.strategies[0]
     print(f"\nshardlm plan --devices {args.devices} {' '.join(args.overrides)}: {wall:.0f} s wall; "
@@ -80,6 +88,14 @@ def main() -> None:
     print("| phase | seconds (summed over strategies) | calls | per call |\n| --- | --- | --- | --- |")
     for label, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"| {label} | {seconds:.1f} | {counts[label]} | {seconds / max(counts[label], 1):.2f} |")
+    if args.again:
+        t1 = time.perf_counter()
+        with caching_steps(cache) as steps:
+            again = planner.plan(cfg, args.devices)
+        print(f"\nthe same plan again: {time.perf_counter() - t1:.0f} s wall, {steps.hits} of its "
+              f"{len(again.strategies)} compiled steps read from the step cache; "
+              f"best {again.strategies[0].strategy.name}")
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -483,6 +483,36 @@ def test_the_lowering_runs_at_most_one_candidate_ahead_of_the_compiles(monkeypat
     assert sum(line.startswith("this plan may take ") and "--budget" in line for line in lines) == 1, lines
 
 
+def test_a_plan_run_again_reads_its_compiled_steps_from_the_step_cache(tmp_path, monkeypatch):
+    """`shardlm plan --cache`: a strategy compiled once is read back, not compiled, by a plan of the same program
+    (here with compiling forbidden), and ranks the same; an entry that does not load is compiled again and
+    rewritten; another program (another batch) is a new entry."""
+    from shardlm.perf import compiled
+    from shardlm.perf.step_cache import caching_steps
+
+    cfg = load_config(None, MICRO + [f"model.vocab_size={VOCAB}"])
+    dp4 = parse_strategies("dp4", 4)
+
+    def facts(p):
+        return [(r.label, r.peak, r.flops_per_device, r.est.step_s, len(r.collectives)) for r in p.strategies]
+
+    with caching_steps(tmp_path) as cache:
+        first = plan(cfg, 4, strategies=dp4)
+        entries = list(tmp_path.glob("*.pkl"))
+        assert len(entries) == 1 and not first.strategies[0].cached
+        compile_cpu = compiled._compile
+        monkeypatch.setattr(compiled, "_compile", lambda *a, **k: pytest.fail("compiled a step the cache holds"))
+        again = plan(cfg, 4, strategies=dp4)
+        assert again.strategies[0].cached and cache.hits == 1 and facts(again) == facts(first)
+        monkeypatch.setattr(compiled, "_compile", compile_cpu)
+        entries[0].write_bytes(entries[0].read_bytes()[:100])  # a truncated entry
+        assert not plan(cfg, 4, strategies=dp4).strategies[0].cached
+        assert plan(cfg, 4, strategies=dp4).strategies[0].cached  # rewritten whole
+        other = load_config(None, MICRO + [f"model.vocab_size={VOCAB}", "train.batch_size=8"])
+        assert not plan(other, 4, strategies=dp4).strategies[0].cached
+    assert len(list(tmp_path.glob("*.pkl"))) == 2 and not list(tmp_path.glob(".*.tmp"))
+
+
 def test_plan_and_bench_cli_errors(tmp_path, capsys):
     from shardlm.cli import main
 

@@ -140,7 +140,11 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                       help="only these strategies, comma-separated as plan names them (e.g. fsdp8,fsdp4+tp2)")
     plan.add_argument("--budget", metavar="TIME",
                       help="stop starting compiles after this long (e.g. 5m, 90s) and rank what compiled; the "
-                           "rest are listed as not reached")
+                           "rest are listed as not reached (run again: what compiled is read from --cache)")
+    plan.add_argument("--cache", metavar="DIR",
+                      help="keep each compiled step's reading here and read it back when a plan compiles the same "
+                           "program again; 'none' turns it off (default: steps/ in shardlm's cache directory, "
+                           "$SHARDLM_CACHE_DIR or ~/.cache/shardlm)")
     plan.add_argument("--remat", metavar="LIST",
                       help="compile each strategy under each of these remat policies (e.g. none,save_attention,full)"
                            " and name the cheapest that fits each; default: model.remat alone")
@@ -410,6 +414,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     from shardlm.perf.costmodel import hardware_for
     from shardlm.perf.planner import format_plan, plan, plan_peak_dtype, report_progress
+    from shardlm.perf.step_cache import caching_steps, default_directory
     from shardlm.perf.strategies import parse_strategies
 
     budget = parse_duration(args.budget) if args.budget else None  # before anything slow: a typo fails at once
@@ -430,11 +435,14 @@ def _plan(args: argparse.Namespace) -> None:
         print("note: plan tries every mesh (or --strategies); the mesh.* overrides are ignored", file=sys.stderr)
     strategies = parse_strategies(args.strategies, n) if args.strategies is not None else None
     remats = [r.strip() for r in args.remat.split(",") if r.strip()] if args.remat else None
-    p = plan(cfg, n if target else args.devices, hw, strategies=strategies, log=report_progress, target=target,
-             hosts=args.hosts, remats=remats, matmul_dtypes=matmul_dtypes, budget_s=budget)
+    cache = None if args.cache == "none" else (args.cache or default_directory())
+    with caching_steps(cache):
+        p = plan(cfg, n if target else args.devices, hw, strategies=strategies, log=report_progress, target=target,
+                 hosts=args.hosts, remats=remats, matmul_dtypes=matmul_dtypes, budget_s=budget)
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
-    unreached = p.unreached
+    unreached, cached = p.unreached, sum(r.cached for r in p.strategies)
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s"
+                    + (f", {cached} of them read from the step cache ({cache})" if cached else "")
                     + (f" ({len(p.pruned) - unreached} more pruned: they cannot win)" if len(p.pruned) > unreached
                        else "") + (f" ({unreached} not reached within --budget {args.budget})" if unreached else ""))
 

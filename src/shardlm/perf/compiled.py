@@ -35,7 +35,7 @@ from pathlib import Path
 
 from shardlm.accelerator import GPU_COMPILER_OPTIONS, native_stderr_captured
 from shardlm.errors import ShardlmError
-from shardlm.perf import hlo, kernels, xla_log
+from shardlm.perf import hlo, kernels, step_cache, xla_log
 from shardlm.perf.schedule import Schedule, read_schedule
 
 
@@ -61,6 +61,7 @@ class CompiledStep:
     program: kernels.Program | None = None  # its kernels and collectives in schedule order (none if refused)
     # tensors XLA's partitioner replicated to reshard them (`xla_log`): read from what it logged while compiling
     rematerialisations: list[xla_log.Rematerialisation] = dataclasses.field(default_factory=list)
+    cached: bool = False  # read from the step cache (`step_cache`), compiled by an earlier run
 
     @property
     def peak(self) -> int:
@@ -120,7 +121,7 @@ def _failure(platform: str, error: Exception) -> CompileFailed:
 
 
 def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops: float = 0.0,
-                 keep_hlo: bool = False, options: dict | None = None) -> CompiledStep:
+                 keep_hlo: bool = False, options: dict | None = None, devices: str = "") -> CompiledStep:
     """Compile `lowered` (a `jax.stages.Lowered`) and read it. `platform` is what it was lowered for.
     `matmul_flops`: the whole program's matrix-multiply FLOPs, counted from its jaxpr with every loop's trip count
     (`shardlm.flops.jaxpr_matmul_flops`): a GPU's or TPU's FLOPs per device, which their compiled programs do not
@@ -128,12 +129,22 @@ def compile_step(lowered, n_devices: int, *, platform: str = "cpu", matmul_flops
     is raised as `CompileFailed`, one line. What the compiler logs while it compiles is read, not shown: the
     tensors it had to replicate to reshard them become the step's `rematerialisations` (`xla_log`), and the rest
     (a target's runtime noise about hardware this host does not have, libtpu's notes) is dropped. `options`: the
-    step's own XLA options (`train.step.step_compiler_options`), over the platform's, as a run compiles it."""
+    step's own XLA options (`train.step.step_compiler_options`), over the platform's, as a run compiles it.
+    Under `step_cache.caching_steps`, a step compiled before for the same `devices` (what they are: a target's
+    name and hosts) is read from the cache instead (`cached` set)."""
+    cache = step_cache.active()
+    key = cache.key(lowered, n_devices=n_devices, platform=platform, matmul_flops=matmul_flops, keep_hlo=keep_hlo,
+                    options=options or {}, devices=devices) if cache else None
+    if key is not None and (step := cache.get(key)) is not None:
+        step.cached = True
+        return step
     program = xla_log.program_name(lowered)
     with native_stderr_captured() as said:
         step = (_compile_gpu(lowered, n_devices, matmul_flops, keep_hlo, options or {}) if platform == "gpu" else
                 _compile(lowered, n_devices, platform, matmul_flops, keep_hlo))
     step.rematerialisations = xla_log.rematerialisations(said.text, program, said.thread_id)
+    if key is not None:
+        cache.put(key, step)
     return step
 
 

@@ -97,6 +97,7 @@ class StrategyPlan:
     matmul_dtype: str = ""  # the blocks' matmul dtype it was compiled with, when the plan compares several
     # tensors XLA replicated on every device to reshard them, as its partitioner logged them (`perf.xla_log`)
     rematerialisations: list[Rematerialisation] = dataclasses.field(default_factory=list)
+    cached: bool = False  # read from the step cache: compiled by an earlier plan (`perf.step_cache`)
 
     @property
     def label(self) -> str:
@@ -372,7 +373,8 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
 
     def compile_one(lowered, matmul_flops, devices_used):
         return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops,
-                            options=step_compiler_options(cfg, platform))
+                            options=step_compiler_options(cfg, platform),
+                            devices=f"{target.label if target else platform} over {hosts or 1} host(s)")
 
     hinted: list = []  # the hint for a long plan is given once
 
@@ -404,13 +406,15 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
                          compiler_temps=step.temp_bytes, refusal=step.refusal,
                          hidden=step.schedule.hidden_by_kind() if step.schedule else None,
                          host_temps=step.host_temp_bytes, remat=c.remat, program=step.program,
-                         matmul_dtype=c.matmul_dtype, rematerialisations=step.rematerialisations)
+                         matmul_dtype=c.matmul_dtype, rematerialisations=step.rematerialisations,
+                         cached=step.cached)
         rank_strategies([r], hardware)
         calibration.learn(bounds[s], r.est.compute_s)
         if r.fits and (best[0] is None or r.est.step_s < best[0][0]):
             best[0] = (r.est.step_s, c)
         results.append(r)
-        progress(c, f"compiled in {step.compile_s:.1f} s"
+        progress(c, (f"read from the step cache (compiled in {step.compile_s:.1f} s by an earlier plan)" if step.cached
+                     else f"compiled in {step.compile_s:.1f} s")
                  + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
 
     # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering. Results are
