@@ -271,14 +271,14 @@ def exchange_capacity(t: int, k: int, num_experts: int, ep: int, capacity_factor
     return dropless if capacity_factor <= 0 else min(dropless, max(1, math.ceil(capacity_factor * t * k / ep)))
 
 
+LATER_ROUND_SHARE = 8  # a later round carries 1 / 8 of the first round's rows: what overflows is a small share
+
+
 def round_sizes(t: int, k: int, num_experts: int, ep: int) -> tuple[int, int]:
     """Rows per pair of devices in a dropless exchange's first round (the balanced share T x k / EP) and in each
     later round (an eighth of it), each at most the worst case (`exchange_capacity`)."""
     first = exchange_capacity(t, k, num_experts, ep, 1.0)
     return first, max(1, min(math.ceil(first / LATER_ROUND_SHARE), exchange_capacity(t, k, num_experts, ep) - first))
-
-
-LATER_ROUND_SHARE = 8  # a later round carries 1 / 8 of the first round's rows: what overflows is a small share
 
 
 class Exchange(NamedTuple):
@@ -365,8 +365,8 @@ def expert_parallel(x_flat, weights, experts, w_gate, w_up, w_down, *, num_exper
         # balanced routing fills T * k of the EP * C rows received (the cost model's expectation)
         y = exchange_round(x_flat, weights, w_gate, w_up, w_down, plan, 0, size, how,
                            expected_rows=min(t * k, ep * size))
-        kept = window_counts(plan.counts, 0, size).sum() if size < worst else plan.counts.sum()
-        return y.astype(x_flat.dtype), (plan.counts.sum() - kept).astype(jnp.float32), jnp.float32(0.0)
+        dropped = plan.counts.sum() - window_counts(plan.counts, 0, size).sum()
+        return y.astype(x_flat.dtype), dropped.astype(jnp.float32), jnp.float32(0.0)
     first, later = round_sizes(t, k, num_experts, ep)
     y = exchange_round(x_flat, weights, w_gate, w_up, w_down, plan, 0, first, how, expected_rows=min(t * k, ep * first))
     if first >= worst:  # the balanced share is the worst case: one round carries everything

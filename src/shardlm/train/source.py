@@ -261,17 +261,18 @@ class OwnModel:
         rows = ep * exchange_capacity(tokens, m.moe_top_k, m.moe_experts, ep, m.moe_capacity_factor)
         row_bytes = m.d_model * (2 if m.dtype == "bfloat16" else 4)
         if rows < worst:
-            kind = f"a buffer bounded by model.moe_capacity_factor={m.moe_capacity_factor:g}"
+            kind = f"a buffer bounded by model.moe_capacity_factor={m.moe_capacity_factor:g} of"
+            then = ""
         elif m.moe_dropless == "rounds":
             first, later = round_sizes(tokens, m.moe_top_k, m.moe_experts, ep)
-            rows, kind = ep * first, (f"dropless in rounds (model.moe_dropless=rounds): then as many of "
-                                      f"{fmt_bytes(ep * later * row_bytes)} as routing overflows, the first")
+            rows, kind = ep * first, "dropless in rounds (model.moe_dropless=rounds): a first of"
+            then = f", then as many of {fmt_bytes(ep * later * row_bytes)} as routing overflows"
         else:
-            kind = "a dropless buffer of the worst case (model.moe_dropless=buffer)"
+            kind, then = "a dropless buffer of the worst case (model.moe_dropless=buffer) of", ""
         return (what + f"; experts split over expert={ep}: each device holds {m.moe_experts // ep} of them per "
                 f"layer; each sparse layer sends tokens to their experts and back by all-to-all, {kind} "
-                f"of {fmt_bytes(rows * row_bytes)} per device each way ({rows / (tokens * m.moe_top_k):g} x the "
-                f"balanced share), forward and backward")
+                f"{fmt_bytes(rows * row_bytes)} per device each way ({rows / (tokens * m.moe_top_k):g} x the "
+                f"balanced share){then}, forward and backward")
 
     def head_note(self, mesh, vocab_size: int) -> str:
         """The fused head and loss's schedule on each device, with its bytes (`models.head.plan`, the schedule the
