@@ -511,6 +511,12 @@ def test_a_plan_run_again_reads_its_compiled_steps_from_the_step_cache(tmp_path,
         other = load_config(None, MICRO + [f"model.vocab_size={VOCAB}", "train.batch_size=8"])
         assert not plan(other, 4, strategies=dp4).strategies[0].cached
     assert len(list(tmp_path.glob("*.pkl"))) == 2 and not list(tmp_path.glob(".*.tmp"))
+    # A key is the program's text, which must not change between processes: the blocks' statistics were summed in
+    # a set's order, which each process's string hashing shuffles (a mixture's plans never hit the cache).
+    from shardlm.models.stack import add_stats
+
+    keys = ["moe_overflow", "aux_loss", "moe_dropped", "expert_tokens"]
+    assert list(add_stats(dict.fromkeys(keys, 1.0), dict.fromkeys(keys[::-1], 1.0))) == sorted(keys)
 
 
 def test_plan_and_bench_cli_errors(tmp_path, capsys):

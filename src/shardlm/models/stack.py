@@ -71,8 +71,10 @@ Step = Callable[[nnx.Module, jax.Array, nnx.Rngs | None, LayerCache | None, jax.
 
 
 def add_stats(total: dict, more: dict) -> dict:
-    """Per-layer statistics summed key by key (a key either lacks counts as zero)."""
-    return {k: total[k] + more[k] if k in total and k in more else total.get(k, more.get(k)) for k in {*total, *more}}
+    """Per-layer statistics summed key by key (a key either lacks counts as zero), in key order: a set's order
+    changes with each process's string hashing, and with it the program's text (a plan's step cache missed)."""
+    return {k: total[k] + more[k] if k in total and k in more else total.get(k, more.get(k))
+            for k in sorted({*total, *more})}
 
 
 PER_BATCH = ("aux_loss",)  # statistics of a batch as a whole (a loss): over parts of a batch, their mean
