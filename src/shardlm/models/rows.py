@@ -1,6 +1,6 @@
 """Moving a mixture's rows between token order and an exchange buffer by gathers only, forward and backward. Math.
 
-    to_slots(x [T, D], routes) -> [M, D]          slot m holds its assignment's token row (zero if empty)
+    to_slots(x [T, D], routes, k) -> [M, D]       slot m holds its assignment's token row (zero if empty)
     from_slots(buf [M, D], weights [T, k], routes) -> [T, D] float32      each token's weighted sum over its k
     permute(x [M, ...], perm, inverse) -> x[perm]
 
