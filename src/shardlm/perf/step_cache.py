@@ -11,7 +11,7 @@ Design choices:
   latency-hiding schedule comes from a dump written while compiling and the partitioner's rematerialisations
   from its log, neither of which a cached executable gives back; and a plan never runs what it compiles.
 - The key is a SHA-256 of everything a reading depends on: the lowered program's text (StableHLO, without source
-  locations, and without the callback addresses `custom_partitioning` writes into it), the caller's parts
+  locations, its module's name, and the callback addresses `custom_partitioning` writes into it), the caller's parts
   (device count, platform, the devices compiled for, XLA options, the matmul FLOPs counted from the jaxpr),
   XLA_FLAGS, JAX's and jaxlib's versions, and shardlm's own source (a change to any reader is a new key: no entry
   outlives the code that read it).
@@ -58,9 +58,14 @@ def _source_digest() -> str:
 _CALLBACK_ADDRESS = re.compile(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"')
 
 
+# The planner names each program after its candidate (`jit_step_fsdp8_remat_full`), and the same program is named
+# after another candidate when the remat policy comes from `--remat` rather than from the config.
+_MODULE_NAME = re.compile(r"^module @\S+", re.M)
+
+
 def program_text(lowered) -> str:
-    """The lowered program's text, with what differs between processes for the same program taken out."""
-    return _CALLBACK_ADDRESS.sub(r'\1"callback"', lowered.as_text())
+    """The lowered program's text, with what differs between processes or names for the same program taken out."""
+    return _MODULE_NAME.sub("module @step", _CALLBACK_ADDRESS.sub(r'\1"callback"', lowered.as_text()), count=1)
 
 
 class StepCache:
