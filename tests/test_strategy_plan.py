@@ -486,7 +486,8 @@ def test_the_lowering_runs_at_most_one_candidate_ahead_of_the_compiles(monkeypat
 def test_a_plan_run_again_reads_its_compiled_steps_from_the_step_cache(tmp_path, monkeypatch):
     """`shardlm plan --cache`: a strategy compiled once is read back, not compiled, by a plan of the same program
     (here with compiling forbidden), and ranks the same; an entry that does not load is compiled again and
-    rewritten; another program (another batch) is a new entry."""
+    rewritten; another program (another batch) is a new entry; a directory that cannot be written is said, and
+    the plan goes on."""
     from shardlm.perf import compiled
     from shardlm.perf.step_cache import caching_steps
 
@@ -511,6 +512,9 @@ def test_a_plan_run_again_reads_its_compiled_steps_from_the_step_cache(tmp_path,
         other = load_config(None, MICRO + [f"model.vocab_size={VOCAB}", "train.batch_size=8"])
         assert not plan(other, 4, strategies=dp4).strategies[0].cached
     assert len(list(tmp_path.glob("*.pkl"))) == 2 and not list(tmp_path.glob(".*.tmp"))
+    (tmp_path / "a-file").write_text("")
+    with caching_steps(tmp_path / "a-file" / "steps") as unwritable:  # costs the cache, not the plan
+        assert len(plan(cfg, 4, strategies=dp4).strategies) == 1 and "Not a directory" in unwritable.unwritable
     # A key is the program's text, which must not change between processes: the blocks' statistics were summed in
     # a set's order, which each process's string hashing shuffles (a mixture's plans never hit the cache).
     from shardlm.models.stack import add_stats

@@ -436,9 +436,12 @@ def _plan(args: argparse.Namespace) -> None:
     strategies = parse_strategies(args.strategies, n) if args.strategies is not None else None
     remats = [r.strip() for r in args.remat.split(",") if r.strip()] if args.remat else None
     cache = None if args.cache == "none" else (args.cache or default_directory())
-    with caching_steps(cache):
+    with caching_steps(cache) as steps:
         p = plan(cfg, n if target else args.devices, hw, strategies=strategies, log=report_progress, target=target,
                  hosts=args.hosts, remats=remats, matmul_dtypes=matmul_dtypes, budget_s=budget)
+    if steps is not None and steps.unwritable:
+        report_progress(f"note: the step cache {cache} could not be written ({steps.unwritable}): this plan's "
+                        "compiles are not kept; choose a writable --cache DIR, or --cache none")
     print(json.dumps(p.to_list(), indent=2) if args.json else format_plan(p))
     unreached, cached = p.unreached, sum(r.cached for r in p.strategies)
     report_progress(f"planned {len(p.strategies)} strategies in {p.wall_s:.1f} s"

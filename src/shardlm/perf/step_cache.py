@@ -74,6 +74,7 @@ class StepCache:
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         self.hits = 0
+        self.unwritable: str | None = None  # why an entry could not be written, if one could not
 
     def key(self, lowered, **parts) -> str:
         import jax
@@ -95,12 +96,21 @@ class StepCache:
         return value
 
     def put(self, key: str, value) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
+        """Keep `value` under `key`. A directory that cannot be written (read-only, full) costs the cache, not the
+        plan: the reason is kept in `unwritable` for the caller to say."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
+        except OSError as e:
+            self.unwritable = str(e)
+            return
         try:
             with os.fdopen(fd, "wb") as f:
                 pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(tmp, self.directory / f"{key}.pkl")
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            self.unwritable = str(e)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
