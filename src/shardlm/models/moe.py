@@ -198,6 +198,7 @@ class Dispatch(NamedTuple):
     dest: jax.Array  # [A] the expert device of each sorted assignment
     slot: jax.Array  # [A] its row within the block sent to that device
     counts: jax.Array  # [EP, E / EP] int32: assignments per (destination, local expert)
+    inverse: jax.Array  # [A] where each flat assignment is in the sorted order (`inverse_permutation(order)`)
 
 
 def plan_dispatch(experts: jax.Array, num_experts: int, ep: int) -> Dispatch:
@@ -209,7 +210,7 @@ def plan_dispatch(experts: jax.Array, num_experts: int, ep: int) -> Dispatch:
     dest_start = jnp.cumsum(dest_sizes) - dest_sizes
     dest = experts.reshape(-1)[order] // local
     slot = jnp.arange(order.shape[0], dtype=jnp.int32) - dest_start[dest]
-    return Dispatch(order, dest, slot, counts)
+    return Dispatch(order, dest, slot, counts, inverse_permutation(order))
 
 
 def window_routes(plan: Dispatch, lo, size: int) -> Routes:
@@ -221,8 +222,7 @@ def window_routes(plan: Dispatch, lo, size: int) -> Routes:
     at = jnp.where(used, (jnp.cumsum(dest_sizes) - dest_sizes)[:, None] + row[None, :], 0)
     inside = (plan.slot >= lo) & (plan.slot < lo + size)  # [A], sorted order
     slot = jnp.where(inside, plan.dest * size + plan.slot - lo, 0)
-    back = inverse_permutation(plan.order)
-    return Routes(plan.order[at].reshape(-1), used.reshape(-1), slot[back], inside[back])
+    return Routes(plan.order[at].reshape(-1), used.reshape(-1), slot[plan.inverse], inside[plan.inverse])
 
 
 def window_counts(counts: jax.Array, lo, size: int) -> jax.Array:
