@@ -54,10 +54,10 @@ import tarfile
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Callable
 
+from shardlm.atomic import install_file
 from shardlm.errors import ShardlmError
 
 # Seconds to wait for tiktoken's first download of GPT-2's file before turning to the package registry.
@@ -221,23 +221,6 @@ def gpt2_ranks_from_sdist(archive: Path) -> bytes:
         raise ShardlmError(f"{archive.name}'s {'/'.join(WHISPER_MEMBER)} is not GPT-2's ranks (sha256 {digest}, "
                            f"tiktoken expects {R50K_SHA256}); nothing was installed")
     return data
-
-
-def install_file(data: bytes, target: Path) -> Path:
-    """Write `data` to `target` atomically: a new file beside it (mode from the umask, as tiktoken's own), then
-    os.replace."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return target
 
 
 def _holds_r50k(path: Path) -> bool:

@@ -15,8 +15,9 @@ Design choices:
   (device count, platform, the devices compiled for, XLA options, the matmul FLOPs counted from the jaxpr),
   XLA_FLAGS, JAX's and jaxlib's versions, and shardlm's own source (a change to any reader is a new key: no entry
   outlives the code that read it).
-- One file per entry, written under a temporary name and renamed into place: an interrupted write leaves no half
-  entry. An entry that does not load (another Python, a truncated file) is treated as absent and rewritten.
+- One file per entry, written under a temporary name and renamed into place (`shardlm.atomic.install_file`):
+  an interrupted write leaves no half entry. An entry that does not load (another Python, a truncated file) is
+  treated as absent and rewritten.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import hashlib
 import os
 import pickle
 import re
-import tempfile
 from pathlib import Path
 
 import shardlm
+from shardlm.atomic import install_file
 from shardlm.data.prepare import cache_root
 
 _active: StepCache | None = None
@@ -96,24 +97,13 @@ class StepCache:
         return value
 
     def put(self, key: str, value) -> None:
-        """Keep `value` under `key`. A directory that cannot be written (read-only, full) costs the cache, not the
-        plan: the reason is kept in `unwritable` for the caller to say."""
+        """Keep `value` under `key`, written whole or not at all (`install_file`). A directory that cannot be
+        written (read-only, full) costs the cache, not the plan: the reason is kept in `unwritable` for the caller
+        to say."""
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
+            install_file(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), self.directory / f"{key}.pkl")
         except OSError as e:
             self.unwritable = str(e)
-            return
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, self.directory / f"{key}.pkl")
-        except OSError as e:
-            Path(tmp).unlink(missing_ok=True)
-            self.unwritable = str(e)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
 
 def active() -> StepCache | None:
