@@ -66,6 +66,7 @@ def child(directory: str, way: str, processes: int, pid: int, port: int) -> dict
         from safetensors.numpy import load_file
 
         from shardlm.config import load_config
+        from shardlm.families import hf_format
         from shardlm.hf.weights import Checkpoint, parameter_views
         from shardlm.mesh import mesh_from_config
         from shardlm.trees import path_str
@@ -75,7 +76,7 @@ def child(directory: str, way: str, processes: int, pid: int, port: int) -> dict
         mesh = mesh_from_config(cfg.mesh)
         whole = load_file(str(Path(directory) / "model.safetensors"))  # every tensor, read at once
         real, padded = vocab_sizes(cfg, cfg.model.vocab_size, 1)
-        views = parameter_views(cfg.model, real, padded, Checkpoint(Path(directory)))
+        views = parameter_views(cfg.model, hf_format(cfg.model), real, padded, Checkpoint(Path(directory)))
         for view in views.values():  # the views now read from the loaded dict, not the file
             v = view
             while not hasattr(v, "reader"):

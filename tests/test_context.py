@@ -3,6 +3,7 @@ Llama with grouped-query attention (dropout on), the collectives the design prom
 temporaries falling with the context degree, the one-line errors, and a run that trains on a context mesh,
 samples, and generates the same tokens on one device."""
 
+import dataclasses
 import json
 import math
 import re
@@ -16,7 +17,7 @@ from conftest import MICRO, run_steps
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh
-from shardlm.models.layers import attention_impl, ring_chunk
+from shardlm.kernels.registry import ATTENTION_KERNELS, attention_impl, ring_chunk
 from shardlm.perf import hlo
 from shardlm.perf.strategies import Strategy, all_strategies, parse_strategy, wants_context_splits
 from shardlm.train.state import TrainState, abstract_train_state, check_shardable, split_notes
@@ -195,7 +196,9 @@ def test_context_errors_and_plan_names(monkeypatch):
     with pytest.raises(ShardlmError, match=r"chunks of a multiple of 128 positions, got 1024 / \(2 x context 8\)"):
         ring_chunk("splash", jnp.bfloat16, 64, 1024, 8)
     # a JAX whose kernel internals moved: said, not a trace-time AttributeError; auto takes the blockwise kernel
-    monkeypatch.setattr("shardlm.models.layers.chunk_kernel_available", lambda name: name == "flash")
+    for name in ("cudnn", "splash"):
+        monkeypatch.setitem(ATTENTION_KERNELS, name,
+                            dataclasses.replace(ATTENTION_KERNELS[name], chunk_available=lambda: False))
     with pytest.raises(ShardlmError, match="model.attention=splash in the ring needs JAX internals"):
         ring_chunk("splash", jnp.bfloat16, 64, 4096, 2)
     assert ring_chunk("auto", jnp.bfloat16, 64, 4096, 2) == "flash"

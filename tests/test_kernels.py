@@ -21,9 +21,9 @@ from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.kernels.attention import xla_attention
 from shardlm.kernels.flash import blocking, blockwise_attention
-from shardlm.kernels.ring import chunk_kernel, from_zigzag, ring_attention, to_zigzag, zigzag_order
+from shardlm.kernels.ring import from_zigzag, ring_attention, to_zigzag, zigzag_order
 from shardlm.kernels.splash import LANES, _kernel, splash_attention, splash_block
-from shardlm.models.layers import attention_impl, ring_chunk
+from shardlm.kernels.registry import attention_impl, chunk_kernel, ring_chunk
 from shardlm.perf import targets
 
 H100, V5E, V5P = targets.get("h100"), targets.get("tpu-v5e"), targets.get("tpu-v5p")

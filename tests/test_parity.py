@@ -146,11 +146,11 @@ def saved_bytes(overrides) -> int:
     import re
 
     from shardlm.config import load_config
-    from shardlm.models import FAMILIES
+    from shardlm.families import build_model
 
     cfg = load_config(None, overrides)
     with nnx.use_eager_sharding(False):
-        model = FAMILIES[cfg.model.family](cfg.model, VOCAB, 512, nnx.Rngs(params=0))
+        model = build_model(cfg.model, VOCAB, 512, nnx.Rngs(params=0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jnp.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32)
 

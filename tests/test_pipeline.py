@@ -100,7 +100,7 @@ def _blocks_and_input(n_layers=4, seed=0):
 
 
 def _step(model):
-    from shardlm.models.layers import Context, causal_mask
+    from shardlm.models.attention import Context, causal_mask
 
     ctx = Context("xla", causal_mask(model.context), None, None)
     return lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))

@@ -11,7 +11,7 @@ import pytest
 from shardlm import cli
 from shardlm.accelerator import compiling_for, resolve_dtype
 from shardlm.config import load_config
-from shardlm.models.layers import attention_impl, ring_chunk
+from shardlm.kernels.registry import attention_impl, ring_chunk
 from shardlm.models.moe import grouped_kernel
 from shardlm.perf import hlo, targets
 from shardlm.perf.compile_only import compile_train_step, format_report

@@ -98,6 +98,10 @@ def gpu_xla_flags() -> None:
     os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
+DTYPE_NAMES = ("float32", "bfloat16")  # what a model stores (model.param_dtype) and computes (model.dtype) in
+COMPUTE_DTYPES = ("auto", *DTYPE_NAMES)  # auto: bfloat16 on GPUs and TPUs, float32 on a CPU
+
+
 def default_compute_dtype(platform: str) -> str:
     """What `model.dtype=auto` computes in: bfloat16 where the matrix units run it natively (GPU, TPU)."""
     return "bfloat16" if platform in ("gpu", "tpu") else "float32"

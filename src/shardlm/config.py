@@ -3,7 +3,7 @@
 Design choices:
 - Every section is a frozen-free dataclass with typed fields; values from YAML or the command line are checked
   against the field's type, so `train.steps=abc` fails at load time naming the key, not deep inside JAX.
-- `model=<preset>` replaces the whole model section with a preset (see `shardlm.models.presets`), or with the
+- `model=<preset>` replaces the whole model section with a preset (a family's, `shardlm.families`), or with the
   architecture of a Hugging Face checkpoint (`model=hf:DIR`, `shardlm.hf.config`); field overrides such as
   `model.n_layers=2` then apply on top, whatever their order on the command line. `hf:` names are resolved here
   and nowhere else in the config: as a preset, as `init.from`'s default architecture, and in run labels.
@@ -26,16 +26,16 @@ from typing import Any
 
 import yaml
 
-from shardlm.accelerator import current, multiplies_fp8, resolve_dtype
+from shardlm.accelerator import COMPUTE_DTYPES, DTYPE_NAMES, current, multiplies_fp8, resolve_dtype
 from shardlm.errors import ShardlmError, check_in_range, check_one_of, check_positive
 from shardlm.files import read_mapping
 from shardlm.foreign.modules import is_py, parse_spec
 from shardlm.foreign.plan import Plan
-from shardlm.hf.config import HF_PREFIX, is_hf, model_config_from
+from shardlm.families import check_model_config, from_hf, model_preset
+from shardlm.hf.config import HF_PREFIX, is_hf
 from shardlm.hf.config import model_label as hf_model_label
 from shardlm.mesh import MESH_AXES
-from shardlm.models.config import ModelConfig, check_model
-from shardlm.models.presets import model_preset
+from shardlm.models.config import ModelConfig
 
 
 @dataclasses.dataclass
@@ -168,7 +168,7 @@ def model_section(name: str) -> ModelConfig:
     if is_py(name):
         parse_spec(name)  # the form, and that the file exists
         return ModelConfig(preset=name, family=PY_FAMILY)
-    return model_config_from(name) if is_hf(name) else model_preset(name)
+    return from_hf(name) if is_hf(name) else model_preset(name)
 
 
 def describe(cfg: Config) -> str:
@@ -412,8 +412,6 @@ def plan_mesh(plan: str) -> MeshConfig:
 def _check_py_model(cfg: Config) -> None:
     """The fields of a model from a py: file, and what it cannot be combined with."""
     m = cfg.model
-    from shardlm.models.layers import COMPUTE_DTYPES, DTYPES
-
     if m.family != PY_FAMILY:
         raise ShardlmError(f"model.family={m.family} does not apply to a model from a py: file")
     check_positive("model.seq_len", m.seq_len)
@@ -421,7 +419,7 @@ def _check_py_model(cfg: Config) -> None:
         raise ShardlmError(f"model.vocab_size must be >= 0 (0 = the tokenizer's), got {m.vocab_size}")
     check_in_range("model.dropout", m.dropout, 0.0, 1.0)
     check_one_of("model.dtype", m.dtype, COMPUTE_DTYPES)
-    check_one_of("model.param_dtype", m.param_dtype, DTYPES)
+    check_one_of("model.param_dtype", m.param_dtype, DTYPE_NAMES)
     if m.call and not (is_py(m.call) or m.call.isidentifier()):
         raise ShardlmError(f"model.call={m.call}: name a function in the model's file, or py:FILE.py:FUNCTION")
     if cfg.init.from_:
@@ -441,7 +439,7 @@ def validate(cfg: Config) -> None:
     if is_py(cfg.model.preset):
         _check_py_model(cfg)
     else:
-        check_model(cfg.model)
+        check_model_config(cfg.model)
         for key, value in (("plan", cfg.plan), ("model.call", cfg.model.call)):
             if value:
                 raise ShardlmError(f"{key}={value} is for a model from a py: file (model=py:FILE:FUNCTION); "

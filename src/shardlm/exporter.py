@@ -10,8 +10,8 @@ both work.
 
 Design choices:
 - Streamed: the parameters are read from the checkpoint onto the mesh (`shardlm.load`), then each Hugging Face
-  tensor is gathered from the devices, converted (`shardlm.hf.weights.hf_tensors`) and handed to the writer
-  (`shardlm.hf.writer`), which fills one shard at a time. A host holds one shard and one tensor, never the whole
+  tensor is gathered from the devices, converted by the family's mapping (`shardlm.hf.weights.hf_tensors`) and
+  handed to the writer (`shardlm.hf.writer`), which fills one shard at a time. A host holds one shard and one tensor, never the whole
   model (above the shard size). With several processes every process takes part in the gathers and process 0
   writes.
 - The vocabulary's padding rows are dropped; a tied head is written once, as the embedding, as transformers
@@ -32,12 +32,13 @@ import numpy as np
 from shardlm import distributed
 from shardlm.config import read_config_file
 from shardlm.errors import ShardlmError
-from shardlm.hf.config import check_exportable, hf_config
+from shardlm.families import FAMILIES, hf_format
+from shardlm.hf.config import hf_config
 from shardlm.hf.tokenizer import tokenizer_files
 from shardlm.hf.weights import hf_tensors
 from shardlm.hf.writer import DEFAULT_MAX_SHARD_BYTES, ModelDirWriter
 from shardlm.load import LoadedModel, load_model, run_tokenizer
-from shardlm.models.config import FAMILY_NAMES, ModelConfig
+from shardlm.models.config import ModelConfig
 from shardlm.models.stack import rows_of_layers, split_layer_path
 from shardlm.checkpoint import RunCheckpoints, complete_steps
 from shardlm.train.rundir import CONFIG_FILE, require_run
@@ -103,12 +104,13 @@ def _checkpoint_meta(run_dir: Path, step: int | None) -> dict:
     """The meta item of the checkpoint to export, after checking the run can be exported at all."""
     require_run(run_dir, "pass a training run's directory")
     model = read_config_file(run_dir / CONFIG_FILE).get("model", {})
-    if model.get("family") not in FAMILY_NAMES:
+    if model.get("family") not in FAMILIES:
         raise ShardlmError(f"{run_dir} trained {model.get('preset')}, a model from the user's file, whose architecture "
                            "has no Hugging Face counterpart shardlm knows; read its variables with "
                            "shardlm.load_model(run_dir) instead (the module's state, on any mesh)")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    check_exportable(ModelConfig(**{k: v for k, v in model.items() if k in fields}), str(run_dir))
+    trained = ModelConfig(**{k: v for k, v in model.items() if k in fields})
+    hf_format(trained).exportable(trained, str(run_dir))
     steps = complete_steps(run_dir)
     if not steps:
         raise ShardlmError(f"{run_dir} has no complete checkpoint yet; train it first")
@@ -140,7 +142,7 @@ def _add_tensors(writer: ModelDirWriter, m: LoadedModel, vocab: int, dtype: str)
             return _gather(leaves[hit[1]][(rows[hit[0]], *index)])
         return _gather(leaves[path][index] if index else leaves[path])
 
-    for name, array in hf_tensors(m.cfg.model, vocab, get):
+    for name, array in hf_tensors(m.cfg.model, hf_format(m.cfg.model), vocab, get):
         writer.add(name, np.ascontiguousarray(array.astype(cast)))
 
 
@@ -158,6 +160,6 @@ def _configs(m: LoadedModel, vocab: int, dtype: str) -> tuple[dict, dict]:
     eot = m.tokenizer.eot_id
     bos = getattr(m.tokenizer, "bos_id", None)
     bos = eot if bos is None else bos
-    config = hf_config(m.cfg.model, vocab, {"bos_token_id": bos, "eos_token_id": eot})
+    config = hf_config(m.cfg.model, hf_format(m.cfg.model), vocab, {"bos_token_id": bos, "eos_token_id": eot})
     config["dtype"] = config["torch_dtype"] = dtype  # transformers 5 reads the first, 4.x the second
     return config, {"bos_token_id": bos, "eos_token_id": eot}

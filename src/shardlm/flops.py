@@ -23,7 +23,9 @@ import jax.numpy as jnp
 
 from shardlm import host_figures
 from shardlm.accelerator import resolve_dtype
+from shardlm.families import family_of
 from shardlm.kernels.grouped import megablox_flops
+from shardlm.kernels.registry import ATTENTION_KERNELS
 from shardlm.models.config import ModelConfig
 
 
@@ -47,12 +49,12 @@ def jaxpr_matmul_flops(jaxpr, scope: str = "") -> float:
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
         elif name == "ragged_dot_general":  # a mixture's experts: each row by its group's matrix, [M, K] -> [M, N]
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * eqn.invars[0].aval.shape[-1]
-        elif name == "pallas_call" and "splash" in str(eqn.params.get("name") or eqn.params.get("name_and_src_info")):
+        elif name == "pallas_call" and _is_attention_call(eqn):
             total += _attention_call_flops(eqn)
         elif name == "pallas_call" and (grouped := _grouped_call_flops(eqn, inner)) is not None:
             total += grouped
-        elif name in _CUDNN_ATTENTION:
-            total += _CUDNN_ATTENTION[name] * _attention_call_flops(eqn)
+        elif (passes := _attention_primitive_passes(name)) is not None:
+            total += passes * _attention_call_flops(eqn)
         elif name == "scan":
             total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"], inner)
         elif name == "cond":
@@ -75,10 +77,16 @@ def _grouped_call_flops(eqn, scope: str) -> float | None:
     return flops if flops is not None else (float(declared.flops) if declared else None)
 
 
-# cuDNN's fused attention primitives (JAX's), and the passes of attention's matmuls each runs: the forward QK^T
-# and AV, the backward twice that.
-_CUDNN_ATTENTION = {"dot_product_attention_fwd_wrapper": 1, "dot_product_attention_fwd": 1,
-                    "dot_product_attention_bwd_wrapper": 2, "dot_product_attention_bwd": 2}
+def _is_attention_call(eqn) -> bool:
+    """A Pallas call of a registered attention kernel (splash's), by its name (`AttentionKernel.pallas_names`)."""
+    name = str(eqn.params.get("name") or eqn.params.get("name_and_src_info"))
+    return any(n in name for k in ATTENTION_KERNELS.values() for n in k.pallas_names)
+
+
+def _attention_primitive_passes(name: str) -> int | None:
+    """A registered kernel's own JAX primitive (cuDNN's fused attention), and the passes of attention's matmuls it
+    runs: the forward QK^T and AV, the backward twice that (`AttentionKernel.primitives`); None for another."""
+    return next((k.primitives[name] for k in ATTENTION_KERNELS.values() if name in k.primitives), None)
 
 
 def _attention_call_flops(eqn) -> float:
@@ -91,7 +99,7 @@ def _attention_call_flops(eqn) -> float:
     if len(arrays) < 2:
         return 0.0
     q, k = arrays[:2]
-    keys = k[-3] if eqn.primitive.name in _CUDNN_ATTENTION else k[-2]
+    keys = k[-3] if _attention_primitive_passes(eqn.primitive.name) is not None else k[-2]
     return 4.0 * math.prod(q) * keys
 
 
@@ -104,7 +112,7 @@ def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
     expert and the router, not every expert)."""
     d, f, L = cfg.d_model, cfg.d_mlp, cfg.n_layers
     kv_width = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)  # grouped-query k and v are narrower
-    mlp_matrices = 3 if cfg.family == "llama" else 2  # SwiGLU: gate, up, down; GPT: in, out
+    mlp_matrices = family_of(cfg).mlp_matrices  # SwiGLU: gate, up, down; GPT: in, out
     sparse = L // cfg.moe_every if cfg.moe_experts else 0
     experts_per_token = cfg.moe_top_k + (1 if cfg.moe_shared_expert else 0)
     moe_mlp = experts_per_token * mlp_matrices * d * (cfg.moe_d_ff or f) + d * cfg.moe_experts  # + the router

@@ -33,7 +33,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardlm.errors import ShardlmError
-from shardlm.models.layers import STACKED_CACHE_AXES, LayerCache
+from shardlm.models.attention import STACKED_CACHE_AXES
+from shardlm.models.stack import LayerCache
 from shardlm.models.stack import unstacked
 from shardlm.sampling import Sampling, next_tokens
 from shardlm.sharding import (

@@ -21,28 +21,34 @@ import numpy as np
 from flax import nnx
 
 from shardlm.errors import ShardlmError
-from shardlm.hf.config import check_context
+from shardlm.hf.config import read_hf_config
+from shardlm.hf.format import HfFormat
 from shardlm.hf.weights import Checkpoint, View, parameter_views, stacked_views
 from shardlm.models.config import ModelConfig
 from shardlm.trees import path_str
 
 
-def check_checkpoint(directory: Path, model: ModelConfig, vocab: int, padded: int) -> None:
-    """Raise if the checkpoint in `directory` does not fit `model` (keys, shapes, a context beyond Mixtral's
-    sliding window). Reads config.json and the files' headers only."""
-    check_context(directory, model)
-    parameter_views(model, vocab, padded, Checkpoint(directory))
+def check_checkpoint(directory: Path, model: ModelConfig, fmt: HfFormat, vocab: int, padded: int) -> None:
+    """Raise if the checkpoint in `directory` does not fit `model` in its family's format `fmt` (keys, shapes, what
+    the family's mapping refuses: a context beyond Mixtral's sliding window, ...). Reads config.json and the
+    files' headers only."""
+    _views(directory, model, fmt, vocab, padded)
 
 
-def read_params(directory: Path, model: ModelConfig, vocab: int, padded: int, abstract, log=None,
+def _views(directory: Path, model: ModelConfig, fmt: HfFormat, vocab: int, padded: int) -> dict[str, View]:
+    fmt.check_import(model, read_hf_config(directory), Path(directory))
+    return parameter_views(model, fmt, vocab, padded, Checkpoint(directory))
+
+
+def read_params(directory: Path, model: ModelConfig, fmt: HfFormat, vocab: int, padded: int, abstract, log=None,
                 order: tuple[int, ...] | None = None):
     """`abstract` (an nnx.State of ShapeDtypeStructs carrying their target shardings) filled with the weights of the
-    checkpoint in `directory`, each device reading its own shards. `vocab` is the real vocabulary, `padded` the
-    model's padded one; `order` the layer each row of stacked blocks holds (None: row i is layer i)."""
+    checkpoint in `directory` (in its family's format `fmt`), each device reading its own shards. `vocab` is the
+    real vocabulary, `padded` the model's padded one; `order` the layer each row of stacked blocks holds (None:
+    row i is layer i)."""
     t0 = time.perf_counter()
-    check_context(directory, model)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))
-    views = stacked_views(parameter_views(model, vocab, padded, Checkpoint(directory)),  # a scanned model's too
+    views = stacked_views(_views(directory, model, fmt, vocab, padded),  # a scanned model's too
                           [path_str(path) for path, _ in leaves], order)
     arrays, nbytes = [], 0
     for path, leaf in leaves:

@@ -18,7 +18,8 @@ Design choices:
   A `lax.cond` on the device's index picks the case, so no step computes a masked-out block.
 - The per-chunk kernel is the platform's fused one, behind one interface (`ChunkKernel`): forward gives the output
   and log-sum-exp of queries against a chunk of keys, causal or all visible; backward gives dq, dk, dv given the
-  whole row's output and log-sum-exp. cuDNN's (`kernels.attention`) on NVIDIA GPUs, splash's (`kernels.splash`)
+  whole row's output and log-sum-exp. Which kernels can be one, and which a pass takes, is the registry's
+  (`kernels.registry`): cuDNN's (`kernels.attention`) on NVIDIA GPUs, splash's (`kernels.splash`)
   on TPUs, the blockwise kernel in plain JAX (`kernels.flash`) on the CPU and wherever neither applies. A chunk may
   be any length for the blockwise kernel (it pads the last of its blocks); splash takes chunks that
   `splash.splash_block` can block (multiples of 128), which the model checks before choosing it.
@@ -31,7 +32,6 @@ Design choices:
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable, NamedTuple
 
 import jax
@@ -39,9 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from shardlm.kernels.attention import cudnn_available, cudnn_chunk_backward, cudnn_chunk_forward
-from shardlm.kernels.flash import chunk_backward, chunk_forward, merge
-from shardlm.kernels.splash import splash_chunk_available, splash_chunk_backward, splash_chunk_forward
+from shardlm.kernels.flash import merge
 
 
 def zigzag_order(length: int, devices: int) -> np.ndarray:
@@ -78,30 +76,6 @@ class ChunkKernel(NamedTuple):
 
     forward: Callable
     backward: Callable
-
-
-CHUNK_KERNEL_NAMES = {"cudnn": "cuDNN's fused kernel", "splash": "Pallas splash attention",
-                      "flash": "the blockwise kernel"}
-
-
-def chunk_kernel_available(name: str) -> bool:
-    """Whether this JAX has the internals the per-chunk use of kernel `name` calls (cuDNN's rules, splash's
-    backward rule); the blockwise kernel is shardlm's own."""
-    return {"cudnn": cudnn_available, "splash": splash_chunk_available}.get(name, lambda: True)()
-
-
-def chunk_kernel(name: str, *, block: int = 512, interpret: bool = False) -> ChunkKernel:
-    """The per-chunk kernel called `name` (a key of `CHUNK_KERNEL_NAMES`; `chunk_kernel_available` says whether
-    this JAX can run it, else the blockwise kernel stands in); splash is interpreted when `interpret` (off a
-    TPU)."""
-    if not chunk_kernel_available(name):
-        name = "flash"
-    if name == "cudnn":
-        return ChunkKernel(cudnn_chunk_forward, cudnn_chunk_backward)
-    if name == "splash":
-        return ChunkKernel(partial(splash_chunk_forward, block=block, interpret=interpret),
-                           partial(splash_chunk_backward, block=block, interpret=interpret))
-    return ChunkKernel(partial(chunk_forward, block=block), partial(chunk_backward, block=block))
 
 
 def ring_attention(q, k, v, *, axis, devices: int, kernel: ChunkKernel,

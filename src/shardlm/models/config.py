@@ -1,17 +1,24 @@
-"""A model's architecture and numerics (`ModelConfig`), and the checks a model config must pass on its own.
+"""A model's architecture and numerics (`ModelConfig`), and the checks every model config must pass on its own.
 
 Design choices:
 - One dataclass for every family: the fields a family does not use keep their defaults (GPT ignores
-  `n_kv_heads` and `rope_theta`), and `check_model` refuses the combinations a family cannot compute.
+  `n_kv_heads` and `rope_theta`). `check_model` holds the checks every family shares; what a family cannot
+  compute is its own check, in its record (`shardlm.families`), which runs after these.
 - Mesh-dependent checks (does the tensor degree divide the heads?) are not here: they need the mesh, and live
   with the training state (`shardlm.train.state.check_shardable`).
-- Importing this module does not import JAX (the CLI reads configs before JAX starts); the dtype, remat and
-  attention names are checked against the model code's own tables only when a config is checked.
+- The names a check reads (dtypes, attention kernels, grouped-matmul kernels, exchanges, remat policies) live
+  below the models (`shardlm.accelerator`, `shardlm.kernels`, `shardlm.models.remat`), so this module imports
+  no model code and no model code is imported to check a config.
 """
 
 import dataclasses
 
+from shardlm.accelerator import COMPUTE_DTYPES, DTYPE_NAMES
 from shardlm.errors import ShardlmError, check_in_range, check_one_of, check_positive
+from shardlm.kernels.exchange import EXCHANGES
+from shardlm.kernels.grouped import KERNELS as GROUPED_KERNELS
+from shardlm.kernels.registry import attention_choices
+from shardlm.models.remat import check_policy
 
 
 @dataclasses.dataclass
@@ -114,7 +121,6 @@ class ModelConfig:
     call: str = ""
 
 
-FAMILY_NAMES = ("gpt", "llama")
 AUTO_REMAT = "auto"  # model.remat=auto: the planner's choice
 MATMUL_DTYPES = ("auto", "fp8")  # model.matmul_dtype
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # model.pipeline_schedule
@@ -159,9 +165,6 @@ def _check_moe(m: ModelConfig) -> None:
     """The mixture of experts' fields, each a one-line error."""
     if m.moe_experts == 0:
         return
-    if m.family != "llama":
-        raise ShardlmError("model.moe_experts applies to the llama family (SwiGLU experts): use a llama preset "
-                           "(model=llama-tiny, moe-tiny, ...) or drop it")
     if m.moe_experts < 2 or not 1 <= m.moe_top_k <= m.moe_experts:
         raise ShardlmError(f"model.moe_experts={m.moe_experts} and model.moe_top_k={m.moe_top_k}: a mixture needs at "
                            "least 2 experts and 1 <= top_k <= experts")
@@ -177,16 +180,10 @@ def _check_moe(m: ModelConfig) -> None:
 
 
 def _check_kinds(m: ModelConfig) -> None:
-    """Family, head layout, dtypes and the remat/attention choices."""
-    from shardlm.kernels.exchange import EXCHANGES
-    from shardlm.kernels.grouped import KERNELS as GROUPED_KERNELS
-    from shardlm.models.layers import ATTENTION_IMPLS, COMPUTE_DTYPES, DTYPES
-    from shardlm.models.remat import check_policy
-
-    check_one_of("model.family", m.family, FAMILY_NAMES)
+    """Head layout, dtypes and the remat/attention choices."""
     check_one_of("model.dtype", m.dtype, COMPUTE_DTYPES, " (float16 would need loss scaling: use bfloat16)")
-    check_one_of("model.param_dtype", m.param_dtype, DTYPES)
-    check_one_of("model.grad_reduce_dtype", m.grad_reduce_dtype, ("auto", *DTYPES))
+    check_one_of("model.param_dtype", m.param_dtype, DTYPE_NAMES)
+    check_one_of("model.grad_reduce_dtype", m.grad_reduce_dtype, ("auto", *DTYPE_NAMES))
     check_one_of("model.matmul_dtype", m.matmul_dtype, MATMUL_DTYPES)
     if m.loss_chunks < 0:
         raise ShardlmError(f"model.loss_chunks must be >= 0 (0 = automatic), got {m.loss_chunks}")
@@ -197,7 +194,7 @@ def _check_kinds(m: ModelConfig) -> None:
                                "offload")
     else:
         check_policy(m.remat, m.remat_offload)
-    check_one_of("model.attention", m.attention, ATTENTION_IMPLS)
+    check_one_of("model.attention", m.attention, attention_choices())
     check_one_of("model.context_attention", m.context_attention, ("ring", "all_gather"))
     check_one_of("model.moe_kernel", m.moe_kernel, ("auto",) + GROUPED_KERNELS)
     check_one_of("model.moe_exchange", m.moe_exchange, ("auto",) + EXCHANGES)
@@ -208,12 +205,3 @@ def _check_kinds(m: ModelConfig) -> None:
     if m.n_kv_heads < 0 or m.n_heads % kv:
         raise ShardlmError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (each kv head "
                            "serves a group of query heads; 1 = multi-query, 0 = one per query head)")
-    if m.family == "gpt" and kv != m.n_heads:
-        raise ShardlmError("model.n_kv_heads applies to the llama family; GPT has one kv head per query head: "
-                           "drop it, or use model=llama-tiny (or another llama preset)")
-    if m.family == "llama":
-        if m.use_bias:
-            raise ShardlmError("the llama family has no biases: set model.use_bias=false (llama presets do)")
-        if (m.d_model // m.n_heads) % 2:
-            raise ShardlmError(f"rotary embeddings need an even head size, not d_model / n_heads = "
-                               f"{m.d_model // m.n_heads}; change model.d_model or model.n_heads")

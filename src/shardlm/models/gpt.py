@@ -22,19 +22,10 @@ from flax import nnx
 
 from shardlm.models import remat
 from shardlm.models.config import ModelConfig
-from shardlm.models.layers import (
-    CACHE_AXES,
-    DTYPES,
-    compute_dtype,
-    Attention,
-    CausalLM,
-    LayerCache,
-    PreNormBlock,
-    padded_vocab_size,
-    param,
-    reduce_dtype,
-    use,
-)
+from shardlm.models.attention import CACHE_AXES, Attention
+from shardlm.models.layers import CausalLM, PreNormBlock
+from shardlm.models.params import DTYPES, compute_dtype, padded_vocab_size, param, reduce_dtype, use
+from shardlm.models.stack import LayerCache
 from shardlm.models.precision import add_bias, matmul
 from shardlm.sharding import constrain
 

@@ -26,17 +26,9 @@ from flax import nnx
 
 from shardlm.models import remat
 from shardlm.models.config import ModelConfig
-from shardlm.models.layers import (
-    DTYPES,
-    Attention,
-    CausalLM,
-    PreNormBlock,
-    compute_dtype,
-    param,
-    reduce_dtype,
-    rope_tables,
-    use,
-)
+from shardlm.models.attention import Attention, rope_tables
+from shardlm.models.layers import CausalLM, PreNormBlock
+from shardlm.models.params import DTYPES, compute_dtype, param, reduce_dtype, use
 from shardlm.models.precision import matmul, matmuls
 from shardlm.models.moe import MoeMLP
 from shardlm.sharding import constrain

@@ -80,7 +80,7 @@ from shardlm.errors import ShardlmError
 from shardlm.kernels.exchange import exchange, ragged_exchange
 from shardlm.kernels.grouped import grouped_matmul
 from shardlm.models import remat
-from shardlm.models.layers import param, use
+from shardlm.models.params import param, use
 from shardlm.models.rows import Routes, from_slots, permute, to_slots
 from shardlm.sharding import active_mesh, active_spec, constrain
 from shardlm.sharding.rules import as_axes

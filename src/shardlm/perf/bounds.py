@@ -39,6 +39,7 @@ import math
 
 import numpy as np
 
+from shardlm.families import family_of
 from shardlm.perf.costmodel import Hardware
 from shardlm.perf.strategies import Strategy
 
@@ -203,11 +204,11 @@ def matmul_seconds(cfg, s: Strategy, hw: Hardware, padded_vocab: int, *, fused_a
     rows = max(t.batch_size // (s.data * s.fsdp * s.expert), 1)
     tokens = rows * m.seq_len // s.context
     head_dim, kv = m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
-    gated = m.family == "llama"
+    inputs = family_of(m).mlp_matrices - 1  # the MLP's input projections (SwiGLU's gate and up), as one product
     dense = m.n_layers - (m.n_layers // m.moe_every if m.moe_experts else 0)
     per_layer = [(m.d_model, (m.n_heads + 2 * kv) * head_dim // s.tensor), (m.n_heads * head_dim // s.tensor,
                                                                            m.d_model)]
-    mlp = [(m.d_model, (2 if gated else 1) * m.d_mlp // s.tensor), (m.d_mlp // s.tensor, m.d_model)]
+    mlp = [(m.d_model, inputs * m.d_mlp // s.tensor), (m.d_mlp // s.tensor, m.d_model)]
     layers = m.n_layers // s.stage
     weights = ([(k, n, layers) for k, n in per_layer] + [(k, n, dense // s.stage) for k, n in mlp]
                + [(m.d_model, padded_vocab // s.tensor, 1)])

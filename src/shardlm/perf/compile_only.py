@@ -24,7 +24,7 @@ from shardlm.flops import jaxpr_matmul_flops, mfu, peak_dtype, possible_mfu
 from shardlm.foreign.modules import is_py
 from shardlm.mesh import describe_mesh, mesh_from_config
 from shardlm.models.head import recording
-from shardlm.models.layers import attention_summary
+from shardlm.models.attention import attention_summary
 from shardlm.perf import hlo
 from shardlm.perf.compiled import CompiledStep, CompileFailed, compile_step
 from shardlm.perf.costmodel import Estimate, Hardware, h100_peak
@@ -50,7 +50,7 @@ class CompileReport:
     optimizer: int
     model_flops: float  # per step, all devices
     est: Estimate  # shardlm's estimate: the per-kernel timeline
-    attention: str = ""  # the kernel the step compiled with, and why (`models.layers.attention_summary`)
+    attention: str = ""  # the kernel the step compiled with, and why (`models.attention.attention_summary`)
     head: str = ""  # the fused head and loss's schedule per device, with its bytes (`models.head.Schedule`)
 
     @property

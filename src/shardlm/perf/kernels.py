@@ -39,12 +39,19 @@ import math
 import re
 
 from shardlm.kernels.grouped import megablox_flops, routed_rows
+from shardlm.kernels.registry import ATTENTION_KERNELS
 from shardlm.perf import hlo
 
 ASYNC_COPIES = ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start")
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",
         "partition-id", "replica-id", "add-dependency", "domain", "iota"}
-_ATTENTION_TARGETS = ("__cudnn$fmha",)
+
+
+def _names_attention(name: str, placement: str = "") -> bool:
+    """Whether an HLO kernel's name is a registered attention kernel's (`AttentionKernel.hlo_names`: splash's
+    Pallas kernels, the blockwise kernel's scopes), of that `placement` if given."""
+    return any(n in name for k in ATTENTION_KERNELS.values() if not placement or k.placement == placement
+               for n in k.hlo_names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +230,7 @@ class _Reader:
         and does two more matmuls (1.5x), the dkv kernel three more (2x)."""
         name = ins.name
         passes = 1.5 if "_dq" in name else 2.0 if "_dkv" in name else 1.0 if "_fwd" in name else None
-        if passes is None or "splash" not in name:
+        if passes is None or not _names_attention(name, placement="per_device"):
             return None
         arrays = [(d, t) for text in [ins.shape] + [self.shape(o) for o in ins.operands]
                   for t, dims in hlo._ARRAY.findall(text) if len(d := hlo._ints(dims)) == 4 and t in ("bf16", "f32")]
@@ -341,7 +348,7 @@ class _Reader:
     def _custom_call(self, ins: hlo._Instruction, times: int) -> Kernel:
         target, config = hlo.custom_call_target(ins), _config(ins)
         nbytes = self.plain_bytes(ins)
-        if target.startswith(_ATTENTION_TARGETS):
+        if target.startswith(tuple(t for k in ATTENTION_KERNELS.values() for t in k.hlo_targets)):
             flops, dims, dtype = self.attention(ins, config)
             return Kernel(ins.name, "attention", flops, nbytes, dtype, dims, times)
         if "gemm" in target or "matmul" in target:  # cuBLAS: __cublas$gemm, __cublas$lt$matmul(...)
@@ -362,7 +369,7 @@ class _Reader:
         if estimate:  # a Pallas kernel that says what it does (splash attention)
             flops = float(estimate.get("flops", 0.0))
             nbytes = float(estimate.get("bytes_accessed", nbytes))
-            kind = "attention" if re.search(r"attention|splash|flash", hlo._op_name(ins)) else "gemm"
+            kind = "attention" if "attention" in hlo._op_name(ins) or _names_attention(hlo._op_name(ins)) else "gemm"
             dtype = _shape_dims(self.shape(ins.operands[0]))[0] if ins.operands else ""
             return Kernel(ins.name, kind if flops else "memory", flops, nbytes, dtype, (), times)
         return Kernel(ins.name, "memory", 0.0, nbytes, times=times)

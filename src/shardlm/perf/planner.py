@@ -528,11 +528,11 @@ def _with_variant(cfg: Config, remat: str, matmul_dtype: str, accelerator=None) 
         return cfg
     from shardlm.accelerator import current
     from shardlm.config import check_fp8
-    from shardlm.models.config import check_model
+    from shardlm.families import check_model_config
 
     model = dataclasses.replace(cfg.model, **({"remat": remat} if remat else {}),
                                 **({"matmul_dtype": matmul_dtype} if matmul_dtype else {}))
-    check_model(model)
+    check_model_config(model)
     if model.matmul_dtype == "fp8":
         check_fp8(accelerator or current())
     return dataclasses.replace(cfg, model=model)
@@ -666,13 +666,13 @@ def cheapest_remats(p: Plan) -> dict[str, StrategyPlan | None]:
 
 
 def attention_lines(p: Plan) -> list[str]:
-    """Which attention kernel the strategies' steps compiled with, and why (`models.layers.attention_summary`, for
+    """Which attention kernel the strategies' steps compiled with, and why (`models.attention.attention_summary`, for
     the target compiled for): a line per kernel, naming its strategies."""
     import contextlib
 
     from shardlm.accelerator import compiling_for
     from shardlm.foreign.modules import is_py
-    from shardlm.models.layers import attention_summary
+    from shardlm.models.attention import attention_summary
 
     if is_py(p.cfg.model.preset):
         return []

@@ -20,19 +20,18 @@ from shardlm.data.prepare import META_FILE
 from shardlm.data.tokenizer import TOKENIZER_FILE
 from shardlm.errors import ShardlmError
 from shardlm.hf import importer
-from shardlm.hf.config import hf_dir, is_hf, model_config_from, read_hf_config
+from shardlm.families import family_of, from_hf, hf_format
+from shardlm.hf.config import hf_dir, is_hf, read_hf_config
 from shardlm.train.source import model_source
 from shardlm.train.state import abstract_model, vocab_sizes
-
-GPT2_VOCAB = 50257  # a GPT-2 checkpoint of this vocabulary saved without tokenizer files is tiktoken's gpt2
-
 
 def with_checkpoint_defaults(cfg: Config) -> Config:
     """`cfg` for a run that starts from the checkpoint in `init.from`: the model's vocabulary the checkpoint's
     (when `model.vocab_size` is 0, as in the built-in presets), and `data.tokenizer=auto` the checkpoint's
-    tokenizer: its tokenizer.json (`bpe:DIR/tokenizer.json`), or tiktoken's gpt2 for a GPT-2 checkpoint of GPT-2's
-    vocabulary. A prepared data directory keeps its own tokenizer if it is that one (gpt2; or the same file,
-    checked when it is opened). A resumed run's config has both set already, and reads nothing here."""
+    tokenizer: its tokenizer.json (`bpe:DIR/tokenizer.json`), or the family's tokenizer for its vocabulary size
+    (`Family.tokenizers`: tiktoken's gpt2 for a GPT-2 checkpoint of GPT-2's vocabulary). A prepared data directory
+    keeps its own tokenizer if it is that one (gpt2; or the same file, checked when it is opened). A resumed run's
+    config has both set already, and reads nothing here."""
     if not is_hf(cfg.init.from_) or (cfg.model.vocab_size and cfg.data.tokenizer != "auto"):
         return cfg
     directory = hf_dir(cfg.init.from_).resolve()
@@ -46,13 +45,13 @@ def with_checkpoint_defaults(cfg: Config) -> Config:
 
 
 def _checkpoint_tokenizer(directory: Path, model, prepared_meta: Path) -> str:
-    gpt2 = model.family == "gpt" and model.vocab_size == GPT2_VOCAB
-    if prepared_meta.is_file() and gpt2 and json.loads(prepared_meta.read_text()).get("tokenizer") == "gpt2":
-        return "gpt2"
+    known = family_of(model).tokenizers.get(model.vocab_size)  # the family's own for this vocabulary, if any
+    if prepared_meta.is_file() and known and json.loads(prepared_meta.read_text()).get("tokenizer") == known:
+        return known
     if (directory / TOKENIZER_FILE).is_file():
         return f"bpe:{directory / TOKENIZER_FILE}"
-    if gpt2:
-        return "gpt2"
+    if known:
+        return known
     raise ShardlmError(f"init.from=hf:{directory} holds no {TOKENIZER_FILE} to tokenize the data with; save "
                        "the tokenizer there (tokenizer.save_pretrained), or set data.tokenizer")
 
@@ -64,7 +63,7 @@ def check_checkpoint(cfg: Config, mesh) -> None:
         return
     real, padded = vocab_sizes(cfg, cfg.model.vocab_size, mesh.shape["tensor"])  # set by with_checkpoint_defaults
     try:
-        importer.check_checkpoint(hf_dir(cfg.init.from_), cfg.model, real, padded)
+        importer.check_checkpoint(hf_dir(cfg.init.from_), cfg.model, hf_format(cfg.model), real, padded)
     except ShardlmError as e:
         changed = _changed_architecture(cfg)
         if not changed:
@@ -76,7 +75,7 @@ def check_checkpoint(cfg: Config, mesh) -> None:
 def _changed_architecture(cfg: Config) -> str:
     """The run's model settings that make tensors of other shapes than `init.from`'s config.json says (a preset
     or an override beside init.from), as "model.n_layers=2 (the checkpoint's 24), ...", or ""."""
-    own = model_config_from(cfg.init.from_)
+    own = from_hf(cfg.init.from_)
     return ", ".join(f"model.{f}={getattr(cfg.model, f)} (the checkpoint's {getattr(own, f)})" for f in SHAPING
                      if getattr(cfg.model, f) != getattr(own, f))
 
@@ -91,5 +90,5 @@ def import_params(spec: str, cfg: Config, mesh, vocab_size: int, log=None):
     `vocab_size` is the real vocabulary (the model pads it for the tensor degree)."""
     real, padded = vocab_sizes(cfg, vocab_size, mesh.shape["tensor"])
     graphdef, abstract = abstract_model(cfg, mesh, real)
-    return graphdef, importer.read_params(hf_dir(spec), cfg.model, real, padded, abstract, log,
+    return graphdef, importer.read_params(hf_dir(spec), cfg.model, hf_format(cfg.model), real, padded, abstract, log,
                                           model_source(cfg).layer_order(mesh))

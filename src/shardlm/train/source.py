@@ -45,6 +45,7 @@ from shardlm.accelerator import resolve_dtype
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
 from shardlm.explanation import explain_state, explain_trees
+from shardlm.families import build_model
 from shardlm.flops import flops_per_token, jaxpr_matmul_flops
 from shardlm.foreign.activations import check_rules_match, constrained, nnx_module_paths
 from shardlm.foreign.layout import resolve_entries
@@ -53,11 +54,11 @@ from shardlm.foreign.modules import build_module, call_spec, is_py, load_functio
 from shardlm.foreign.placement import opt_state_shardings, resolve_layout
 from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
-from shardlm.models import FAMILIES, padded_vocab_size
+from shardlm.kernels.registry import check_attention, uses_ring
 from shardlm.models.head import plan as head_plan
-from shardlm.models.layers import DTYPES, check_attention, uses_ring
 from shardlm.models.moe import exchange_capacity, round_sizes
 from shardlm.models.one_f_one_b import in_flight
+from shardlm.models.params import DTYPES, padded_vocab_size
 from shardlm.models.pipeline import (
     bubble_fraction,
     check_pipeline,
@@ -126,8 +127,8 @@ class OwnModel:
 
     def factory(self, vocab_size: int, tensor_degree: int, stages: int = 1):
         real, padded = self.vocab_sizes(vocab_size, tensor_degree)
-        family, m, seed = FAMILIES[self.cfg.model.family], self.cfg.model, self.cfg.seed
-        return lambda: family(m, real, padded, nnx.Rngs(params=seed), stages=stages)
+        m, seed = self.cfg.model, self.cfg.seed
+        return lambda: build_model(m, real, padded, nnx.Rngs(params=seed), stages=stages)
 
     def state_shardings(self, abstract_state, mesh):
         """The training state's: weights and AdamW moments split over `data` too where the state is sharded over

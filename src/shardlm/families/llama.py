@@ -1,21 +1,16 @@
-"""Model size presets. GPT-2 sizes follow the GPT-2 paper (context 1024, 4x MLP). Llama sizes follow the shapes of
-published Llama-style models (SwiGLU hidden ~8/3 d_model or more, grouped-query attention, no biases); the counts
-are for a 32,000-token vocabulary (Llama 2's), tied, and move by d_model x vocabulary with the tokenizer."""
+"""The Llama family: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, and mixtures of experts
+(`shardlm.models.llama`), and its presets. Sizes follow the shapes of published Llama-style models (SwiGLU
+hidden ~8/3 d_model or more, grouped-query attention, no biases); the counts are for a 32,000-token vocabulary
+(Llama 2's), tied, and move by d_model x vocabulary with the tokenizer."""
 
 from shardlm.errors import ShardlmError
+from shardlm.families.spec import Family, register
+from shardlm.hf.llama import LLAMA as LLAMA_HF
 from shardlm.models.config import ModelConfig
 
-_LLAMA = dict(family="llama", use_bias=False, tie_embeddings=True)
+_LLAMA = dict(use_bias=False, tie_embeddings=True)
 
-_PRESETS: dict[str, dict] = {
-    # Trains visibly in a few CPU minutes on the built-in corpus.
-    "tiny": dict(n_layers=4, n_heads=4, d_model=128, d_mlp=512, seq_len=128),
-    # nanoGPT's Shakespeare scale: minutes on one GPU.
-    "small": dict(n_layers=6, n_heads=6, d_model=384, d_mlp=1536, seq_len=256, dropout=0.1),
-    "gpt2-small": dict(n_layers=12, n_heads=12, d_model=768, d_mlp=3072, seq_len=1024),  # 124M
-    "gpt2-medium": dict(n_layers=24, n_heads=16, d_model=1024, d_mlp=4096, seq_len=1024),  # 350M
-    "gpt2-large": dict(n_layers=36, n_heads=20, d_model=1280, d_mlp=5120, seq_len=1024),  # 774M
-    "gpt2-xl": dict(n_layers=48, n_heads=25, d_model=1600, d_mlp=6400, seq_len=1024),  # 1.5B
+PRESETS = {
     # The same scales as tiny and small, Llama-style, with 2 kv heads.
     "llama-tiny": dict(_LLAMA, n_layers=4, n_heads=4, n_kv_heads=2, d_model=128, d_mlp=384, seq_len=128),
     "llama-small": dict(_LLAMA, n_layers=6, n_heads=6, n_kv_heads=2, d_model=384, d_mlp=1024, seq_len=256),
@@ -41,12 +36,14 @@ _PRESETS: dict[str, dict] = {
                          moe_experts=8, moe_top_k=2),
 }
 
-PRESET_NAMES = tuple(_PRESETS)
+
+def check(m: ModelConfig) -> None:
+    if m.use_bias:
+        raise ShardlmError("the llama family has no biases: set model.use_bias=false (llama presets do)")
+    if (m.d_model // m.n_heads) % 2:
+        raise ShardlmError(f"rotary embeddings need an even head size, not d_model / n_heads = "
+                           f"{m.d_model // m.n_heads}; change model.d_model or model.n_heads")
 
 
-def model_preset(name: str) -> ModelConfig:
-    """A built-in preset. (`hf:DIR`, a Hugging Face checkpoint's architecture, is resolved by the run config.)"""
-    if name not in _PRESETS:
-        raise ShardlmError(f"unknown model preset '{name}'; choose one of: {', '.join(PRESET_NAMES)}, or "
-                           "hf:DIR (a Hugging Face checkpoint's architecture)")
-    return ModelConfig(preset=name, **_PRESETS[name])
+LLAMA = register(Family(name="llama", model="shardlm.models.llama:Llama", mlp_matrices=3, presets=PRESETS,
+                        check=check, experts=True, hf=LLAMA_HF))
