@@ -350,6 +350,39 @@ def _up_to_date(out: Path, fingerprint: str, force: bool) -> bool:
     return False
 
 
+def _write_val_files(val_files, stats: ReadStats, tok: Tokenizer, token_bytes, dtype, tmp: Path, text_field,
+                     invalid_utf8, bar) -> tuple[dict, int]:
+    """The validation split from its own inputs: (documents per split, the split's text bytes); `stats` then counts
+    both splits' documents."""
+    val_stats = ReadStats(bytes_read=stats.bytes_read)
+    val_docs = read_documents(val_files, val_stats, text_field=text_field, invalid_utf8=invalid_utf8)
+    val_bytes = _write_tokens(val_docs, tok, token_bytes, dtype, tmp / "val.bin", val_stats, bar)[1]
+    if val_stats.documents == 0:
+        raise ShardlmError("the validation inputs hold no documents; pass text")
+    split_docs = {"train": stats.documents, "val": val_stats.documents}
+    for k in ("documents", "text_bytes", "empty_skipped", "invalid_utf8_replaced"):
+        setattr(stats, k, getattr(stats, k) + getattr(val_stats, k))
+    return split_docs, val_bytes
+
+
+def _split_tail(tmp: Path, n: int, starts, dtype, token_bytes, val_split: tuple[float, int], log
+                ) -> tuple[dict, int, bool]:
+    """The validation split cut from the tail of the `n` training tokens (documents starting at `starts`): (documents
+    per split, the tail's text bytes, whether it starts mid-document)."""
+    val_fraction, min_val_tokens = val_split
+    cut, mid_document = _tail_cut(n, starts, val_fraction, min_val_tokens)
+    if min(min_val_tokens, n // 2) > val_fraction * n:
+        log(f"data: the validation split holds {(n - cut) / n:.0%} of the tokens, not {val_fraction:g}: "
+            f"the text is small, and evaluation takes at least {min_val_tokens:,} (or half)")
+    train_tokens = np.memmap(tmp / "train.bin", dtype=dtype, mode="r", shape=(n,))
+    train_tokens[cut:].tofile(tmp / "val.bin")
+    val_bytes = _split_bytes(train_tokens[cut:], token_bytes)  # the short tail only
+    del train_tokens
+    os.truncate(tmp / "train.bin", cut * dtype.itemsize)
+    split_docs = {"train": int(np.sum(starts < cut)), "val": int(np.sum(starts >= cut)) + mid_document}
+    return split_docs, val_bytes, mid_document
+
+
 def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_split: tuple[float, int], text_field,
            invalid_utf8, progress, log) -> dict:
     val_fraction, min_val_tokens = val_split
@@ -366,26 +399,11 @@ def _write(tmp: Path, files, val_files, tok: Tokenizer, dtype, val_split: tuple[
         if stats.documents == 0:
             raise ShardlmError(f"the inputs hold no documents ({stats.empty_skipped} empty); pass text")
         if val_files:
-            val_stats = ReadStats(bytes_read=stats.bytes_read)
-            val_docs = read_documents(val_files, val_stats, text_field=text_field, invalid_utf8=invalid_utf8)
-            val_bytes = _write_tokens(val_docs, tok, token_bytes, dtype, tmp / "val.bin", val_stats, bar)[1]
-            if val_stats.documents == 0:
-                raise ShardlmError("the validation inputs hold no documents; pass text")
-            split_docs = {"train": stats.documents, "val": val_stats.documents}
-            for k in ("documents", "text_bytes", "empty_skipped", "invalid_utf8_replaced"):
-                setattr(stats, k, getattr(stats, k) + getattr(val_stats, k))
+            split_docs, val_bytes = _write_val_files(val_files, stats, tok, token_bytes, dtype, tmp, text_field,
+                                                     invalid_utf8, bar)
         else:
-            cut, mid_document = _tail_cut(n, starts, val_fraction, min_val_tokens)
-            if min(min_val_tokens, n // 2) > val_fraction * n:
-                log(f"data: the validation split holds {(n - cut) / n:.0%} of the tokens, not {val_fraction:g}: "
-                    f"the text is small, and evaluation takes at least {min_val_tokens:,} (or half)")
-            train_tokens = np.memmap(tmp / "train.bin", dtype=dtype, mode="r", shape=(n,))
-            train_tokens[cut:].tofile(tmp / "val.bin")
-            val_bytes = _split_bytes(train_tokens[cut:], token_bytes)  # the short tail only
+            split_docs, val_bytes, mid_document = _split_tail(tmp, n, starts, dtype, token_bytes, val_split, log)
             train_bytes -= val_bytes
-            del train_tokens
-            os.truncate(tmp / "train.bin", cut * dtype.itemsize)
-            split_docs = {"train": int(np.sum(starts < cut)), "val": int(np.sum(starts >= cut)) + mid_document}
 
     split_bytes = {"train": train_bytes, "val": val_bytes}
     splits = {}

@@ -327,21 +327,35 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
     The accelerator rewrites look at sync all-reduces, the only kind XLA:CPU emits."""
     instructions = _parse(hlo_text)
     users: dict[str, list[_Instruction]] = defaultdict(list)
-    opcode = {}
     for ins in instructions:
-        opcode[ins.name] = ins.opcode
         for op in ins.operands:
             users[op].append(ins)
+    by_name = {ins.name: ins for ins in instructions}
+    times = _trip_counts(instructions)
+    level = _collective_levels(instructions, by_name)
+    clones = async_fusions(instructions).clones
+    out = []
+    for ins in instructions:
+        kind = _kind(ins.opcode)
+        if kind not in KINDS or ins.name in clones:  # an XLA:TPU async collective counts once, at its start
+            continue
+        groups = parse_groups(ins.attrs, n_devices)
+        out.append(CollectiveOp(kind, ins.name, _message_bytes(ins, kind, groups, n_devices), groups,
+                                times.get(ins.computation, 1), _op_name(ins), level[ins.name]))
+    if as_accelerators_run:
+        out = _AcceleratorRewrites(instructions, by_name, users, out).run()
+    return out
+
+
+def _collective_levels(instructions: list[_Instruction], by_name: dict[str, _Instruction]) -> dict[str, int]:
+    """Levels: collectives passed on the longest chain of data before each instruction. Instructions are listed
+    operands first, so one pass does it. Scalars add no level: XLA:CPU packs the gradient norm's partial sums into
+    the gradients' all-reduces, which would otherwise chain every gradient's reduction to the previous one."""
 
     def by_kind(name: str) -> str | None:
-        kind = _kind(opcode.get(name, ""))
+        ins = by_name.get(name)
+        kind = _kind(ins.opcode if ins is not None else "")
         return kind if kind in KINDS else None
-    times = _trip_counts(instructions)
-    # Levels: collectives passed on the longest chain of data before each instruction. Instructions are listed
-    # operands first, so one pass does it. Scalars add no level: XLA:CPU packs the gradient norm's partial sums
-    # into the gradients' all-reduces, which would otherwise chain every gradient's reduction to the previous one.
-    level: dict[str, int] = {}
-    by_name = {ins.name: ins for ins in instructions}
 
     def passes_collective(name: str) -> bool:
         """`name` is a collective's (non-scalar) result: the collective, an element of a combined one, or the
@@ -353,38 +367,32 @@ def collectives(hlo_text: str, n_devices: int, *, as_accelerators_run: bool = Tr
             return True
         return ins.opcode == "get-tuple-element" and by_kind(ins.operands[0]) is not None
 
+    level: dict[str, int] = {}
     for ins in instructions:
         operands = ins.operands
         if by_kind(ins.name) is not None:  # a scalar riding in a combined collective does not order it
             operands = [o for o in operands if o in by_name and array_bytes(by_name[o].shape) > 8] or operands
         level[ins.name] = max((level.get(o, 0) + passes_collective(o) for o in operands), default=0)
-    out = []
-    clones = async_fusions(instructions).clones
-    for ins in instructions:
-        kind = _kind(ins.opcode)
-        if kind not in KINDS or ins.name in clones:  # an XLA:TPU async collective counts once, at its start
-            continue
-        sizes = _array_sizes(ins.shape)
-        nbytes = array_bytes(ins.shape)
-        groups = parse_groups(ins.attrs, n_devices)
-        if ins.opcode.startswith("ragged-all-to-all"):  # its output buffer, times the share its caller expects used
-            last = _ARRAY.findall(ins.shape)[-1]
-            nbytes = int(array_bytes(f"{last[0]}[{last[1]}]") * (routed_share(ins.attrs) or 1.0))
-        elif ins.opcode.endswith("-start") and kind != "all-reduce" and len(sizes) >= 2:
-            # An async start holds (operands, results[, contexts]); the message is the results for all-gather and
-            # all-to-all, the unscattered operands for reduce-scatter, the operand for permute
-            arrays = _ARRAY.findall(ins.shape)
-            half = {"collective-permute": arrays[:1], "reduce-scatter": arrays[:len(arrays) // 2]}.get(
-                kind, arrays[len(arrays) // 2:])
-            nbytes = array_bytes(" ".join(f"{d}[{s}]" for d, s in half))
-        elif kind == "reduce-scatter":  # the result is this device's 1/n of the operand
-            nbytes *= len(groups[0]) if groups else n_devices
-        op = CollectiveOp(kind, ins.name, nbytes, groups, times.get(ins.computation, 1), _op_name(ins),
-                          level[ins.name])
-        out.append(op)
-    if as_accelerators_run:
-        out = _AcceleratorRewrites(instructions, by_name, users, out).run()
-    return out
+    return level
+
+
+def _message_bytes(ins: _Instruction, kind: str, groups, n_devices: int) -> int:
+    """The bytes of a collective's message: its result, but for the cases below."""
+    sizes = _array_sizes(ins.shape)
+    nbytes = array_bytes(ins.shape)
+    if ins.opcode.startswith("ragged-all-to-all"):  # its output buffer, times the share its caller expects used
+        last = _ARRAY.findall(ins.shape)[-1]
+        return int(array_bytes(f"{last[0]}[{last[1]}]") * (routed_share(ins.attrs) or 1.0))
+    if ins.opcode.endswith("-start") and kind != "all-reduce" and len(sizes) >= 2:
+        # An async start holds (operands, results[, contexts]); the message is the results for all-gather and
+        # all-to-all, the unscattered operands for reduce-scatter, the operand for permute
+        arrays = _ARRAY.findall(ins.shape)
+        half = {"collective-permute": arrays[:1], "reduce-scatter": arrays[:len(arrays) // 2]}.get(
+            kind, arrays[len(arrays) // 2:])
+        return array_bytes(" ".join(f"{d}[{s}]" for d, s in half))
+    if kind == "reduce-scatter":  # the result is this device's 1/n of the operand
+        return nbytes * (len(groups[0]) if groups else n_devices)
+    return nbytes
 
 
 class _AcceleratorRewrites:

@@ -395,70 +395,98 @@ def program(hlo_text: str, n_devices: int, collectives: list[hlo.CollectiveOp] |
     (`hlo.collectives` of the same text unless given)."""
     instructions = hlo._parse(hlo_text)
     ops = collectives if collectives is not None else hlo.collectives(hlo_text, n_devices)
-    reader = _Reader(instructions)
-    times = hlo._trip_counts(instructions)
     entry = next((m.group(1) for line in hlo_text.splitlines() if (m := re.match(r"^ENTRY %([\w.\-]+)", line))),
                  instructions[-1].computation if instructions else "")
-    op_index = {op.name: i for i, op in enumerate(ops)}
-    fused_async = hlo.async_fusions(instructions)
+    scheduler = _Scheduler(instructions, ops)
     schedules: dict[str, list[Event]] = {}
-    started: dict[str, int] = {}
     pending = [entry]
     while pending:
         comp = pending.pop()
-        if comp in schedules:
-            continue
-        events: list[Event] = []
-        for ins in reader.in_computation.get(comp, []):
-            kind = hlo._kind(ins.opcode)
-            if ins.name in op_index:  # a collective, sync or the start of an async one
-                events.append(Event("start" if ins.opcode.endswith("-start") else "sync", op=op_index[ins.name]))
-                continue
-            if ins.opcode in ASYNC_COPIES:  # to or from host memory (offloaded activations), asynchronously
-                events.append(Event("copy_start", kernel=Kernel(ins.name, "copy", 0.0, reader.copied(ins),
-                                                                 times=times.get(comp, 1))))
-                continue
-            if ins.opcode in ("copy-done", "dynamic-slice-done", "dynamic-update-slice-done") and ins.operands:
-                events.append(Event("copy_done", computation=ins.operands[0]))
-                continue
-            if ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in op_index:
-                events.append(Event("done", op=op_index[ins.operands[0]]))
-                continue
-            if kind in hlo.KINDS or ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
-                continue  # a collective the rewrites folded away, or the end of an async op costed at its start
-            if ins.opcode == "while":
-                body = re.search(r"body=%([\w.\-]+)", ins.attrs)
-                if body:
-                    n = times.get(body.group(1), 1) // max(times.get(comp, 1), 1)
-                    events.append(Event("call", computation=body.group(1), times=max(n, 1)))
-                    pending.append(body.group(1))
-                continue
-            if ins.opcode == "conditional":
-                branches = tuple(hlo.branches(ins))
-                events.append(Event("branches", branches=branches))
-                pending.extend(branches)
-                continue
-            if ins.opcode == "fusion" and (called := hlo.called(ins)) and (
-                    names := fused_async.started.get(called) or fused_async.done.get(called)):
-                # XLA:TPU's async collective fusions: the start begins its collectives, the done waits for them
-                what = "start" if called in fused_async.started else "done"
-                events.extend(Event(what, op=op_index[name]) for name in names if name in op_index)
-                continue
-            if ins.opcode == "async-start" and (wrapped := _wrapped_collective(reader, ins, op_index)) is not None:
-                started[ins.name] = wrapped  # XLA:GPU's async reduce-scatter / all-to-all
-                events.append(Event("start", op=wrapped))
-                continue
-            if ins.opcode == "async-done" and ins.operands and ins.operands[0] in started:
-                events.append(Event("done", op=started[ins.operands[0]]))
-                continue
-            if ins.opcode in ("call", "async-start"):
-                called = re.search(r"(?:to_apply|calls)=%([\w.\-]+)", ins.attrs)
-                if called:
-                    events.append(Event("call", computation=called.group(1)))
-                    pending.append(called.group(1))
-                continue
-            k = reader.kernel(ins, times.get(comp, 1))
-            if k is not None:
-                events.append(Event("kernel", kernel=k))
-        schedules[comp] = events
+        if comp not in schedules:
+            schedules[comp] = scheduler.events(comp, pending)
     return Program(entry, schedules, ops)
+
+
+class _Scheduler:
+    """Each computation's instructions as schedule events: collectives started, waited for or done in place, copies to
+    and from the host, the computations it runs (their names added to the caller's `pending`), kernels. Each step
+    below answers for the instructions it knows (None for the others), in this order."""
+
+    def __init__(self, instructions, ops: list[hlo.CollectiveOp]):
+        self.reader = _Reader(instructions)
+        self.times = hlo._trip_counts(instructions)
+        self.op_index = {op.name: i for i, op in enumerate(ops)}
+        self.fused_async = hlo.async_fusions(instructions)
+        self.started: dict[str, int] = {}
+
+    def events(self, comp: str, pending: list[str]) -> list[Event]:
+        events: list[Event] = []
+        for ins in self.reader.in_computation.get(comp, []):
+            for step in (self._collective_or_copy, self._folded, self._nested, self._async_collective, self._call):
+                found = step(ins, comp, pending)
+                if found is not None:
+                    events.extend(found)
+                    break
+            else:
+                k = self.reader.kernel(ins, self.times.get(comp, 1))
+                if k is not None:
+                    events.append(Event("kernel", kernel=k))
+        return events
+
+    def _collective_or_copy(self, ins, comp: str, pending) -> list[Event] | None:
+        op_index = self.op_index
+        if ins.name in op_index:  # a collective, sync or the start of an async one
+            return [Event("start" if ins.opcode.endswith("-start") else "sync", op=op_index[ins.name])]
+        if ins.opcode in ASYNC_COPIES:  # to or from host memory (offloaded activations), asynchronously
+            return [Event("copy_start", kernel=Kernel(ins.name, "copy", 0.0, self.reader.copied(ins),
+                                                       times=self.times.get(comp, 1)))]
+        if ins.opcode in ("copy-done", "dynamic-slice-done", "dynamic-update-slice-done") and ins.operands:
+            return [Event("copy_done", computation=ins.operands[0])]
+        if ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in op_index:
+            return [Event("done", op=op_index[ins.operands[0]])]
+        return None
+
+    def _folded(self, ins, comp: str, pending) -> list[Event] | None:
+        """A collective the rewrites folded away, or the end of an async op costed at its start: nothing."""
+        if hlo._kind(ins.opcode) in hlo.KINDS or ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
+            return []
+        return None
+
+    def _nested(self, ins, comp: str, pending: list[str]) -> list[Event] | None:
+        """A loop's body (run its trip count per run of `comp`) or a conditional's branches."""
+        if ins.opcode == "while":
+            body = re.search(r"body=%([\w.\-]+)", ins.attrs)
+            if not body:
+                return []
+            n = self.times.get(body.group(1), 1) // max(self.times.get(comp, 1), 1)
+            pending.append(body.group(1))
+            return [Event("call", computation=body.group(1), times=max(n, 1))]
+        if ins.opcode == "conditional":
+            branches = tuple(hlo.branches(ins))
+            pending.extend(branches)
+            return [Event("branches", branches=branches)]
+        return None
+
+    def _async_collective(self, ins, comp: str, pending) -> list[Event] | None:
+        """XLA:TPU's async collective fusions (the start begins its collectives, the done waits for them), and
+        XLA:GPU's async reduce-scatter / all-to-all."""
+        if ins.opcode == "fusion" and (called := hlo.called(ins)) and (
+                names := self.fused_async.started.get(called) or self.fused_async.done.get(called)):
+            what = "start" if called in self.fused_async.started else "done"
+            return [Event(what, op=self.op_index[name]) for name in names if name in self.op_index]
+        wrapped = _wrapped_collective(self.reader, ins, self.op_index) if ins.opcode == "async-start" else None
+        if wrapped is not None:
+            self.started[ins.name] = wrapped
+            return [Event("start", op=wrapped)]
+        if ins.opcode == "async-done" and ins.operands and ins.operands[0] in self.started:
+            return [Event("done", op=self.started[ins.operands[0]])]
+        return None
+
+    def _call(self, ins, comp: str, pending: list[str]) -> list[Event] | None:
+        if ins.opcode not in ("call", "async-start"):
+            return None
+        called = re.search(r"(?:to_apply|calls)=%([\w.\-]+)", ins.attrs)
+        if not called:
+            return []
+        pending.append(called.group(1))
+        return [Event("call", computation=called.group(1))]
