@@ -13,8 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 from shardlm.flops import jaxpr_matmul_flops
 from shardlm.mesh import make_mesh
-from shardlm.models.head import (FLOPS_PER_BYTE, FORWARD_TILE_BYTES, Tiling, chunk_width, head_loss,
-                                 recompute_tiling, recording, tiling)
+from shardlm.kernels.fused_head import (FLOPS_PER_BYTE, FORWARD_TILE_BYTES, Tiling, chunk_width, recompute_tiling,
+                                        tiling)
+from shardlm.models.head import head_loss, recording
 from shardlm.perf import kernels
 from shardlm.sharding import logical_to_spec, sharded_lookup, use_mesh_rules, zero_rules
 

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 
 from shardlm.mesh import make_mesh
 from shardlm.models.moe import MoeMLP, load_balancing_loss
+from shardlm.models.precision import Precision
 from shardlm.sharding import logical_to_spec, state_shardings, use_mesh_rules
 
 D_MODEL, D_FF, TOP_K = 32, 64, 2
@@ -33,8 +34,8 @@ PARAMS = ("router", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "sha
 def make_layer(num_experts: int, shared: bool, seed: int = 0, kernel: str = "auto",
                capacity_factor: float = 0.0, exchange: str = "auto", dropless: str = "rounds") -> MoeMLP:
     with nnx.use_eager_sharding(False):  # placed by the rule table (`state_shardings`), as the trainer does
-        return MoeMLP(D_MODEL, D_FF, num_experts, TOP_K, shared_expert=shared, n_layers=2, dtype=jnp.float32,
-                      param_dtype=jnp.float32, rngs=nnx.Rngs(seed), kernel=kernel, capacity_factor=capacity_factor,
+        return MoeMLP(D_MODEL, D_FF, num_experts, TOP_K, shared_expert=shared, n_layers=2,
+                      precision=Precision(jnp.float32, jnp.float32), rngs=nnx.Rngs(seed), kernel=kernel, capacity_factor=capacity_factor,
                       exchange=exchange, dropless=dropless)
 
 
@@ -216,8 +217,8 @@ def test_the_router_learns_from_the_language_model_loss_alone(top_k):
     """With the load-balancing loss off, the router's gradient comes from the output alone: non-zero for one expert
     per token too (a renormalised single weight would be 1.0 whatever the router said), and the reference's."""
     with nnx.use_eager_sharding(False):
-        layer = MoeMLP(D_MODEL, D_FF, 4, top_k, shared_expert=False, n_layers=2, dtype=jnp.float32,
-                       param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        layer = MoeMLP(D_MODEL, D_FF, 4, top_k, shared_expert=False, n_layers=2,
+                       precision=Precision(jnp.float32, jnp.float32), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(layer)
     x = make_x()
     _, y, _, g_state, _ = layer_loss_fn(graphdef, 0.0)(state, x)

@@ -28,14 +28,14 @@ import yaml
 
 from shardlm.accelerator import COMPUTE_DTYPES, DTYPE_NAMES, current, multiplies_fp8, resolve_dtype
 from shardlm.errors import ShardlmError, check_in_range, check_one_of, check_positive
+from shardlm.families import check_model_config, from_hf, model_preset
 from shardlm.files import read_mapping
 from shardlm.foreign.modules import is_py, parse_spec
 from shardlm.foreign.plan import Plan
-from shardlm.families import check_model_config, from_hf, model_preset
 from shardlm.hf.config import HF_PREFIX, is_hf
 from shardlm.hf.config import model_label as hf_model_label
 from shardlm.mesh import MESH_AXES
-from shardlm.models.config import ModelConfig
+from shardlm.models.config import FP8, ModelConfig
 
 
 @dataclasses.dataclass
@@ -367,7 +367,7 @@ def _build(layers: list[list[tuple[str, Any]]], origins: list[str | None] | None
     # model.dtype=auto becomes the dtype it stands for on the accelerator compiled for (the local devices, or a
     # `--target`'s), so the run's saved config, its header and its FLOP peak all name the real one.
     cfg.model.dtype = resolve_dtype(cfg.model.dtype)
-    if cfg.model.matmul_dtype == "fp8":
+    if cfg.model.matmul_dtype == FP8:
         check_fp8(current())
     return cfg
 
@@ -435,7 +435,6 @@ def _check_py_model(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Value checks that need no devices. Mesh/shape divisibility is checked against the mesh in `shardlm.mesh`."""
-    t, d = cfg.train, cfg.data
     if is_py(cfg.model.preset):
         _check_py_model(cfg)
     else:
@@ -445,6 +444,19 @@ def validate(cfg: Config) -> None:
                 raise ShardlmError(f"{key}={value} is for a model from a py: file (model=py:FILE:FUNCTION); "
                                    f"shardlm's own models are placed by the rule table: drop {key}")
     check_in_range("seed", cfg.seed, 0, 2**32)
+    _check_train(cfg.train)
+    _check_data(cfg.data)
+    if cfg.init.from_ and not is_hf(cfg.init.from_):
+        raise ShardlmError(f"init.from={cfg.init.from_!r} is not a checkpoint to start from; use {HF_PREFIX}DIR, a "
+                           "Hugging Face model directory (config.json and *.safetensors), or leave it empty")
+    if cfg.checkpoint.every < 0:
+        raise ShardlmError(f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
+    if cfg.checkpoint.keep < 1:
+        raise ShardlmError(f"checkpoint.keep must be at least 1, got {cfg.checkpoint.keep}")
+    _check_mesh(cfg)
+
+
+def _check_train(t: TrainConfig) -> None:
     for key in ("steps", "batch_size", "grad_accum", "lr", "log_interval", "eval_interval", "eval_batches"):
         check_positive(f"train.{key}", getattr(t, key))
     if t.batch_size % t.grad_accum:
@@ -456,6 +468,9 @@ def validate(cfg: Config) -> None:
     check_in_range("train.beta2", t.beta2, 0.0, 1.0)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ShardlmError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+
+
+def _check_data(d: DataConfig) -> None:
     if not 0.0 < d.val_fraction < 0.5:  # nan fails too
         raise ShardlmError(f"data.val_fraction must be in (0, 0.5), got {d.val_fraction}")
     if d.tokenizer != "auto":
@@ -475,13 +490,9 @@ def validate(cfg: Config) -> None:
                                "alone (each path in data.sources), or data.path alone with data.sources=[]")
     if d.tokenizer_vocab < 257:
         raise ShardlmError(f"data.tokenizer_vocab must be at least 257 (bytes + end of text), got {d.tokenizer_vocab}")
-    if cfg.init.from_ and not is_hf(cfg.init.from_):
-        raise ShardlmError(f"init.from={cfg.init.from_!r} is not a checkpoint to start from; use {HF_PREFIX}DIR, a "
-                           "Hugging Face model directory (config.json and *.safetensors), or leave it empty")
-    if cfg.checkpoint.every < 0:
-        raise ShardlmError(f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
-    if cfg.checkpoint.keep < 1:
-        raise ShardlmError(f"checkpoint.keep must be at least 1, got {cfg.checkpoint.keep}")
+
+
+def _check_mesh(cfg: Config) -> None:
     for axis in MESH_AXES:
         v = getattr(cfg.mesh, axis)
         if v is not None and v != -1 and v < 1:

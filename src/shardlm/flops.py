@@ -26,7 +26,7 @@ from shardlm.accelerator import resolve_dtype
 from shardlm.families import family_of
 from shardlm.kernels.grouped import megablox_flops
 from shardlm.kernels.registry import ATTENTION_KERNELS
-from shardlm.models.config import ModelConfig
+from shardlm.models.config import FP8, ModelConfig
 
 
 def jaxpr_matmul_flops(jaxpr, scope: str = "") -> float:
@@ -129,10 +129,10 @@ def flops_per_token(cfg: ModelConfig, padded_vocab: int) -> int:
 # float32 peaks. fp8: the dense FP8 tensor-core peak (NVIDIA's datasheets halve the sparse figure: H100 SXM
 # 3,958 -> 1,979). H100 SXM reports e.g. "NVIDIA H100 80GB HBM3"; TPU v5p reports "TPU v5", v5e "TPU v5 lite".
 _PEAKS: list[tuple[str, dict[str, float]]] = [
-    (r"^NVIDIA H100 PCIe", {"bfloat16": 756e12, "float32": 378e12, "fp8": 1513e12}),
-    (r"^NVIDIA (H100|H200|GH200)\b", {"bfloat16": 989e12, "float32": 494.5e12, "fp8": 1979e12}),
+    (r"^NVIDIA H100 PCIe", {"bfloat16": 756e12, "float32": 378e12, FP8: 1513e12}),
+    (r"^NVIDIA (H100|H200|GH200)\b", {"bfloat16": 989e12, "float32": 494.5e12, FP8: 1979e12}),
     (r"^NVIDIA A100\b", {"bfloat16": 312e12, "float32": 156e12}),
-    (r"^NVIDIA L4$", {"bfloat16": 121e12, "float32": 60e12, "fp8": 242.5e12}),
+    (r"^NVIDIA L4$", {"bfloat16": 121e12, "float32": 60e12, FP8: 242.5e12}),
     (r"^TPU v6", {"bfloat16": 918e12, "float32": 918e12}),
     (r"^TPU v5( lite|e)$", {"bfloat16": 197e12, "float32": 197e12}),
     (r"^TPU v5p?$", {"bfloat16": 459e12, "float32": 459e12}),
@@ -143,7 +143,7 @@ _PEAKS: list[tuple[str, dict[str, float]]] = [
 def peak_dtype(m: ModelConfig) -> str:
     """The dtype whose dense peak MFU and the cost model hold a step against: FP8's where the blocks' matmuls are
     FP8 (`model.matmul_dtype=fp8`: most of a step's FLOPs), else the compute dtype."""
-    return "fp8" if m.matmul_dtype == "fp8" else m.dtype
+    return FP8 if m.matmul_dtype == FP8 else m.dtype
 
 
 def mfu(model_flops_per_device: float, step_s: float | None, peak_flops: float) -> float | None:

@@ -6,9 +6,9 @@ Design choices:
   its config must pass beyond the shared ones (`shardlm.models.config.check_model`), its Hugging Face mapping
   (`shardlm.hf.format.HfFormat`), its part of the FLOP formula (the matrices of a dense MLP) and its presets.
   Adding a family is one `register(Family(...))`: configs, presets, training, `plan`, `explain`, import and
-  export find it here (tests/test_families.py adds one from a test file alone).
-- The model class is named ("module:Class") and imported when a model is built, so that reading a config
-  imports neither Flax nor the model code.
+  export find it here (tests/test_extending.py adds one from a test file alone).
+- The built-in families name their model class ("module:Class"), imported when a model is built, so that reading
+  a config imports neither Flax nor the model code; a family registered from elsewhere may hand the class itself.
 - This layer sits above the models and the converters and below everything that uses a family (the FLOP count,
   the config, the trainer): `family == ...` is written nowhere else.
 """

@@ -20,8 +20,9 @@ def _accepts(m: ModelConfig) -> None:
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
-    # The nnx module, "module:Class", called as Class(model config, vocabulary, padded vocabulary, rngs, stages=)
-    model: str
+    # The nnx module, called as Class(model config, vocabulary, padded vocabulary, rngs, stages=): the class, or
+    # "module:Class" (the built-in families', imported when a model is built)
+    model: str | type
     # The weights of a dense MLP, for the FLOP count and the planner's bound: 2 (in, out) or 3 (SwiGLU's gate,
     # up and down)
     mlp_matrices: int
@@ -64,16 +65,18 @@ def check_model_config(m: ModelConfig) -> None:
     family.check(m)
 
 
+def model_class(m: ModelConfig | str) -> type:
+    """The family's nnx module class."""
+    model = family_of(m).model
+    if not isinstance(model, str):
+        return model
+    module, name = model.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def build_model(m: ModelConfig, vocab: int, padded: int, rngs, stages: int = 1):
     """The family's nnx module for model config `m`."""
-    module, name = family_of(m).model.split(":")
-    return getattr(importlib.import_module(module), name)(m, vocab, padded, rngs, stages=stages)
-
-
-def model_class(m: ModelConfig | str):
-    """The family's nnx module class."""
-    module, name = family_of(m).model.split(":")
-    return getattr(importlib.import_module(module), name)
+    return model_class(m)(m, vocab, padded, rngs, stages=stages)
 
 
 def preset_names() -> tuple[str, ...]:

@@ -41,8 +41,8 @@ from shardlm.kernels.registry import (RING, attention_impl, attention_summary as
                                       kernel_named, prefill_kernel, ring_chunk)
 from shardlm.kernels.ring import ring_attention
 from shardlm.models import remat
-from shardlm.models.params import DTYPES, param, use
-from shardlm.models.precision import add_bias, matmul, matmuls
+from shardlm.models.params import param, use
+from shardlm.models.precision import DTYPES, Precision, add_bias
 from shardlm.models.stack import LAYERS, LayerCache
 from shardlm.sharding import active_degree, active_mesh, active_spec, constrain
 from shardlm.sharding.rules import as_axes
@@ -214,10 +214,10 @@ class Attention(nnx.Module):
     q/k/v, row-parallel for the output projection). Rotary embeddings are applied when the context carries them.
     """
 
-    def __init__(self, d: int, heads: int, kv_heads: int, n_layers: int, use_bias: bool, dtype, param_dtype,
-                 rngs: nnx.Rngs, reduce_dtype=None, fp8: bool = False):
+    def __init__(self, d: int, heads: int, kv_heads: int, n_layers: int, use_bias: bool, precision: Precision,
+                 rngs: nnx.Rngs):
         hd = d // heads
-        self.dtype, self.reduce_dtype, self.fp8 = dtype, reduce_dtype, fp8
+        self.precision, param_dtype = precision, precision.param
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual projection scaling
         self.wq = param(rngs, init, (d, heads, hd), ("embed", "heads", "head_dim"), param_dtype)
@@ -241,8 +241,8 @@ class Attention(nnx.Module):
             y = add_bias(y, b)
             return remat.named(constrain(y, "batch", "seq", heads_axis, "head_dim"), remat.QKV_PROJ)
 
-        q, k, v = matmuls("bte,ehd->bthd", x, [use(w, self.dtype) for w in (self.wq, self.wk, self.wv)],
-                          self.reduce_dtype, self.fp8)
+        p = self.precision
+        q, k, v = p.denses("bte,ehd->bthd", x, [use(w, p.compute) for w in (self.wq, self.wk, self.wv)])
         q = project(q, self.q_bias, "act_heads")
         k = project(k, self.k_bias, "act_kv_heads")
         v = project(v, self.v_bias, "act_kv_heads")
@@ -253,6 +253,6 @@ class Attention(nnx.Module):
         # over (h, d) this needs no transposed copy of wo when y comes from `_attend_to_cache` (12% of a decode
         # step). heads stays the major half of the merged dimension, so a split over tensor carries over.
         b, t, h, d = y.shape
-        wo = use(self.wo, self.dtype).reshape(h * d, -1)
-        out = add_bias(matmul("btf,fd->btd", y.reshape(b, t, h * d), wo, self.reduce_dtype, self.fp8), self.out_bias)
+        wo = use(self.wo, p.compute).reshape(h * d, -1)
+        out = add_bias(p.dense("btf,fd->btd", y.reshape(b, t, h * d), wo), self.out_bias)
         return remat.named(out, remat.OUT_PROJ), cache

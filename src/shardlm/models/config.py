@@ -122,7 +122,8 @@ class ModelConfig:
 
 
 AUTO_REMAT = "auto"  # model.remat=auto: the planner's choice
-MATMUL_DTYPES = ("auto", "fp8")  # model.matmul_dtype
+FP8 = "fp8"  # model.matmul_dtype's float8 mode (`shardlm.models.precision.Precision`)
+MATMUL_DTYPES = ("auto", FP8)  # model.matmul_dtype
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # model.pipeline_schedule
 
 

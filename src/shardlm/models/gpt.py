@@ -24,9 +24,9 @@ from shardlm.models import remat
 from shardlm.models.config import ModelConfig
 from shardlm.models.attention import CACHE_AXES, Attention
 from shardlm.models.layers import CausalLM, PreNormBlock
-from shardlm.models.params import DTYPES, compute_dtype, padded_vocab_size, param, reduce_dtype, use
+from shardlm.models.params import padded_vocab_size, param, use
 from shardlm.models.stack import LayerCache
-from shardlm.models.precision import add_bias, matmul
+from shardlm.models.precision import Precision, add_bias
 from shardlm.sharding import constrain
 
 __all__ = ["GPT", "CACHE_AXES", "LayerCache", "padded_vocab_size"]
@@ -50,9 +50,8 @@ class LayerNorm(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f, pd = cfg.d_model, cfg.d_mlp, DTYPES[cfg.param_dtype]
-        self.dtype, self.reduce_dtype = compute_dtype(cfg.dtype), reduce_dtype(cfg.grad_reduce_dtype)
-        self.fp8 = cfg.matmul_dtype == "fp8"
+        self.precision = Precision.of(cfg)
+        d, f, pd = cfg.d_model, cfg.d_mlp, self.precision.param
         self.w_in = param(rngs, nnx.initializers.normal(0.02), (d, f), ("embed", "mlp"), pd)
         self.w_out = param(rngs, nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers)), (f, d),
                            ("mlp", "embed"), pd)
@@ -62,19 +61,19 @@ class MLP(nnx.Module):
         self.out_bias = bias((d,), ("embed",)) if cfg.use_bias else None
 
     def __call__(self, x):
-        h = add_bias(matmul("btd,df->btf", x, use(self.w_in, self.dtype), self.reduce_dtype, self.fp8), self.in_bias)
+        p = self.precision
+        h = add_bias(p.dense("btd,df->btf", x, use(self.w_in, p.compute)), self.in_bias)
         h = remat.named(constrain(h, "batch", "seq", "act_mlp"), remat.MLP_HIDDEN)
         h = jax.nn.gelu(h, approximate=True)
-        return add_bias(matmul("btf,fd->btd", h, use(self.w_out, self.dtype), self.reduce_dtype, self.fp8),
-                        self.out_bias)
+        return add_bias(p.dense("btf,fd->btd", h, use(self.w_out, p.compute)), self.out_bias)
 
 
 class Block(PreNormBlock):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dt, pd = compute_dtype(cfg.dtype), DTYPES[cfg.param_dtype]
+        precision = Precision.of(cfg)
+        pd = precision.param
         self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.n_layers, cfg.use_bias, dt, pd, rngs,
-                              reduce_dtype(cfg.grad_reduce_dtype), fp8=cfg.matmul_dtype == "fp8")
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.n_layers, cfg.use_bias, precision, rngs)
         self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.mlp = MLP(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
@@ -86,9 +85,9 @@ class GPT(CausalLM):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs, *, stages: int = 1):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
-        self.dtype, self.attention = compute_dtype(cfg.dtype), cfg.attention
+        self.precision, self.attention = Precision.of(cfg), cfg.attention
         self.remat, self.remat_offload = cfg.remat, cfg.remat_offload
-        pd = DTYPES[cfg.param_dtype]
+        pd = self.precision.param
         init = nnx.initializers.normal(0.02)
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd, cast_where_read=True)
         self.wpe = param(rngs, init, (cfg.seq_len, cfg.d_model), ("pos", "embed"), pd, cast_where_read=True)
@@ -104,5 +103,5 @@ class GPT(CausalLM):
         else:  # a lookup per row: gather FSDP shards of the table first
             positions = constrain(self.wpe[...], "pos", "act_embed")[pos][:, None]
         # added in float32, then cast: the positions' gradient is a float32 sum over the batch
-        x = (self._token_rows(tokens).astype(jnp.float32) + positions).astype(self.dtype)
+        x = (self._token_rows(tokens).astype(jnp.float32) + positions).astype(self.precision.compute)
         return self.dropout(x, deterministic=rngs is None, rngs=rngs), None

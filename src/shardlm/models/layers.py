@@ -20,12 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlm.errors import ShardlmError
+from shardlm.kernels.gradients import with_gradient
 from shardlm.kernels.ring import from_zigzag, to_zigzag
 from shardlm.models import remat
 from shardlm.models.attention import Context, attention_context
 from shardlm.models.head import head_loss, token_axes
 from shardlm.models.one_f_one_b import run_1f1b
-from shardlm.models.params import reduce_dtype, use
+from shardlm.models.params import use
 from shardlm.models.pipeline import microbatch_count, row_order, run_pipeline
 from shardlm.models.precision import compute_view
 from shardlm.models.stack import LAYERS, RESIDUAL, LayerCache, build_blocks, layer_rngs, run_blocks
@@ -90,8 +91,8 @@ class CausalLM(nnx.Module):
     """The decoder-only forward pass every family shares. A family provides `_embed(tokens, rngs, pos)` (tokens to
     the residual stream, from `_token_rows`, and rotary tables if it uses them), `blocks` (`PreNormBlock`s, built by
     `shardlm.models.stack.build_blocks`), the final norm `ln_f`, the token table `wte` and, untied, `lm_head`, and
-    sets `vocab_size` (the tokenizer's; the tables have `padded_vocab` rows), `context` (seq_len), `dtype`
-    (compute), `attention` (the requested implementation), `remat` and `remat_offload` (`shardlm.models.remat`), and
+    sets `vocab_size` (the tokenizer's; the tables have `padded_vocab` rows), `context` (seq_len), `precision`
+    (`models.precision.Precision.of` its config), `attention` (the requested implementation), `remat` and `remat_offload` (`shardlm.models.remat`), and
     builds its blocks with `_stack_blocks`.
 
     With the stacked blocks split over pipeline stages (the rule table maps `layers` to the `stage` mesh axis), a
@@ -109,7 +110,7 @@ class CausalLM(nnx.Module):
         self.stages, self.microbatches, self.repeats = stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
         self.pipeline_remat, self.pipeline_schedule = cfg.pipeline_remat, cfg.pipeline_schedule
         self.aux_loss_weight = cfg.moe_aux_loss_weight if cfg.moe_experts else 0.0  # a 1F1B pipeline's objective
-        self.reduce_dtype, self.loss_chunks = reduce_dtype(cfg.grad_reduce_dtype), cfg.loss_chunks
+        self.loss_chunks = cfg.loss_chunks
         self.context_attention, self.attention_block = cfg.context_attention, cfg.attention_block
         self.layer_order = row_order(cfg.n_layers, stages, cfg.pipeline_repeats)
         self.blocks = build_blocks(make_block, cfg.n_layers, rngs.params(), cfg.scan_layers, self.layer_order)
@@ -132,7 +133,7 @@ class CausalLM(nnx.Module):
         """An empty KV cache for `batch` rows and the whole context, stacked over the layers, in the compute dtype
         (shard it with `STACKED_CACHE_AXES`)."""
         shape = (self.n_layers, batch, self.kv_heads, self.context, self.head_dim)
-        return LayerCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+        return LayerCache(jnp.zeros(shape, self.precision.compute), jnp.zeros(shape, self.precision.compute))
 
     def prefill(self, tokens: jax.Array, cache: LayerCache, *, at: jax.Array | None = None
                 ) -> tuple[jax.Array, LayerCache]:
@@ -155,7 +156,7 @@ class CausalLM(nnx.Module):
         """(logits, cache, stats); with `head=False`, the final norm's output [batch, T, d_model] instead of the
         logits (what `loss` multiplies out chunk by chunk). The modules run on their weights' compute copies
         (`shardlm.models.precision`)."""
-        view = compute_view(self, self.dtype, self.reduce_dtype)
+        view = compute_view(self, self.precision.compute, self.precision.reduce)
         return view._run(tokens, rngs, cache, pos, at, head, stored_blocks=self.blocks)
 
     def loss(self, tokens: jax.Array, targets: jax.Array, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
@@ -167,7 +168,7 @@ class CausalLM(nnx.Module):
         tied = self.lm_head is None
         head_weight = (self.wte if tied else self.lm_head)[...]
         if self.pipeline_schedule == "1f1b" and active_degree(LAYERS) > 1:
-            view = compute_view(self, self.dtype, self.reduce_dtype)
+            view = compute_view(self, self.precision.compute, self.precision.reduce)
             return view._one_f_one_b_loss(tokens, targets, rngs, head_weight, tied, stored_blocks=self.blocks)
         x, _, stats = self._forward(tokens, rngs, head=False)
         return self._head_loss(x, head_weight, targets, tied), self._mean_aux(stats)
@@ -175,7 +176,7 @@ class CausalLM(nnx.Module):
     def _head_loss(self, x, head_weight, targets, tied: bool, token_copies: bool = False) -> jax.Array:
         with jax.named_scope("loss"):  # the output head's matmuls with it
             return head_loss(x, head_weight, targets, tied=tied, vocab_size=self.vocab_size,
-                             compute_dtype=self.dtype, reduce_dtype=self.reduce_dtype, chunks=self.loss_chunks,
+                             compute_dtype=self.precision.compute, reduce_dtype=self.precision.reduce, chunks=self.loss_chunks,
                              token_copies=token_copies)
 
     def _one_f_one_b_loss(self, tokens, targets, rngs, head_weight, tied: bool, stored_blocks
@@ -229,7 +230,7 @@ class CausalLM(nnx.Module):
         """The token table's rows for `tokens` in the compute dtype, looked up where the table lies
         (`sharding.sharded_lookup`) and cast as they are read: the table's gradient is a scatter-add into its own
         float32 shards."""
-        return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]), self.dtype)
+        return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]), self.precision.compute)
 
     def _enter(self, tokens, rngs, cache, pos):
         """(the embedding's output in the blocks' layout, the blocks' attention `Context`, the pass's dropout key):
@@ -240,7 +241,7 @@ class CausalLM(nnx.Module):
         with jax.named_scope("embed"):
             x, rope = self._embed(tokens, layer_rngs(key, self.n_layers), pos)
             x = constrain(x, "batch", "seq", "act_embed")
-        ctx = attention_context(self.attention, self.dtype, self.head_dim, tokens.shape[1], block=self.attention_block,
+        ctx = attention_context(self.attention, self.precision.compute, self.head_dim, tokens.shape[1], block=self.attention_block,
                                 context=self.context_attention, decoding=cache is not None or pos is not None,
                                 rope=rope, pos=pos)
         if ctx.zigzag:  # the blocks run in the ring's zigzag layout (`shardlm.kernels.ring`), the rest in order
@@ -275,9 +276,9 @@ class CausalLM(nnx.Module):
             if not head:
                 return x, cache, stats
             if self.lm_head is None:  # tied: contract with the table as stored; a `wte.T` operand made XLA:CPU
-                logits = float32_logits("bte,ve->btv", x, use(self.wte, self.dtype))  # copy it every call
+                logits = float32_logits("bte,ve->btv", x, use(self.wte, self.precision.compute))  # copy it every call
             else:
-                logits = float32_logits("bte,ev->btv", x, use(self.lm_head, self.dtype))
+                logits = float32_logits("bte,ev->btv", x, use(self.lm_head, self.precision.compute))
             logits = constrain(logits, "batch", "seq", "act_vocab")
             if self.padded_vocab != self.vocab_size:  # padded rows never receive probability mass
                 logits = jnp.where(jnp.arange(self.padded_vocab) < self.vocab_size, logits, -jnp.inf)
@@ -290,14 +291,7 @@ def float32_logits(contraction: str, x: jax.Array, w: jax.Array) -> jax.Array:
     the logits would make both backward matmuls float32 (XLA:GPU compiled them so, at half the tensor cores'
     bfloat16 rate): it is cast to `x`'s dtype first, as the forward matmul's inputs are."""
 
-    @jax.custom_vjp
-    def head(x, w):
-        return jnp.einsum(contraction, x, w, preferred_element_type=jnp.float32)
-
-    def forward(x, w):
-        return head(x, w), (x, w)
-
-    def backward(saved, g):
+    def gradient(saved, g):
         x, w = saved
         g = g.astype(x.dtype)
         # Each operand's matmul transposed on its own: `jax.vjp` would also recompute the forward matmul, dead
@@ -306,5 +300,5 @@ def float32_logits(contraction: str, x: jax.Array, w: jax.Array) -> jax.Array:
         (dw,) = jax.linear_transpose(lambda b: jnp.einsum(contraction, x, b), w)(g)
         return dx, dw
 
-    head.defvjp(forward, backward)
-    return head(x, w)
+    return with_gradient(lambda x, w: jnp.einsum(contraction, x, w, preferred_element_type=jnp.float32), gradient,
+                         x, w)

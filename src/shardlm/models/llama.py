@@ -28,8 +28,8 @@ from shardlm.models import remat
 from shardlm.models.config import ModelConfig
 from shardlm.models.attention import Attention, rope_tables
 from shardlm.models.layers import CausalLM, PreNormBlock
-from shardlm.models.params import DTYPES, compute_dtype, param, reduce_dtype, use
-from shardlm.models.precision import matmul, matmuls
+from shardlm.models.params import param, use
+from shardlm.models.precision import Precision
 from shardlm.models.moe import MoeMLP
 from shardlm.sharding import constrain
 
@@ -47,9 +47,8 @@ class RMSNorm(nnx.Module):
 
 class SwiGLU(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f, pd = cfg.d_model, cfg.d_mlp, DTYPES[cfg.param_dtype]
-        self.dtype, self.reduce_dtype = compute_dtype(cfg.dtype), reduce_dtype(cfg.grad_reduce_dtype)
-        self.fp8 = cfg.matmul_dtype == "fp8"
+        self.precision = Precision.of(cfg)
+        d, f, pd = cfg.d_model, cfg.d_mlp, self.precision.param
         init = nnx.initializers.normal(0.02)
         self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pd)
         self.w_up = param(rngs, init, (d, f), ("embed", "mlp"), pd)
@@ -57,27 +56,27 @@ class SwiGLU(nnx.Module):
                             ("mlp", "embed"), pd)
 
     def __call__(self, x):
+        p = self.precision
         gate, up = (remat.named(constrain(y, "batch", "seq", "act_mlp"), remat.MLP_HIDDEN)
-                    for y in matmuls("btd,df->btf", x, [use(w, self.dtype) for w in (self.w_gate, self.w_up)],
-                                     self.reduce_dtype, self.fp8))
-        return matmul("btf,fd->btd", jax.nn.silu(gate) * up, use(self.w_down, self.dtype), self.reduce_dtype,
-                      self.fp8)
+                    for y in p.denses("btd,df->btf", x, [use(w, p.compute) for w in (self.w_gate, self.w_up)]))
+        return p.dense("btf,fd->btd", jax.nn.silu(gate) * up, use(self.w_down, p.compute))
 
 
 class Block(PreNormBlock):
     """A Llama block; with `sparse`, its MLP is a mixture of experts (`shardlm.models.moe`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
-        dt, pd = compute_dtype(cfg.dtype), DTYPES[cfg.param_dtype]
+        precision = Precision.of(cfg)
+        pd = precision.param
         # ln1 / ln2 / ln_f: RMSNorms, named as the GPT family's norms (and Hugging Face's "input_layernorm").
         self.ln1 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, dt, pd,
-                              rngs, reduce_dtype(cfg.grad_reduce_dtype), fp8=cfg.matmul_dtype == "fp8")
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, precision,
+                              rngs)
         self.ln2 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.sparse = sparse
         if sparse:
             self.mlp = MoeMLP(cfg.d_model, cfg.moe_d_ff or cfg.d_mlp, cfg.moe_experts, cfg.moe_top_k,
-                              shared_expert=cfg.moe_shared_expert, n_layers=cfg.n_layers, dtype=dt, param_dtype=pd,
+                              shared_expert=cfg.moe_shared_expert, n_layers=cfg.n_layers, precision=precision,
                               rngs=rngs, kernel=cfg.moe_kernel, capacity_factor=cfg.moe_capacity_factor,
                               exchange=cfg.moe_exchange, dropless=cfg.moe_dropless)
         else:
@@ -97,10 +96,10 @@ class Llama(CausalLM):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs, *, stages: int = 1):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
-        self.dtype, self.attention = compute_dtype(cfg.dtype), cfg.attention
+        self.precision, self.attention = Precision.of(cfg), cfg.attention
         self.remat, self.remat_offload = cfg.remat, cfg.remat_offload
         self.rope_theta = cfg.rope_theta
-        pd = DTYPES[cfg.param_dtype]
+        pd = self.precision.param
         init = nnx.initializers.normal(0.02)
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd, cast_where_read=True)
         self.dropout = nnx.Dropout(cfg.dropout)

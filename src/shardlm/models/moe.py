@@ -21,9 +21,10 @@ Design choices:
   their platform the kernels run in Pallas's interpret mode (the CPU tests).
 - Without an active mesh, the layer is that local computation. With one (`shardlm.sharding.active_mesh()`),
   routing and dispatch run per device inside `jax.shard_map` over the whole mesh: x enters split by the active
-  rules for ("batch", "seq", "act_embed"), the router replicated, the experts split P("expert", None, "tensor")
-  (down: P("expert", "tensor", None)). Entering the shard_map all-gathers the FSDP split of the expert weights
-  once per call, as FSDP gathers any weight for its use.
+  rules for ("batch", "seq", "act_embed"), the router replicated, the experts split over the axes the rules give
+  `experts` and `mlp` (`expert_axes`: the built-in table's P("expert", None, "tensor"), down P("expert", "tensor",
+  None)). No mesh axis is named here. Entering the shard_map all-gathers the FSDP split of the expert weights once
+  per call, as FSDP gathers any weight for its use.
 - Expert parallelism (EP = mesh.shape["expert"] > 1): each expert device holds E / EP experts, expert e on
   device e // (E / EP). Every device routes its own T tokens, then sends each assignment to the device holding
   its expert with `jax.lax.all_to_all` over `expert`, and the results come back by the same exchange
@@ -79,9 +80,10 @@ from shardlm.accelerator import current
 from shardlm.errors import ShardlmError
 from shardlm.kernels.exchange import exchange, ragged_exchange
 from shardlm.kernels.grouped import grouped_matmul
+from shardlm.kernels.rows import Routes, from_slots, permute, to_slots
 from shardlm.models import remat
 from shardlm.models.params import param, use
-from shardlm.models.rows import Routes, from_slots, permute, to_slots
+from shardlm.models.precision import Precision
 from shardlm.sharding import active_mesh, active_spec, constrain
 from shardlm.sharding.rules import as_axes
 
@@ -401,21 +403,32 @@ def moe_local(x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla") 
     return y.reshape(b, s, d), global_stats(probs, experts, w_gate.shape[0], b * s, ())
 
 
-def split_axis(mesh, name: str) -> str | None:
-    """`name` if the mesh splits anything over it, else None (a size-1 axis in a spec would only make
-    shard_map type values as differing over it)."""
-    return name if mesh.shape.get(name, 1) > 1 else None
+def expert_axes(mesh, w_gate: jax.Array) -> tuple[str | None, str | None]:
+    """The mesh axes the active rules compute the experts' `experts` and `mlp` dimensions over (the expert split and
+    the tensor split of their hidden size), each None where the mesh splits nothing over it (a size-1 axis in a
+    spec would only make shard_map type values as differing over it)."""
+    spec = active_spec("experts", "embed", "mlp", shape=w_gate.shape)
+
+    def one(entry) -> str | None:
+        live = [a for a in as_axes(entry) if mesh.shape[a] > 1]
+        if len(live) > 1:
+            raise ShardlmError(f"the rule table splits a mixture's experts over {live}; the exchange runs over one "
+                               "mesh axis: map `experts` (and `mlp`) to one axis each")
+        return live[0] if live else None
+
+    return one(spec[0]), one(spec[2])
 
 
-def check_expert_parallel(mesh, num_experts: int, d_ff: int, token_axes: tuple[str, ...]) -> None:
-    ep, tp = mesh.shape.get("expert", 1), mesh.shape.get("tensor", 1)
+def check_expert_parallel(mesh, num_experts: int, d_ff: int, token_axes: tuple[str, ...], ep_axis: str | None,
+                          tp_axis: str | None) -> None:
+    ep, tp = mesh.shape[ep_axis] if ep_axis else 1, mesh.shape[tp_axis] if tp_axis else 1
     if num_experts % ep:
         raise ShardlmError(f"{num_experts} experts (model.moe_experts) cannot be split over mesh.expert={ep}; "
                            "choose an expert degree that divides the number of experts")
     if d_ff % tp:
         raise ShardlmError(f"the experts' hidden size {d_ff} (model.moe_d_ff, or model.d_mlp when 0) cannot be "
                            f"split over mesh.tensor={tp}; choose a tensor degree that divides it")
-    if ep > 1 and "expert" not in token_axes:
+    if ep > 1 and ep_axis not in token_axes:
         raise ShardlmError(f"expert parallelism (mesh.expert={ep}) needs the batch split over the expert devices "
                            "too: make the batch rows divisible by mesh.data x mesh.fsdp x mesh.expert")
 
@@ -427,8 +440,8 @@ def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str =
     x_spec = active_spec("batch", "seq", "act_embed", shape=x.shape)
     token_axes = as_axes(x_spec[0]) + as_axes(x_spec[1])
     num_experts, d_ff = w_gate.shape[0], w_gate.shape[2]
-    check_expert_parallel(mesh, num_experts, d_ff, token_axes)
-    ep_axis, tp_axis = split_axis(mesh, "expert"), split_axis(mesh, "tensor")
+    ep_axis, tp_axis = expert_axes(mesh, w_gate)
+    check_expert_parallel(mesh, num_experts, d_ff, token_axes, ep_axis, tp_axis)
     n_tokens = x.shape[0] * x.shape[1]  # global shape: the whole batch
 
     def per_device(x, router, w_gate, w_up, w_down):
@@ -463,11 +476,12 @@ class MoeMLP(nnx.Module):
     expert. Returns (y, MoeStats); the caller adds `aux_loss` (times its coefficient) to the training loss."""
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, shared_expert: bool,
-                 n_layers: int, dtype, param_dtype, rngs: nnx.Rngs, kernel: str = "auto",
+                 n_layers: int, precision: Precision, rngs: nnx.Rngs, kernel: str = "auto",
                  capacity_factor: float = 0.0, exchange: str = "auto", dropless: str = "rounds"):
         if not 1 <= top_k <= num_experts:
             raise ShardlmError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
-        self.dtype, self.top_k, self.kernel, self.capacity_factor = dtype, top_k, kernel, capacity_factor
+        self.precision, self.top_k, self.kernel, self.capacity_factor = precision, top_k, kernel, capacity_factor
+        param_dtype = precision.param
         self.exchange, self.dropless = exchange, dropless
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual scaling, as SwiGLU
@@ -486,8 +500,8 @@ class MoeMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoeStats]:
         """x [batch, seq, d_model] -> (y [batch, seq, d_model] in x.dtype, stats of the global batch)."""
         router = self.router[...].astype(jnp.float32)
-        experts = tuple(use(w, self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        xc = x.astype(self.dtype)
+        experts = tuple(use(w, self.precision.compute) for w in (self.w_gate, self.w_up, self.w_down))
+        xc = x.astype(self.precision.compute)
         mesh, kernel = active_mesh(), grouped_kernel(self.kernel)
         if mesh is None:
             y, stats = moe_local(xc, router, *experts, self.top_k, kernel)
@@ -499,6 +513,8 @@ class MoeMLP(nnx.Module):
         return y.astype(x.dtype), stats
 
     def _shared(self, x: jax.Array) -> jax.Array:
-        """The dense shared expert, sharded by the rules like the dense Llama MLP."""
-        h = jax.nn.silu(x @ use(self.shared_gate, self.dtype)) * (x @ use(self.shared_up, self.dtype))
-        return constrain(h, "batch", "seq", "act_mlp") @ use(self.shared_down, self.dtype)
+        """The dense shared expert, sharded by the rules like the dense Llama MLP, its projections by the policy."""
+        p = self.precision
+        gate, up = p.denses("btd,df->btf", x, [use(w, p.compute) for w in (self.shared_gate, self.shared_up)])
+        h = jax.nn.silu(gate) * up
+        return p.dense("btf,fd->btd", constrain(h, "batch", "seq", "act_mlp"), use(self.shared_down, p.compute))

@@ -6,8 +6,8 @@ Design choices:
   Gradients flow back through the cast, so they and the AdamW moments stay in `param_dtype`.
 - A parameter's metadata says how its compute copy is made (`shardlm.models.precision`): kept in float32 (norms,
   routers, biases) or none at all, its reader casting what it reads (the embedding and head tables).
-- The dtypes' names are the accelerator layer's (`shardlm.accelerator.DTYPE_NAMES`), so a config is checked
-  without importing the model code.
+- The dtypes themselves are the precision policy's (`shardlm.models.precision`); their names are the accelerator
+  layer's (`shardlm.accelerator.DTYPE_NAMES`), so a config is checked without importing the model code.
 """
 
 import math
@@ -16,22 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlm.accelerator import DTYPE_NAMES, resolve_dtype
 from shardlm.models.precision import CAST_WHERE_READ, READ_IN_FLOAT32
 from shardlm.sharding import constrain
 
 VOCAB_MULTIPLE = 64  # GPT-2's 50257 -> 50304, the usual choice; also keeps matmuls aligned.
-DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}  # jnp.float32, jnp.bfloat16
-
-
-def compute_dtype(name: str):
-    """The jnp dtype a block computes in for `model.dtype` (auto resolved for the accelerator compiled for)."""
-    return DTYPES[resolve_dtype(name)]
-
-
-def reduce_dtype(name: str):
-    """The jnp dtype of `model.grad_reduce_dtype` (None for auto: each gradient in the dtype it is computed in)."""
-    return None if name == "auto" else DTYPES[name]
 
 
 def padded_vocab_size(vocab_size: int, tensor_degree: int = 1) -> int:

@@ -76,6 +76,7 @@ import numpy as np
 from flax import nnx
 
 from shardlm.errors import ShardlmError
+from shardlm.kernels.gradients import with_gradient
 from shardlm.models.stack import LAYERS, PER_BATCH, RESIDUAL, Step, add_stats, combine_parts
 from shardlm.sharding import (
     active_axes,
@@ -391,19 +392,8 @@ def _names(var) -> tuple:
 def _with_gradient_into(weight, carrier):
     """`weight`, whose gradient goes to `carrier` instead, cast to the carrier's dtype (`stage_weights`)."""
     dtype = carrier.dtype
-
-    @jax.custom_vjp
-    def passed(weight, carrier):
-        return weight
-
-    def forward(weight, carrier):
-        return weight, None
-
-    def backward(_, g):
-        return None, g.astype(dtype)
-
-    passed.defvjp(forward, backward)
-    return passed(weight, carrier)
+    return with_gradient(lambda weight, carrier: weight, lambda _, g: (None, g.astype(dtype)), weight, carrier,
+                         saves_inputs=False)
 
 
 def on_stages(a, lead: int):

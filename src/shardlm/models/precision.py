@@ -1,9 +1,14 @@
-"""Mixed precision as one policy, applied to a model's parameter tree at one place in its forward pass. Math with
-logical axis names; the pins are `shardlm.sharding`'s.
+"""Mixed precision as one policy (`Precision`), built once from the model config and applied at two places: to a
+model's parameter tree once per forward pass (`compute_view`), and in every projection (`Precision.dense`). Math
+with logical axis names; the pins are `shardlm.sharding`'s.
 
-The policy has three dtypes: the weights are stored in `model.param_dtype` (float32 master weights, so the
-gradients and AdamW's moments are float32 too), computed with in `model.dtype` (bfloat16 on GPUs and TPUs), and
-their gradients summed across devices in `model.grad_reduce_dtype` (auto: the compute dtype; `matmul`).
+The policy has three dtypes and a matmul mode: the weights are stored in `model.param_dtype` (float32 master
+weights, so the gradients and AdamW's moments are float32 too), computed with in `model.dtype` (bfloat16 on GPUs
+and TPUs), and their gradients summed across devices in `model.grad_reduce_dtype` (auto: the compute dtype;
+`matmul`); the blocks' projections multiply in the compute dtype or in FP8 (`model.matmul_dtype=fp8`, e4m3
+operands and e5m2 gradients with per-tensor current scaling: `shardlm.kernels.fp8`). Every projection of every
+family goes through `Precision.dense` (attention's, the MLPs', a mixture's shared expert), so each choice reaches
+every one of them.
 
 Design choices:
 - `compute_view(module)` is the module with every parameter replaced by its compute copy (`sharding.compute_copy`):
@@ -31,18 +36,60 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlm.accelerator import DTYPE_NAMES, resolve_dtype
 from shardlm.kernels.fp8 import fp8_einsum, fp8_einsums
+from shardlm.kernels.gradients import with_gradient
+from shardlm.models.config import FP8
 from shardlm.sharding import compute_copy
+
+DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}  # jnp.float32, jnp.bfloat16
 
 # Metadata keys of a parameter. READ_IN_FLOAT32: its compute copy stays float32 (norms, routers, biases).
 # CAST_WHERE_READ: it has no compute copy; its reader casts and pins what it reads (a table looked up, a head
 # multiplied chunk by chunk).
 READ_IN_FLOAT32 = "read_in_float32"
 CAST_WHERE_READ = "cast_where_read"
+
+
+def compute_dtype(name: str):
+    """The jnp dtype a block computes in for `model.dtype` (auto resolved for the accelerator compiled for)."""
+    return DTYPES[resolve_dtype(name)]
+
+
+def reduce_dtype(name: str):
+    """The jnp dtype of `model.grad_reduce_dtype` (None for auto: each gradient in the dtype it is computed in)."""
+    return None if name == "auto" else DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """What a model stores, computes and sums its gradients in, and how its projections multiply."""
+
+    param: Any  # the weights' stored dtype (model.param_dtype)
+    compute: Any  # the blocks' compute dtype (model.dtype, auto resolved)
+    reduce: Any = None  # the weights' gradients' dtype (model.grad_reduce_dtype; None: each in its compute dtype)
+    fp8: bool = False  # the blocks' projections in float8 (model.matmul_dtype=fp8)
+
+    @classmethod
+    def of(cls, m) -> Precision:
+        """The policy of model config `m`."""
+        return cls(DTYPES[m.param_dtype], compute_dtype(m.dtype), reduce_dtype(m.grad_reduce_dtype),
+                   m.matmul_dtype == FP8)
+
+    def dense(self, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """A projection, `einsum(spec, x, w)` on the weight's compute copy, as the policy says (`matmul`)."""
+        return matmul(spec, x, w, self.reduce, self.fp8)
+
+    def denses(self, spec: str, x: jax.Array, ws) -> list[jax.Array]:
+        """Several projections of one input (`matmuls`): x quantized once for all of them in FP8."""
+        return matmuls(spec, x, ws, self.reduce, self.fp8)
 
 
 def read_dtype(variable: nnx.Variable, compute_dtype):
@@ -110,21 +157,13 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, reduce_dtype=None, fp8: bool =
     operands, out = spec.split("->")
     x_spec, w_spec = operands.split(",")
 
-    @jax.custom_vjp
-    def product(x, w):
-        return jnp.einsum(spec, x, w)
-
-    def forward(x, w):
-        return product(x, w), (x, w)
-
-    def backward(saved, g):
+    def gradient(saved, g):
         x, w = saved
         dx = jnp.einsum(f"{out},{w_spec}->{x_spec}", g, w)
         dw = jnp.einsum(f"{x_spec},{out}->{w_spec}", x, g, preferred_element_type=reduce_dtype)
         return dx, dw.astype(w.dtype)
 
-    product.defvjp(forward, backward)
-    return product(x, w)
+    return with_gradient(lambda x, w: jnp.einsum(spec, x, w), gradient, x, w)
 
 
 def matmuls(spec: str, x: jax.Array, ws, reduce_dtype=None, fp8: bool = False) -> list[jax.Array]:

@@ -51,7 +51,7 @@ class CompileReport:
     model_flops: float  # per step, all devices
     est: Estimate  # shardlm's estimate: the per-kernel timeline
     attention: str = ""  # the kernel the step compiled with, and why (`models.attention.attention_summary`)
-    head: str = ""  # the fused head and loss's schedule per device, with its bytes (`models.head.Schedule`)
+    head: str = ""  # the fused head and loss's schedule per device, with its bytes (`kernels.fused_head.Schedule`)
 
     @property
     def fits(self) -> bool:

@@ -35,6 +35,7 @@ import dataclasses
 
 from shardlm.errors import ShardlmError
 from shardlm.flops import table_peak
+from shardlm.models.config import FP8
 from shardlm.perf.hlo import CollectiveOp
 from shardlm.perf.rates import Rates, from_table
 from shardlm.units import format_rate, parse_rate
@@ -56,8 +57,8 @@ class Hardware:
 
     def for_matmuls(self, matmul_dtype: str) -> "Hardware":
         """This hardware as a step whose blocks multiply in `matmul_dtype` (`model.matmul_dtype`) is held against:
-        at its FP8 peak for "fp8" (what `shardlm.flops.peak_dtype` picks for a run's MFU), else as it is."""
-        if matmul_dtype == "fp8" and self.fp8_peak_flops:
+        at its FP8 peak for `model.matmul_dtype=fp8` (what `shardlm.flops.peak_dtype` picks for a run's MFU), else as it is."""
+        if matmul_dtype == FP8 and self.fp8_peak_flops:
             return dataclasses.replace(self, peak_flops=self.fp8_peak_flops)
         return self
 

@@ -48,6 +48,7 @@ import time
 from shardlm.config import Config, describe
 from shardlm.errors import ShardlmError
 from shardlm.flops import peak_dtype
+from shardlm.models.config import FP8
 from shardlm.perf import hlo
 from shardlm.perf.bounds import Calibration, lower_bound
 from shardlm.perf.compiled import CompiledStep, CompileFailed, compile_step
@@ -326,147 +327,188 @@ def plan(cfg: Config, n_devices: int | None = None, hardware: Hardware | None = 
     the peak of its own (`Hardware.for_matmuls`). `budget_s`: once that much time has passed and something has
     been compiled, no further candidate is started; each is listed as pruned, the budget named as the reason (the
     compiles already started finish)."""
-    from shardlm.train.source import model_flops_per_step
-    from shardlm.train.data import tokenizer_vocab
-    from shardlm.train.step import step_compiler_options
+    planning = _Planning(cfg, n_devices, hardware, vocab_size, strategies, workers, log, target, hosts, remats,
+                         matmul_dtypes, budget_s)
+    planning.compile_all()
+    return planning.result()
 
-    if hardware is None:
-        dtype = plan_peak_dtype(cfg, matmul_dtypes)
-        hardware = (target.hardware(dtype, n_devices or 1, hosts) if target
-                    else Hardware(peak_flops=h100_peak(dtype)))
-    t0 = time.perf_counter()
-    # each strategy under each policy and matmul dtype, checked before anything is prepared: the policies in the
-    # order given (the cheapest in FLOPs first, as a rule)
-    accelerator = target.accelerator if target else None
-    compiled_as = {(r, m): _with_variant(cfg, r, m, accelerator) for r in remats or [""] for m in matmul_dtypes or [""]}
-    devices = _devices(n_devices, target, hosts)
-    n = len(devices)
-    log = log or (lambda m: None)
-    vocab = vocab_size or tokenizer_vocab(cfg, log=log)
-    candidates, rejected = [], []
-    for s in strategies or all_strategies(n, wants_context_splits(cfg, n), stage=wants_stage_splits(cfg, n, hosts),
-                                          expert=wants_expert_splits(cfg)):
-        why = rejection(cfg, s, devices, vocab)
-        (rejected.append((s, why)) if why else candidates.append(s))
-    if not candidates:
-        raise ShardlmError(f"no assignment of {n} devices to the mesh axes suits this config: "
-                           + "; ".join(f"{s.name}: {why}" for s, why in rejected[:3]))
 
-    results: list[StrategyPlan] = []
-    workers = workers or max(1, min(4, os.cpu_count() or 1))
-    platform = target.platform if target else devices[0].platform
-    param_count = _param_count(cfg, vocab)
-    # one bound for every variant: at the highest peak any of them is held against
-    bound_hw = hardware.for_matmuls("fp8") if "fp8" in (matmul_dtypes or [cfg.model.matmul_dtype]) else hardware
-    bounds = {s: lower_bound(cfg, s, bound_hw, model_flops_per_step(cfg, vocab, s.tensor), param_count,
-                             padded_vocab=_padded_vocab(cfg, vocab, s.tensor), platform=platform)
-              for s in candidates}
-    if strategies is None:  # the likeliest winners first, so that the rest can be pruned against them
-        candidates.sort(key=lambda s: bounds[s].step_s)
-    candidates = [Candidate(s, r, m) for s in candidates for r, m in compiled_as]
-    pruned: list[tuple[Candidate, str]] = []
-    failed: list[tuple[Candidate, str]] = []
-    best: list = [None]  # (estimated step time, strategy) of the fastest fitting strategy compiled so far
-    # the least the compiled steps' kernels took over the bound's compute, so far: the bound's known error
-    # (`bounds.Calibration`)
-    calibration = Calibration()
+class _Planning:
+    """One `plan` call's named steps: the candidates and their bounds (`__init__`), then `compile_all` (lower one at a
+    time, compile in threads, read each as it finishes, prune against the best so far), then `result`."""
 
-    def compile_one(lowered, matmul_flops, devices_used):
-        return compile_step(lowered, devices_used, platform=platform, matmul_flops=matmul_flops,
-                            options=step_compiler_options(cfg, platform),
-                            devices=f"{target.label if target else platform} over {hosts or 1} host(s)")
+    def __init__(self, cfg, n_devices, hardware, vocab_size, strategies, workers, log, target, hosts, remats,
+                 matmul_dtypes, budget_s):
+        from shardlm.train.data import tokenizer_vocab
 
-    hinted: list = []  # the hint for a long plan is given once
+        self.cfg, self.target, self.hosts, self.budget_s, self.given = cfg, target, hosts, budget_s, strategies
+        if hardware is None:
+            dtype = plan_peak_dtype(cfg, matmul_dtypes)
+            hardware = (target.hardware(dtype, n_devices or 1, hosts) if target
+                        else Hardware(peak_flops=h100_peak(dtype)))
+        self.hardware = hardware
+        self.t0 = time.perf_counter()
+        # each strategy under each policy and matmul dtype, checked before anything is prepared: the policies in
+        # the order given (the cheapest in FLOPs first, as a rule)
+        accelerator = target.accelerator if target else None
+        self.compiled_as = {(r, m): _with_variant(cfg, r, m, accelerator)
+                            for r in remats or [""] for m in matmul_dtypes or [""]}
+        self.devices = _devices(n_devices, target, hosts)
+        self.log = log or (lambda m: None)
+        self.vocab = vocab_size or tokenizer_vocab(cfg, log=self.log)
+        self.workers = workers or max(1, min(4, os.cpu_count() or 1))
+        self.platform = target.platform if target else self.devices[0].platform
+        self.param_count = _param_count(cfg, self.vocab)
+        strategies_ok = self._strategies()
+        self.bounds = self._bounds(strategies_ok, matmul_dtypes)
+        if strategies is None:  # the likeliest winners first, so that the rest can be pruned against them
+            strategies_ok.sort(key=lambda s: self.bounds[s].step_s)
+        self.candidates = [Candidate(s, r, m) for s in strategies_ok for r, m in self.compiled_as]
+        self.results: list[StrategyPlan] = []
+        self.pruned: list[tuple[Candidate, str]] = []
+        self.failed: list[tuple[Candidate, str]] = []
+        self.best = None  # (estimated step time, candidate) of the fastest fitting strategy compiled so far
+        # the least the compiled steps' kernels took over the bound's compute, so far: the bound's known error
+        # (`bounds.Calibration`)
+        self.calibration = Calibration()
+        self.hinted = False  # the hint for a long plan is given once
 
-    def progress(c: Candidate, what: str) -> None:
+    def _strategies(self) -> list[Strategy]:
+        """The strategies to compile: the given ones or every assignment of the devices, less those the config
+        refuses (kept in `rejected`, with why)."""
+        cfg, n = self.cfg, len(self.devices)
+        self.rejected = []
+        candidates = []
+        for s in self.given or all_strategies(n, wants_context_splits(cfg, n),
+                                              stage=wants_stage_splits(cfg, n, self.hosts),
+                                              expert=wants_expert_splits(cfg)):
+            why = rejection(cfg, s, self.devices, self.vocab)
+            (self.rejected.append((s, why)) if why else candidates.append(s))
+        if not candidates:
+            raise ShardlmError(f"no assignment of {n} devices to the mesh axes suits this config: "
+                               + "; ".join(f"{s.name}: {why}" for s, why in self.rejected[:3]))
+        return candidates
+
+    def _bounds(self, strategies: list[Strategy], matmul_dtypes) -> dict:
+        """Each strategy's lower bound, one for every variant: at the highest peak any of them is held against."""
+        from shardlm.train.source import model_flops_per_step
+
+        cfg, hw = self.cfg, self.hardware
+        bound_hw = hw.for_matmuls(FP8) if FP8 in (matmul_dtypes or [cfg.model.matmul_dtype]) else hw
+        return {s: lower_bound(cfg, s, bound_hw, model_flops_per_step(cfg, self.vocab, s.tensor), self.param_count,
+                               padded_vocab=_padded_vocab(cfg, self.vocab, s.tensor), platform=self.platform)
+                for s in strategies}
+
+    def _compile_one(self, lowered, matmul_flops, devices_used):
+        from shardlm.train.step import step_compiler_options
+
+        target = self.target
+        return compile_step(lowered, devices_used, platform=self.platform, matmul_flops=matmul_flops,
+                            options=step_compiler_options(self.cfg, self.platform),
+                            devices=f"{target.label if target else self.platform} over {self.hosts or 1} host(s)")
+
+    def _progress(self, c: Candidate, what: str) -> None:
         """A line per candidate as its fate is known: compiled, failed or pruned, counted against all of them, so
         that the count's total never changes; with how many are left and, at the pace so far, how long they take."""
-        done = len(results) + len(failed) + len(pruned)
-        left = len(candidates) - done
-        pace = (time.perf_counter() - t0) / done
-        log(f"[{done}/{len(candidates)}] {c.name}: {what}"
-            + (f"; {left} to go, about {fmt_duration(pace * left)} left" if left else ""))
-        if budget_s is None and not hinted and done >= workers and pace * left > LONG_PLAN_S:
-            hinted.append(True)
-            log(f"this plan may take {fmt_duration(pace * left)} more: `--budget {LONG_PLAN_S // 60}m` ranks what "
-                "compiles in that time, the likeliest winners first, and lists the rest as not reached")
+        done = len(self.results) + len(self.failed) + len(self.pruned)
+        left = len(self.candidates) - done
+        pace = (time.perf_counter() - self.t0) / done
+        self.log(f"[{done}/{len(self.candidates)}] {c.name}: {what}"
+                 + (f"; {left} to go, about {fmt_duration(pace * left)} left" if left else ""))
+        if self.budget_s is None and not self.hinted and done >= self.workers and pace * left > LONG_PLAN_S:
+            self.hinted = True
+            self.log(f"this plan may take {fmt_duration(pace * left)} more: `--budget {LONG_PLAN_S // 60}m` ranks "
+                     "what compiles in that time, the likeliest winners first, and lists the rest as not reached")
 
-    def read(c, p_bytes, o_bytes, future):
+    def _read(self, c, p_bytes, o_bytes, future) -> None:
+        """A finished compile, read into a ranked `StrategyPlan` (or a failure, said beside the others)."""
+        from shardlm.train.source import model_flops_per_step
+
         try:
             step: CompiledStep = future.result()
         except CompileFailed as e:  # said in the plan beside the others, not raised: the rest may compile
-            failed.append((c, str(e)))
-            progress(c, str(e))
+            self.failed.append((c, str(e)))
+            self._progress(c, str(e))
             return
         s = c.strategy
         peak, temporaries = step.at_peak(p_bytes + o_bytes)
         r = StrategyPlan(s, p_bytes, o_bytes, p_bytes, temporaries, peak, step.collectives,
-                         step.flops_per_device, model_flops_per_step(cfg, vocab, s.tensor), None, False,
+                         step.flops_per_device, model_flops_per_step(self.cfg, self.vocab, s.tensor), None, False,
                          step.compile_s, compiler_s=step.compiler_s, compiler_withheld=step.compiler_withheld,
                          compiler_temps=step.temp_bytes, refusal=step.refusal,
                          hidden=step.schedule.hidden_by_kind() if step.schedule else None,
                          host_temps=step.host_temp_bytes, remat=c.remat, program=step.program,
                          matmul_dtype=c.matmul_dtype, rematerialisations=step.rematerialisations,
                          cached=step.cached)
-        rank_strategies([r], hardware)
-        calibration.learn(bounds[s], r.est.compute_s)
-        if r.fits and (best[0] is None or r.est.step_s < best[0][0]):
-            best[0] = (r.est.step_s, c)
-        results.append(r)
-        progress(c, (f"read from the step cache (compiled in {step.compile_s:.1f} s by an earlier plan)" if step.cached
-                     else f"compiled in {step.compile_s:.1f} s")
-                 + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
+        rank_strategies([r], self.hardware)
+        self.calibration.learn(self.bounds[s], r.est.compute_s)
+        if r.fits and (self.best is None or r.est.step_s < self.best[0]):
+            self.best = (r.est.step_s, c)
+        self.results.append(r)
+        self._progress(c, (f"read from the step cache (compiled in {step.compile_s:.1f} s by an earlier plan)"
+                           if step.cached else f"compiled in {step.compile_s:.1f} s")
+                       + (" (refused by the compiler: it does not fit)" if step.refusal else ""))
 
-    # Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering. Results are
-    # read as they finish, so that the best estimate so far can prune what is left. The lowering runs at most one
-    # candidate ahead of the compiles: a budget then stops within a compile's time, and no more than `workers` + 1
-    # lowered programs are held at once.
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        pending = []
+    def _time_up(self) -> bool:
+        return self.budget_s is not None and time.perf_counter() - self.t0 > self.budget_s
 
-        def settle(wait: bool) -> None:
-            """Read the compiles that have finished; with `wait`, first wait for one while every worker is busy and
-            one more is queued."""
-            if wait and len(pending) > workers:
-                concurrent.futures.wait([p[3] for p in pending], return_when=concurrent.futures.FIRST_COMPLETED)
-            for item in [p for p in pending if p[3].done()]:
-                pending.remove(item)
-                read(*item)
+    def _not_reached(self, c: Candidate) -> None:
+        self.pruned.append((c, why := f"{BUDGET_RAN_OUT} {fmt_duration(self.budget_s)} ran out"))
+        self._progress(c, why)
 
-        def time_up() -> bool:
-            return budget_s is not None and time.perf_counter() - t0 > budget_s
+    def _settle(self, pending: list, wait: bool) -> None:
+        """Read the compiles that have finished; with `wait`, first wait for one while every worker is busy and one
+        more is queued."""
+        if wait and len(pending) > self.workers:
+            concurrent.futures.wait([p[3] for p in pending], return_when=concurrent.futures.FIRST_COMPLETED)
+        for item in [p for p in pending if p[3].done()]:
+            pending.remove(item)
+            self._read(*item)
 
-        def not_reached(c: Candidate) -> None:
-            pruned.append((c, why := f"{BUDGET_RAN_OUT} {fmt_duration(budget_s)} ran out"))
-            progress(c, why)
+    def compile_all(self) -> None:
+        """Lowering traces Python (one at a time); XLA compiles in threads, overlapping the next lowering. Results
+        are read as they finish, so that the best estimate so far can prune what is left. The lowering runs at most
+        one candidate ahead of the compiles: a budget then stops within a compile's time, and no more than
+        `workers` + 1 lowered programs are held at once."""
+        with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+            pending = []
+            for c in self.candidates:
+                self._settle(pending, wait=True)
+                if self._time_up() and (self.results or pending):  # something has been compiled, or is being
+                    self._not_reached(c)
+                    continue
+                submitted = self._lower_unless_pruned(c)
+                if submitted:
+                    lowered, matmul_flops, p_bytes, o_bytes = submitted
+                    pending.append((c, p_bytes, o_bytes, pool.submit(self._compile_one, lowered, matmul_flops,
+                                                                     c.strategy.devices)))
+                    del lowered, submitted
+            for item in list(pending):  # a compile not yet started when the budget ran out is not started
+                if self._time_up() and self.results and item[3].cancel():
+                    pending.remove(item)
+                    self._not_reached(item[0])
+            while pending:  # drop each executable once read: 64 devices' worth of programs add up
+                self._read(*pending.pop(0))
 
-        for c in candidates:
-            s, cfg_c = c.strategy, compiled_as[c.remat, c.matmul_dtype]
-            settle(wait=True)
-            if time_up() and (results or pending):  # something has been compiled, or is being
-                not_reached(c)
-                continue
-            prepared = _abstract_state(cfg_c, s, vocab, devices, target)
-            why = None if strategies is not None else _pruning(prepared, calibration.applied(bounds[s]), best[0],
-                                                               hardware)
-            if why:
-                pruned.append((c, why))
-                progress(c, f"pruned, not compiled: {why}")
-                continue
-            lowered, matmul_flops, p_bytes, o_bytes = _lower(cfg_c, s, vocab, devices, target, prepared,
-                                                             c.program_name)
-            pending.append((c, p_bytes, o_bytes, pool.submit(compile_one, lowered, matmul_flops, s.devices)))
-            del lowered
-        for item in list(pending):  # a compile not yet started when the budget ran out is not started
-            if time_up() and results and item[3].cancel():
-                pending.remove(item)
-                not_reached(item[0])
-        while pending:  # drop each executable once read: 64 devices' worth of programs add up
-            read(*pending.pop(0))
-    if failed and not results:
-        raise ShardlmError("no strategy compiled: " + "; ".join(f"{c.name}: {why}" for c, why in failed))
-    return Plan(cfg, n, hardware, rank_strategies(results, hardware), rejected, param_count,
-                time.perf_counter() - t0, platform, target, pruned, failed)
+    def _lower_unless_pruned(self, c: Candidate):
+        """(lowered, matmul FLOPs, parameter bytes, optimizer bytes) of candidate `c`, or None when its bound
+        (calibrated by what has compiled) cannot beat the best so far."""
+        s, cfg_c = c.strategy, self.compiled_as[c.remat, c.matmul_dtype]
+        prepared = _abstract_state(cfg_c, s, self.vocab, self.devices, self.target)
+        why = None if self.given is not None else _pruning(prepared, self.calibration.applied(self.bounds[s]),
+                                                           self.best, self.hardware)
+        if why:
+            self.pruned.append((c, why))
+            self._progress(c, f"pruned, not compiled: {why}")
+            return None
+        return _lower(cfg_c, s, self.vocab, self.devices, self.target, prepared, c.program_name)
+
+    def result(self) -> Plan:
+        if self.failed and not self.results:
+            raise ShardlmError("no strategy compiled: " + "; ".join(f"{c.name}: {why}" for c, why in self.failed))
+        return Plan(self.cfg, len(self.devices), self.hardware, rank_strategies(self.results, self.hardware),
+                    self.rejected, self.param_count, time.perf_counter() - self.t0, self.platform, self.target,
+                    self.pruned, self.failed)
 
 
 def _padded_vocab(cfg: Config, vocab: int, tensor: int) -> int:
@@ -533,7 +575,7 @@ def _with_variant(cfg: Config, remat: str, matmul_dtype: str, accelerator=None) 
     model = dataclasses.replace(cfg.model, **({"remat": remat} if remat else {}),
                                 **({"matmul_dtype": matmul_dtype} if matmul_dtype else {}))
     check_model_config(model)
-    if model.matmul_dtype == "fp8":
+    if model.matmul_dtype == FP8:
         check_fp8(accelerator or current())
     return dataclasses.replace(cfg, model=model)
 
@@ -632,7 +674,7 @@ def format_plan(p: Plan) -> str:
     from shardlm.train.source import flops_convention  # imports JAX: planning_flags runs before JAX starts
 
     lines.append(f"MFU = model FLOPs ({flops_convention(p.cfg)}) per device per second over the peak"
-                 + (" (the FP8 peak for matmul_dtype=fp8)" if any(r.matmul_dtype == "fp8" for r in p.strategies)
+                 + (" (the FP8 peak for matmul_dtype=fp8)" if any(r.matmul_dtype == FP8 for r in p.strategies)
                     else ""))
     lines += impossible_mfu_lines(p)
     if target:
@@ -701,8 +743,8 @@ def matmul_lines(p: Plan) -> list[str]:
             pairs.setdefault(r.strategy.name + variant_suffix(r.remat, ""), {})[r.matmul_dtype] = r
     parts = []
     for name, rows in pairs.items():
-        if {"auto", "fp8"} <= rows.keys():
-            base, fp8 = rows["auto"], rows["fp8"]
+        if {"auto", FP8} <= rows.keys():
+            base, fp8 = rows["auto"], rows[FP8]
             compiler = (f", the compiler's {base.compiler_s / fp8.compiler_s:.2f}x" if base.compiler_s and
                         fp8.compiler_s else "")
             parts.append(f"{name}: {base.est.step_s / fp8.est.step_s:.2f}x faster ({_format_seconds(fp8.est.step_s)} "

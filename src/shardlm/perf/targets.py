@@ -34,6 +34,7 @@ from pathlib import Path
 
 from shardlm.accelerator import Accelerator, native_stderr_silenced
 from shardlm.errors import ShardlmError
+from shardlm.models.config import FP8
 from shardlm.perf.costmodel import Hardware, devices_per_host, inter_host_bw_per_device
 
 SPECS = Path(__file__).with_name("gpu_specs")
@@ -74,7 +75,7 @@ class Target:
                         memory_bytes=memory_bytes or self.memory_bytes, intra_node_bw=self.link_bw,
                         inter_node_bw=network, devices_per_node=per_host, latency_s=10e-6,
                         memory_bw=self.memory_bw, efficiency=self.efficiency,
-                        fp8_peak_flops=self.peak_flops.get("fp8"))
+                        fp8_peak_flops=self.peak_flops.get(FP8))
 
 
 GiB = 2**30
@@ -84,10 +85,10 @@ TARGETS = {t.name: t for t in (
     # H100's kernel tables, with its memory bandwidth); A100 SXM 312 TFLOP/s bf16, 2,039 GB/s HBM2e, NVLink 3 at
     # 600 GB/s both directions, one 200 Gb/s NIC per GPU.
     Target("h100", "H100 SXM 80GB", "gpu", "NVIDIA H100 80GB HBM3", 80 * GiB,
-           {"bfloat16": 989e12, "float32": 494.5e12, "fp8": 1979e12}, 450e9, 50e9, 8, 9.0, spec="h100_sxm.txtpb",
+           {"bfloat16": 989e12, "float32": 494.5e12, FP8: 1979e12}, 450e9, 50e9, 8, 9.0, spec="h100_sxm.txtpb",
            memory_bw=3.35232e12, efficiency="h100"),
     Target("h200", "H200 SXM 141GB", "gpu", "NVIDIA H200", 141e9,
-           {"bfloat16": 989e12, "float32": 494.5e12, "fp8": 1979e12}, 450e9, 50e9, 8, 9.0, spec="h200.txtpb",
+           {"bfloat16": 989e12, "float32": 494.5e12, FP8: 1979e12}, 450e9, 50e9, 8, 9.0, spec="h200.txtpb",
            memory_bw=4.8e12, efficiency="h100"),
     Target("a100-80gb", "A100 SXM 80GB", "gpu", "NVIDIA A100-SXM4-80GB", 80 * GiB,
            {"bfloat16": 312e12, "float32": 156e12}, 300e9, 25e9, 8, 8.0, spec="a100_sxm_80.txtpb",

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlm.errors import ShardlmError
+from shardlm.kernels.gradients import with_gradient
 from shardlm.trees import path_str
 
 MeshAxes = str | tuple[str, ...] | None
@@ -276,18 +277,7 @@ def constrain_with_gradient(x: jax.Array, names: tuple, gradient_names: tuple) -
 def _pinned_with_gradient(x: jax.Array, pin, pin_gradient) -> jax.Array:
     """`pin(x)`, whose gradient is `pin_gradient(g)` rather than autodiff's own transpose of `pin`."""
 
-    @jax.custom_vjp
-    def pinned(x):
-        return pin(x)
-
-    def forward(x):
-        return pinned(x), None
-
-    def backward(_, g):
-        return (pin_gradient(g),)
-
-    pinned.defvjp(forward, backward)
-    return pinned(x)
+    return with_gradient(pin, lambda _, g: (pin_gradient(g),), x, saves_inputs=False)
 
 
 # Mesh axes that split a weight only to store it (FSDP's, and the context devices acting as FSDP shards): a weight
@@ -458,18 +448,8 @@ def gradient_carrier(x: jax.Array, names: tuple, replicas: int = 1, axes: tuple[
         pin = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, used))  # noqa: E731
         pin_gradient = lambda g: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, stored))  # noqa: E731
 
-    @jax.custom_vjp
-    def carrier(x):
-        return pin(jnp.zeros(shape, x.dtype))
-
-    def forward(x):
-        return carrier(x), None
-
-    def backward(_, g):
-        return (pin_gradient(g if replicas == 1 else g.sum(1)),)
-
-    carrier.defvjp(forward, backward)
-    return carrier(x)
+    return with_gradient(lambda x: pin(jnp.zeros(shape, x.dtype)),
+                         lambda _, g: (pin_gradient(g if replicas == 1 else g.sum(1)),), x, saves_inputs=False)
 
 
 def _keep(entry: MeshAxes) -> MeshAxes:

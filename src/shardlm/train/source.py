@@ -55,10 +55,11 @@ from shardlm.foreign.placement import opt_state_shardings, resolve_layout
 from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.kernels.registry import check_attention, uses_ring
+from shardlm.losses import cross_entropy
 from shardlm.models.head import plan as head_plan
 from shardlm.models.moe import exchange_capacity, round_sizes
 from shardlm.models.one_f_one_b import in_flight
-from shardlm.models.params import DTYPES, padded_vocab_size
+from shardlm.models.params import padded_vocab_size
 from shardlm.models.pipeline import (
     bubble_fraction,
     check_pipeline,
@@ -67,8 +68,7 @@ from shardlm.models.pipeline import (
     row_order,
     stage_layers,
 )
-from shardlm.models.precision import cast_once
-from shardlm.losses import cross_entropy
+from shardlm.models.precision import DTYPES, cast_once
 from shardlm.sharding import batch_sharding, sequence_parallel_rules, state_shardings, use_mesh_rules, zero_rules
 from shardlm.trees import path_str
 from shardlm.units import fmt_bytes
@@ -181,7 +181,7 @@ class OwnModel:
     def cast_once(self, model, params):
         """`params` (`model`'s) as a loop over microbatches differentiates them: cast once to the dtype the forward
         pass reads them in (`precision.cast_once`)."""
-        return cast_once(params, model.dtype, model.reduce_dtype)
+        return cast_once(params, model.precision.compute, model.precision.reduce)
 
     def flops_per_token(self, vocab_size: int, tensor_degree: int) -> int:
         return flops_per_token(self.cfg.model, self.vocab_sizes(vocab_size, tensor_degree)[1])
