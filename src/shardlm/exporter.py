@@ -39,7 +39,7 @@ from shardlm.hf.weights import hf_tensors
 from shardlm.hf.writer import DEFAULT_MAX_SHARD_BYTES, ModelDirWriter
 from shardlm.load import LoadedModel, load_model, run_tokenizer
 from shardlm.models.config import ModelConfig
-from shardlm.models.stack import rows_of_layers, split_layer_path
+from shardlm.models.stack import layer_index, split_layer_path
 from shardlm.checkpoint import RunCheckpoints, complete_steps
 from shardlm.train.rundir import CONFIG_FILE, require_run
 from shardlm.train.source import model_source
@@ -132,14 +132,14 @@ def _add_tensors(writer: ModelDirWriter, m: LoadedModel, vocab: int, dtype: str)
     leaves = {path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(m.state))[0]}
     cast = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
 
-    # A per-layer path; a scanned model holds layer i in a row of the stacked parameter (row i, but for a circular
-    # pipeline's order). `index`: a part of the parameter (one expert's matrix), sliced on the devices before the
-    # gather, so that the host receives that part only.
-    rows = rows_of_layers(model_source(m.cfg).layer_order(m.mesh), m.cfg.model.n_layers)
+    # A per-layer path; a scanned model holds layer i in a row of the stacked parameter (row (r, j) of a stack held
+    # with repeats: `stack.layer_index`). `index`: a part of the parameter (one expert's matrix), sliced on the
+    # devices before the gather, so that the host receives that part only.
+    repeats, n_layers = model_source(m.cfg).stack_repeats, m.cfg.model.n_layers
 
     def get(path, *index):
         if path not in leaves and (hit := split_layer_path(path)):
-            return _gather(leaves[hit[1]][(rows[hit[0]], *index)])
+            return _gather(leaves[hit[1]][(*layer_index(hit[0], n_layers, repeats), *index)])
         return _gather(leaves[path][index] if index else leaves[path])
 
     for name, array in hf_tensors(m.cfg.model, hf_format(m.cfg.model), vocab, get):

@@ -106,7 +106,7 @@ def load_model(run_dir: str | Path, *, step: int | None = None, overrides: list[
 
         def read(s: int):
             return stored.restore_state(reader, s, abstract, optimizer=False, stacks_blocks=source.stacks_blocks,
-                                        order=source.layer_order(mesh))
+                                        repeats=source.stack_repeats)
 
         try:
             state = read(step)

@@ -41,15 +41,15 @@ def _views(directory: Path, model: ModelConfig, fmt: HfFormat, vocab: int, padde
 
 
 def read_params(directory: Path, model: ModelConfig, fmt: HfFormat, vocab: int, padded: int, abstract, log=None,
-                order: tuple[int, ...] | None = None):
+                repeats: int = 1):
     """`abstract` (an nnx.State of ShapeDtypeStructs carrying their target shardings) filled with the weights of the
     checkpoint in `directory` (in its family's format `fmt`), each device reading its own shards. `vocab` is the
-    real vocabulary, `padded` the model's padded one; `order` the layer each row of stacked blocks holds (None:
-    row i is layer i)."""
+    real vocabulary, `padded` the model's padded one; `repeats` > 1: stacked blocks held as [repeats, n_layers /
+    repeats]."""
     t0 = time.perf_counter()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))
     views = stacked_views(_views(directory, model, fmt, vocab, padded),  # a scanned model's too
-                          [path_str(path) for path, _ in leaves], order)
+                          [path_str(path) for path, _ in leaves], repeats)
     arrays, nbytes = [], 0
     for path, leaf in leaves:
         name = path_str(path)

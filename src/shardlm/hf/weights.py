@@ -31,9 +31,10 @@ INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-def stacked_views(views: dict[str, View], wanted, order: tuple[int, ...] | None = None) -> dict[str, View]:
+def stacked_views(views: dict[str, View], wanted, repeats: int = 1) -> dict[str, View]:
     """`views` (per-layer paths) with the per-layer views of every stacked parameter in `wanted` (paths such as
-    'blocks/attn/wq') replaced by one `Stacked` view, whose row p is layer `order[p]` (default: layer p)."""
+    'blocks/attn/wq') replaced by one `Stacked` view in layer order: [n_layers, ...], or with `repeats` > 1
+    [repeats, n_layers / repeats, ...] (a stack of stacks)."""
     out = dict(views)
     for path in wanted:
         if path in out:
@@ -41,7 +42,9 @@ def stacked_views(views: dict[str, View], wanted, order: tuple[int, ...] | None 
         layers = sorted((hit[0], p) for p in views if (hit := split_layer_path(p)) and hit[1] == path)
         if layers:
             per_layer = [out.pop(p) for _, p in layers]
-            out[path] = Stacked(tuple(per_layer[i] for i in (order or range(len(per_layer)))))
+            per = len(per_layer) // repeats
+            out[path] = (Stacked(tuple(per_layer)) if repeats <= 1 else
+                         Stacked(tuple(Stacked(tuple(per_layer[r * per:(r + 1) * per])) for r in range(repeats))))
     return out
 
 

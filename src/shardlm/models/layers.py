@@ -27,7 +27,7 @@ from shardlm.models.attention import Context, attention_context
 from shardlm.models.head import head_loss, token_axes
 from shardlm.models.one_f_one_b import run_1f1b
 from shardlm.models.params import use
-from shardlm.models.pipeline import microbatch_count, row_order, run_pipeline
+from shardlm.models.pipeline import microbatch_count, run_pipeline, stacked_repeats
 from shardlm.models.precision import compute_view
 from shardlm.models.stack import LAYERS, RESIDUAL, LayerCache, build_blocks, layer_rngs, run_blocks
 from shardlm.sharding import active_degree, constrain, constrain_with_gradient, copies_over, sharded_lookup
@@ -92,19 +92,19 @@ class CausalLM(nnx.Module):
     the residual stream, from `_token_rows`, and rotary tables if it uses them), `blocks` (`PreNormBlock`s, built by
     `shardlm.models.stack.build_blocks`), the final norm `ln_f`, the token table `wte` and, untied, `lm_head`, and
     sets `vocab_size` (the tokenizer's; the tables have `padded_vocab` rows), `context` (seq_len), `precision`
-    (`models.precision.Precision.of` its config), `attention` (the requested implementation), `remat` and `remat_offload` (`shardlm.models.remat`), and
-    builds its blocks with `_stack_blocks`.
+    (`models.precision.Precision.of` its config), `attention` (the requested implementation), `remat` and
+    `remat_offload` (`shardlm.models.remat`), and builds its blocks with `_stack_blocks`.
 
     With the stacked blocks split over pipeline stages (the rule table maps `layers` to the `stage` mesh axis), a
-    training or evaluation pass runs them as a pipeline (`shardlm.models.pipeline`); the embedding and the head
-    stay outside it, except that a 1F1B schedule's training loss runs the head inside (`loss`). Decoding runs them
-    one after another.
+    training or evaluation pass runs them as a pipeline (`shardlm.models.pipeline`); the embedding and the head stay
+    outside it, except that a 1F1B schedule's training loss runs the head inside (`loss`). Decoding runs them one after
+    another.
     """
 
     def _stack_blocks(self, cfg, make_block, rngs: nnx.Rngs, stages: int = 1):
-        """The blocks (`make_block(rngs)` per layer) and what running them needs: their number and layout, the head
-        shape of the KV cache, and the pipeline's settings for a mesh of `stages` pipeline stages (a circular
-        schedule holds the stack's rows in its own order: `layer_order`, None when row i is layer i)."""
+        """The blocks (`make_block(rngs)` per layer) and what running them needs: their number and layout (a stack
+        held as [repeats, layers] for circular pipeline repeats: `stack.in_repeats`), the head shape of the KV cache,
+        and the pipeline's settings for a mesh of `stages` pipeline stages."""
         self.n_layers, self.scan_layers = cfg.n_layers, cfg.scan_layers
         self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
         self.stages, self.microbatches, self.repeats = stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
@@ -112,8 +112,8 @@ class CausalLM(nnx.Module):
         self.aux_loss_weight = cfg.moe_aux_loss_weight if cfg.moe_experts else 0.0  # a 1F1B pipeline's objective
         self.loss_chunks = cfg.loss_chunks
         self.context_attention, self.attention_block = cfg.context_attention, cfg.attention_block
-        self.layer_order = row_order(cfg.n_layers, stages, cfg.pipeline_repeats)
-        self.blocks = build_blocks(make_block, cfg.n_layers, rngs.params(), cfg.scan_layers, self.layer_order)
+        self.blocks = build_blocks(make_block, cfg.n_layers, rngs.params(), cfg.scan_layers,
+                                   stacked_repeats(cfg.n_layers, cfg.pipeline_repeats, cfg.scan_layers))
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None, *, at: jax.Array | None = None
                  ) -> jax.Array:
@@ -176,7 +176,8 @@ class CausalLM(nnx.Module):
     def _head_loss(self, x, head_weight, targets, tied: bool, token_copies: bool = False) -> jax.Array:
         with jax.named_scope("loss"):  # the output head's matmuls with it
             return head_loss(x, head_weight, targets, tied=tied, vocab_size=self.vocab_size,
-                             compute_dtype=self.precision.compute, reduce_dtype=self.precision.reduce, chunks=self.loss_chunks,
+                             compute_dtype=self.precision.compute, reduce_dtype=self.precision.reduce,
+                             chunks=self.loss_chunks,
                              token_copies=token_copies)
 
     def _one_f_one_b_loss(self, tokens, targets, rngs, head_weight, tied: bool, stored_blocks
@@ -230,7 +231,8 @@ class CausalLM(nnx.Module):
         """The token table's rows for `tokens` in the compute dtype, looked up where the table lies
         (`sharding.sharded_lookup`) and cast as they are read: the table's gradient is a scatter-add into its own
         float32 shards."""
-        return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]), self.precision.compute)
+        return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]),
+                              self.precision.compute)
 
     def _enter(self, tokens, rngs, cache, pos):
         """(the embedding's output in the blocks' layout, the blocks' attention `Context`, the pass's dropout key):
@@ -241,9 +243,9 @@ class CausalLM(nnx.Module):
         with jax.named_scope("embed"):
             x, rope = self._embed(tokens, layer_rngs(key, self.n_layers), pos)
             x = constrain(x, "batch", "seq", "act_embed")
-        ctx = attention_context(self.attention, self.precision.compute, self.head_dim, tokens.shape[1], block=self.attention_block,
-                                context=self.context_attention, decoding=cache is not None or pos is not None,
-                                rope=rope, pos=pos)
+        ctx = attention_context(self.attention, self.precision.compute, self.head_dim, tokens.shape[1],
+                                block=self.attention_block, context=self.context_attention,
+                                decoding=cache is not None or pos is not None, rope=rope, pos=pos)
         if ctx.zigzag:  # the blocks run in the ring's zigzag layout (`shardlm.kernels.ring`), the rest in order
             x = constrain(to_zigzag(x, ctx.zigzag), "batch", "seq", "act_embed")
             ctx = ctx._replace(rope=None if rope is None else tuple(to_zigzag(t, ctx.zigzag) for t in rope))
@@ -264,7 +266,7 @@ class CausalLM(nnx.Module):
                                     stats=self._stats_zeros())
         else:
             x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, step, x, dropout_key=key,
-                                         cache=cache, policy=policy, order=self.layer_order,
+                                         cache=cache, policy=policy,
                                          stats=self._stats_zeros())
         if zigzag:
             x = constrain(from_zigzag(x, zigzag), "batch", "seq", "act_embed")

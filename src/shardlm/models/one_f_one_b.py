@@ -43,11 +43,10 @@ GPipe are:
   stage's backward pass gets that weight as its statistics' cotangent; the `custom_vjp` then hands back the
   objective's gradient whatever cotangent the statistics get, which is right for the objective the caller
   named and for no other.
-- Circular repeats (`pipeline.circular_order`) make it Megatron's interleaved 1F1B: the units (a microbatch
-  through one repeat's K layers) go in groups of S microbatches through each repeat in turn (`one_f_one_b_ticks`),
-  a stage holds at most 2 S R - 1 units (about 2 S microbatches' worth through all its R K layers, as without
-  repeats), and
-  the bubble shrinks to (S - 1) / (M R + S - 1), as circular GPipe's does. The forward pass differentiates the
+- Circular repeats (the stack held as [R, S K]: `stack.in_repeats`) make it Megatron's interleaved 1F1B: the units
+  (a microbatch through one repeat's K layers) go in groups of S microbatches through each repeat in turn
+  (`one_f_one_b_ticks`), a stage holds at most 2 S R - 1 units (about 2 S microbatches' worth through all its R K
+  layers, as without repeats), and the bubble shrinks to (S - 1) / (M R + S - 1), as circular GPipe's does. The forward pass differentiates the
   unit's repeat's weights, sliced out before `jax.vjp`, and the backward pass adds their gradient into that
   repeat's rows of the sums. The head runs only in the ticks that end a microbatch's last repeat: the steady
   ticks come in runs of S with the head and (R - 1) S without (`Ticks.steady_runs`), each run its own scan, so
@@ -96,7 +95,7 @@ def run_1f1b(blocks, n_layers: int, step: Step, x: jax.Array, head, head_params,
              prepare_head=lambda p: p, stats: dict | None = None, stats_weights: dict | None = None,
              repeats: int = 1) -> tuple[jax.Array, dict]:
     """The mean loss of `targets` [batch, T] after x [batch, T, D] (the embedding's output) went through the
-    stacked `blocks` on `stages` stages (the stack's rows in `pipeline.circular_order` with `repeats` > 1),
+    stacked `blocks` on `stages` stages (held as [R, S K] with `repeats` > 1),
     `microbatches` at a time (0 = one per stage), and then through
     `head(prepare_head(head_params), y, targets) -> mean loss` per microbatch (y [b, T, D], the blocks' output;
     `prepare_head` runs once, before the loop, and its gradient once, after it). `blocks` and `stored` as for

@@ -20,8 +20,10 @@ Design choices, after MaxText's `layers/pipeline.py` and praxis's `LayerwiseShar
   per repeat, and the last stage's output wraps around to stage 0 (the same roll). Stage 0 keeps the microbatches
   in a buffer (`io`, [S, M, ...] stage-sharded: only stage 0's slot is read) where the wrapped-around outputs wait
   until their next repeat and the last repeat's become the result; M >= S keeps a slot from being overwritten
-  before it is read. The bubble shrinks to (S - 1) / (M R + S - 1). The per-stage weights are read as
-  [S, R, K, ...] from the stack's row order; `circular_order` says which layer each row holds. A repeat's K layers
+  before it is read. The bubble shrinks to (S - 1) / (M R + S - 1). The model holds its stack as [R, S K, ...]
+  in layer order (`stack.in_repeats`), split over the stages on its second axis, so each stage holds its K layers
+  of every repeat; the per-stage weights [S, R, K, ...] are a reshape and a swap of two axes, one of them of a
+  single row per device (no data moves). A repeat's K layers
   (few: n_layers / (S R)) are unrolled rather than scanned: its weights are a traced slice of [R, K, ...], which
   a scan over K slices again, copying every layer's weights a second time in each iteration (compiled for 64
   H100s, the validation table's 70B at S 4, R 5, K 4 moves 1.3 s less through HBM per step: 6.1 -> 4.8 s). Reading
@@ -77,7 +79,7 @@ from flax import nnx
 
 from shardlm.errors import ShardlmError
 from shardlm.kernels.gradients import with_gradient
-from shardlm.models.stack import LAYERS, PER_BATCH, RESIDUAL, Step, add_stats, combine_parts
+from shardlm.models.stack import LAYERS, PER_BATCH, REPEATS, RESIDUAL, Step, add_stats, combine_parts
 from shardlm.sharding import (
     active_axes,
     active_mesh,
@@ -123,25 +125,17 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (microbatches * repeats + stages - 1)
 
 
-def circular_order(stages: int, repeats: int, n_layers: int) -> list[int]:
-    """Row p of the stacked blocks holds layer circular_order(...)[p]: rows s K R .. (s + 1) K R - 1 sit on stage s,
-    repeat r's K of them at s K R + r K. The identity when repeats == 1."""
-    k = n_layers // (stages * repeats)
-    return [r * stages * k + s * k + i for s in range(stages) for r in range(repeats) for i in range(k)]
-
-
-def row_order(n_layers: int, stages: int, repeats: int) -> tuple[int, ...] | None:
-    """The layer each row of the stacked blocks holds on a mesh of `stages` pipeline stages (`circular_order`), or
-    None when that is row i = layer i (no circular repeats)."""
-    if stages <= 1 or repeats <= 1 or n_layers % (stages * repeats):
-        return None  # (an indivisible split is refused by `check_pipeline`, in the caller's terms)
-    return tuple(circular_order(stages, repeats, n_layers))
+def stacked_repeats(n_layers: int, repeats: int, scan: bool = True) -> int:
+    """The repeats a model's stack is held with ([repeats, n_layers / repeats]: `stack.in_repeats`): the circular
+    repeats it is configured with, where they divide its layers (an indivisible split is refused by
+    `check_pipeline` when a pipeline would run it); 1 for layers one module each."""
+    return repeats if scan and repeats > 1 and n_layers % repeats == 0 else 1
 
 
 def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int, microbatches: int = 0,
                  repeats: int = 1, dropout_key=None, policy=None, remat_unit: str = "iteration", stored=None,
                  idle_input: float = 0.0, stats: dict | None = None) -> tuple[jax.Array, dict]:
-    """x [batch, T, D] through the stacked `blocks` split over `stages` (the stack's rows in `circular_order`),
+    """x [batch, T, D] through the stacked `blocks` split over `stages` (held as [R, S K] with `repeats` > 1),
     `microbatches` at a time (0 = one per stage). `blocks` hold the weights as the blocks use them (their compute
     copies, `shardlm.models.precision`) and `stored` as they are stored (default: `blocks`): the gradients flow to
     the stored ones, summed over the iterations in their dtype. `idle_input` fills the stages' inputs before the
@@ -358,18 +352,20 @@ def _layers(rows) -> int:
 
 
 def stage_weights(blocks, stored, stages: int, repeats: int, replicas: int, replica_axes):
-    """(weights, carriers): the stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already
-    holds), their compute copies gathered over FSDP once for the whole step, not once per microbatch, and for each a
-    float32 gradient carrier (`sharding.gradient_carrier`) through which its gradient reaches the stored weight:
-    the weights themselves are read without a gradient, so the loop sums each weight's gradient over its
-    iterations in float32 (M R + S - 1 of them) where a bfloat16 weight's own would be summed in bfloat16. With
-    F > 1 data-parallel replicas, both as [S, F, R, K, ...]: each device's own copy (`sharding.replicas_of`),
-    whose gradient it accumulates over every microbatch before the copies' gradients are reduce-scattered, once,
-    after the loop."""
+    """(weights, carriers): the stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already holds: [S R
+    K] in layer order without repeats, [R, S K] with them), their compute copies gathered over FSDP once for the whole
+    step, not once per microbatch, and for each a float32 gradient carrier (`sharding.gradient_carrier`) through which
+    its gradient reaches the stored weight: the weights themselves are read without a gradient, so the loop sums each
+    weight's gradient over its iterations in float32 (M R + S - 1 of them) where a bfloat16 weight's own would be summed
+    in bfloat16. With F > 1 data-parallel replicas, both as [S, F, R, K, ...]: each device's own copy
+    (`sharding.replicas_of`), whose gradient it accumulates over every microbatch before the copies' gradients are
+    reduce-scattered, once, after the loop."""
     def staged(var):
         a, names = var[...], _names(var)
-        return a.reshape(stages, repeats, a.shape[0] // (stages * repeats), *a.shape[1:]), (LAYERS, None, None,
-                                                                                           *names[1:])
+        staged_names = (LAYERS, None, None, *names[2 if names[0] == REPEATS else 1:])
+        if names[0] == REPEATS:  # [R, S K, ...] -> [R, S, K, ...] -> [S, R, K, ...]
+            return a.reshape(repeats, stages, a.shape[1] // stages, *a.shape[2:]).swapaxes(0, 1), staged_names
+        return a.reshape(stages, repeats, a.shape[0] // (stages * repeats), *a.shape[1:]), staged_names
 
     def weight(var):
         a, names = staged(var)
@@ -424,10 +420,10 @@ def from_microbatches(x_mb):
 
 
 def stage_layers(n_layers: int, stages: int, repeats: int = 1) -> list[list[int]]:
-    """Which layers each stage holds: [[0, 1], [2, 3]] for 4 layers on 2 stages."""
-    order = circular_order(stages, repeats, n_layers)
-    per = n_layers // stages
-    return [sorted(order[s * per:(s + 1) * per]) for s in range(stages)]
+    """Which layers each stage holds: [[0, 1], [2, 3]] for 4 layers on 2 stages; with circular repeats, its K of
+    every repeat, [[0, 2], [1, 3]] for 4 layers on 2 stages of 2 repeats."""
+    k = n_layers // (stages * repeats)
+    return [[r * stages * k + s * k + i for r in range(repeats) for i in range(k)] for s in range(stages)]
 
 
 def layer_ranges(layers: list[int]) -> str:
@@ -442,7 +438,7 @@ def layer_ranges(layers: list[int]) -> str:
     return ", ".join(out)
 
 
-__all__ = ["IterationRow", "PER_STAGE_ROW", "bubble_fraction", "check_pipeline", "circular_order", "data_replicas",
+__all__ = ["IterationRow", "PER_STAGE_ROW", "bubble_fraction", "check_pipeline", "data_replicas",
            "from_microbatches", "layer_ranges", "microbatch_count", "on_every_stage", "on_stages",
-           "pipeline_schedule", "row_order", "run_pipeline", "shift_to_next", "stage_compute", "stage_layers",
+           "pipeline_schedule", "run_pipeline", "shift_to_next", "stacked_repeats", "stage_compute", "stage_layers",
            "stage_mask", "stage_weights", "store_at_stage0", "to_microbatches"]

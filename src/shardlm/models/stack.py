@@ -8,14 +8,18 @@ Design choices:
 - Both layouts are built from the same per-layer keys (`jax.random.split` of one key; the stack is an `nnx.vmap`
   over them), so layer i starts with the same parameters either way; and both draw dropout masks from the same
   per-layer keys (`layer_rngs`), so a run computes the same thing scanned or not, up to float rounding.
-- The stacked axis carries the logical name `layers` (the rule table decides whether a mesh axis splits it).
+- The stacked axis carries the logical name `layers` (the rule table decides whether a mesh axis splits it). A
+  model with circular pipeline repeats R (`model.pipeline_repeats`) stacks its layers as [R, n_layers / R, ...]
+  (`repeats`, `layers`), in layer order: layer l is row (l // (n_layers / R), l % (n_layers / R)). Split over S
+  stages on its `layers` axis, each stage then holds its n_layers / (S R) layers of every repeat, which a circular
+  schedule runs, with no row permutation: the model is the same whatever the stage count, and a checkpoint
+  stores the stack in layer order by a plain reshape (`unrepeated_tree`).
 - The KV cache is always stacked, [n_layers, batch, kv_heads, seq_len, head_dim], and goes through the blocks
   whole with each block's index: a block writes its new keys and values in place into its slice (a scatter
   into the donated buffer, in the loop as in the scan's carry), so a decode step copies no layer's cache.
 - `per_layer_tree` / `stacked_tree` turn pure-dict trees (parameters, and optimizer states that mirror them)
   from one layout into the other, for checkpoints (which store the stacked one) and Hugging Face files (named
-  per layer); `permuted_blocks` reorders a stack's rows (a circular pipeline holds them in its own order,
-  checkpoints store them in layer order).
+  per layer); `unrepeated_tree` / `repeated_tree` reshape a stack with repeats to layer order and back.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 LAYERS = "layers"  # the logical name of the stacked axis
+REPEATS = "repeats"  # the logical name of a circular pipeline's repeats axis, before `layers`
 # The residual stream between a block's halves and between blocks (and stages): its sequence has a name of its own,
 # which the rule table splits as every sequence, unless sequence parallelism splits it over tensor too
 # (`sharding.sequence_parallel_rules`).
@@ -44,18 +49,41 @@ class LayerCache(NamedTuple):
 
 
 def build_blocks(make_block: Callable[..., nnx.Module], n_layers: int, key: jax.Array, scan: bool,
-                 order: tuple[int, ...] | None = None):
+                 repeats: int = 1):
     """`n_layers` blocks from `make_block(rngs)`, layer i from `nnx.Rngs(params=split(key)[i])`: an `nnx.List`, or
-    (`scan`) one block whose parameters are stacked on a leading `layers` axis, row p holding layer `order[p]`
-    (default: layer p)."""
+    (`scan`) one block whose parameters are stacked on a leading `layers` axis, in layer order; with `repeats` > 1,
+    on [repeats, n_layers / repeats] (`in_repeats`)."""
     keys = jax.random.split(key, n_layers)
-    if order is not None:
-        keys = keys[jnp.array(order)]
     if not scan:  # make_block may take the layer's index too (a model whose layers differ)
         return nnx.List([make_block(nnx.Rngs(params=keys[i]), i) for i in range(n_layers)])
     stack = nnx.vmap(lambda k: make_block(nnx.Rngs(params=k)), in_axes=0, out_axes=0,
                      transform_metadata={nnx.PARTITION_NAME: LAYERS})
-    return stack(keys)
+    return in_repeats(stack(keys), repeats)
+
+
+def in_repeats(blocks, repeats: int):
+    """Stacked `blocks` ([n_layers, ...], layer order) as [repeats, n_layers / repeats, ...], named (`repeats`,
+    `layers`, ...): a reshape, row (r, j) holding layer r n_layers / repeats + j. As they are for repeats 1."""
+    if repeats <= 1:
+        return blocks
+    graphdef, state = nnx.split(blocks)
+
+    def reshaped(var):
+        a = var[...]
+        names = var.get_metadata().get("out_sharding")
+        return var.replace(a.reshape(repeats, a.shape[0] // repeats, *a.shape[1:]),
+                           **({"out_sharding": (REPEATS, *names)} if names else {}))
+
+    return nnx.merge(graphdef, jax.tree.map(reshaped, state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+
+
+def stack_repeats(blocks) -> int:
+    """R of stacked blocks held as [R, n_layers / R, ...] (`in_repeats`), 1 for a stack in layer order."""
+    for _, var in nnx.iter_graph(blocks):
+        if isinstance(var, nnx.Variable):
+            names = var.get_metadata().get("out_sharding") or ()
+            return var.shape[0] if names and names[0] == REPEATS else 1
+    return 1
 
 
 def layer_rngs(key: jax.Array | None, i) -> nnx.Rngs | None:
@@ -87,15 +115,15 @@ def combine_parts(stats: dict, axis: int = 0) -> dict:
 
 
 def run_blocks(blocks, n_layers: int, scan: bool, step: Step, x: jax.Array, *, dropout_key=None,
-               cache: LayerCache | None = None, policy=None, order: tuple[int, ...] | None = None,
+               cache: LayerCache | None = None, policy=None,
                stats: dict | None = None) -> tuple[jax.Array, LayerCache | None, dict]:
     """x through every block in order (`step` for each, given the block's index), the stacked `cache` passed from
     block to block; returns the output, the cache and the blocks' statistics summed (`stats`: their zeros, the
-    structure a block returns). `policy` (training only) rematerialises each block. `order`: the layer each row of
-    stacked blocks holds (a circular pipeline's layout; default row i is layer i)."""
+    structure a block returns). `policy` (training only) rematerialises each block. A stack held with repeats runs
+    in layer order too."""
     stats = {} if stats is None else stats
     if scan:
-        return _scanned(blocks, n_layers, step, x, dropout_key, cache, policy, order, stats)
+        return _scanned(blocks, n_layers, step, x, dropout_key, cache, policy, stats)
     for i in range(n_layers):
         with jax.named_scope(f"layer{i}"):  # names the layer's ops in profiles and HLO (`shardlm profile`)
             if policy is not None:
@@ -106,10 +134,10 @@ def run_blocks(blocks, n_layers: int, scan: bool, step: Step, x: jax.Array, *, d
     return x, cache, stats
 
 
-def _scanned(blocks, n_layers, step, x, dropout_key, cache, policy, order, stats):
+def _scanned(blocks, n_layers, step, x, dropout_key, cache, policy, stats):
     graphdef, stacked = nnx.split(blocks)
-    if order is not None:  # the rows in layer order (a copy: only a circular pipeline's model run unpipelined)
-        stacked = jax.tree.map(lambda a: a[jnp.array(rows_of_layers(order))], stacked)
+    if stack_repeats(blocks) > 1:  # [R, n / R] -> [n], layer order: a circular pipeline's model run unpipelined
+        stacked = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stacked)
 
     def body(carry, xs):
         x, cache, total = carry
@@ -134,15 +162,12 @@ def _remat_block(block, x, rngs, step: Step, i: int, policy):
     return nnx.remat(run, policy=policy)(block, x, rngs)
 
 
-def rows_of_layers(order: tuple[int, ...] | None, n_layers: int | None = None) -> list[int]:
-    """The row holding each layer, for stacked blocks whose row p holds layer order[p] (None: row i is layer i, of
-    `n_layers`)."""
-    if order is None:
-        return list(range(n_layers))
-    rows = [0] * len(order)
-    for p, layer in enumerate(order):
-        rows[layer] = p
-    return rows
+def layer_index(i: int, n_layers: int, repeats: int) -> tuple[int, ...]:
+    """Where layer i sits in stacked blocks: (i,) in layer order, (r, j) in a stack held with repeats."""
+    if repeats <= 1:
+        return (i,)
+    per = n_layers // repeats
+    return (i // per, i % per)
 
 
 def unstacked(model):
@@ -152,13 +177,19 @@ def unstacked(model):
     if not model.scan_layers:
         return model
     graphdef, stacked = nnx.split(model.blocks)
-    rows = rows_of_layers(model.layer_order, model.n_layers)
+    repeats = stack_repeats(model.blocks)
+
+    def row(a, i):
+        for k in layer_index(i, model.n_layers, repeats):
+            a = stack_row(a, k)
+        return a
 
     def layer(i):
-        block = nnx.merge(graphdef, jax.tree.map(lambda a: stack_row(a, rows[i]), stacked))
-        for _, var in nnx.iter_graph(block):  # the stacked axis's name goes with it
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: row(a, i), stacked))
+        for _, var in nnx.iter_graph(block):  # the stacked axes' names go with them
             if isinstance(var, nnx.Variable) and (names := var.get_metadata().get("out_sharding")):
-                var.set_metadata(out_sharding=tuple(names[1:]) if names[0] == LAYERS else names)
+                stacked_axes = 2 if names[0] == REPEATS else 1 if names[0] == LAYERS else 0
+                var.set_metadata(out_sharding=tuple(names[stacked_axes:]))
         return block
 
     model.blocks = nnx.List([layer(i) for i in range(model.n_layers)])
@@ -254,9 +285,14 @@ def per_layer_tree(tree, n_layers: int, take=lambda leaf, i: leaf[i]):
                                                     for i in range(n_layers)})
 
 
-def permuted_blocks(tree, rows):
-    """A pure-dict tree whose stacked `blocks` leaves are reordered: row p of the result is row rows[p] of the
-    input. With `rows_of_layers(order)`, a circular pipeline's stack in layer order (as checkpoints store it); with
-    `order`, the other way."""
-    index = jnp.array(rows)
-    return _map_blocks(tree, False, lambda blocks: jax.tree.map(lambda leaf: leaf[index], blocks))
+def unrepeated_tree(tree, reshape=lambda leaf, shape: leaf.reshape(shape)):
+    """A pure-dict tree whose stacked `blocks` leaves held with repeats ([R, n / R, ...]) are in layer order
+    ([n, ...]), as checkpoints store them: a reshape. `reshape(leaf, shape)` does it (an abstract one for shapes)."""
+    return _map_blocks(tree, False, lambda blocks: jax.tree.map(
+        lambda leaf: reshape(leaf, (leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])), blocks))
+
+
+def repeated_tree(tree, repeats: int):
+    """The inverse of `unrepeated_tree`: stacked `blocks` leaves [n, ...] as [repeats, n / repeats, ...]."""
+    return _map_blocks(tree, False, lambda blocks: jax.tree.map(
+        lambda leaf: leaf.reshape(repeats, leaf.shape[0] // repeats, *leaf.shape[1:]), blocks))

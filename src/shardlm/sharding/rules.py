@@ -67,7 +67,8 @@ LOGICAL_AXIS_RULES: Rules = (
     ("act_vocab", "tensor"),
     ("act_experts", "expert"),  # a mixture of experts' tokens, grouped by the expert they are sent to
     # parameters
-    ("layers", "stage"),  # the stacked blocks' leading axis (`model.scan_layers`): pipeline stages split it
+    ("repeats", None),  # a circular pipeline's repeats axis, before `layers` ([R, S K]: each stage holds every repeat)
+    ("layers", "stage"),  # the stacked blocks' layers axis (`model.scan_layers`): pipeline stages split it
     ("layers", None),
     ("experts", "expert"),  # a mixture of experts' expert dimension (claims `expert` before `embed` can)
     # A position table is stored as it is read: split over context as the sequence is (so it claims `context`

@@ -91,4 +91,4 @@ def import_params(spec: str, cfg: Config, mesh, vocab_size: int, log=None):
     real, padded = vocab_sizes(cfg, vocab_size, mesh.shape["tensor"])
     graphdef, abstract = abstract_model(cfg, mesh, real)
     return graphdef, importer.read_params(hf_dir(spec), cfg.model, hf_format(cfg.model), real, padded, abstract, log,
-                                          model_source(cfg).layer_order(mesh))
+                                          model_source(cfg).stack_repeats)

@@ -151,7 +151,7 @@ def restore_state(run_dir: Path, step: int, cfg: Config, mesh, vocab_size: int) 
 
     def read(s: int):
         return stored.restore_state(reader, s, abstract, stacks_blocks=source.stacks_blocks,
-                                    order=source.layer_order(mesh))
+                                    repeats=source.stack_repeats)
 
     try:
         state = read(step)
@@ -371,7 +371,7 @@ class Training:
         t = time.perf_counter()
         meta = {**self.meta, "step": step, "reason": reason, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         stored.save_state(self.ckpts, step, self.state, self.batches.position, meta, self.source.stacks_blocks,
-                          self.source.layer_order(self.mesh))
+                          self.source.stack_repeats)
         _log(f"checkpoint step {step}: writing in the background (training blocked {time.perf_counter() - t:.2f}s)")
 
     def open_metrics(self) -> None:

@@ -65,7 +65,7 @@ from shardlm.models.pipeline import (
     check_pipeline,
     layer_ranges,
     microbatch_count,
-    row_order,
+    stacked_repeats,
     stage_layers,
 )
 from shardlm.models.precision import DTYPES, cast_once
@@ -149,11 +149,12 @@ class OwnModel:
         and the mesh has data-parallel replicas, else None (the rule table's)."""
         return zero_rules() if self.cfg.train.shard_optimizer_over_data and mesh.shape.get("data", 1) > 1 else None
 
-    def layer_order(self, mesh) -> tuple[int, ...] | None:
-        """The layer each row of the stacked blocks holds on `mesh` (a circular pipeline's order), or None when row
-        i is layer i: checkpoints store layer order (`train.stored`)."""
+    @property
+    def stack_repeats(self) -> int:
+        """R of a stack held as [R, n_layers / R] (circular pipeline repeats: `models.stack.in_repeats`), else 1:
+        checkpoints store layer order (`train.stored`), a reshape away."""
         m = self.cfg.model
-        return row_order(m.n_layers, mesh.shape.get("stage", 1), m.pipeline_repeats)
+        return stacked_repeats(m.n_layers, m.pipeline_repeats, m.scan_layers)
 
     def batch_sharding(self, mesh) -> NamedSharding:
         return batch_sharding(mesh)
@@ -323,8 +324,7 @@ class PlannedModel:
     can_cache = False
     stacks_blocks = False  # its structure is its own
 
-    def layer_order(self, mesh) -> None:
-        return None
+    stack_repeats = 1
     flops_convention = "3x the forward pass's matmul FLOPs per token, counted from its jaxpr"
 
     def __init__(self, cfg: Config):

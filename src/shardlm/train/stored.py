@@ -11,13 +11,13 @@ Design choices:
   same spec, with or without the leading layers axis), then converts in one jit whose outputs are the target's
   shardings; no array is gathered whole. Checkpoints written before blocks were stored stacked (per layer on
   disk) are recognised from their metadata and restore the same way.
-- A circular pipeline (`model.pipeline_repeats` > 1 on several stages) holds the stack's rows in its own order,
-  so that each stage's rows are its layers; checkpoints store them in layer order, so they restore onto any
-  number of stages (the rows move between stages once, as they are read).
+- A model with circular pipeline repeats holds its stack as [R, n_layers / R] in layer order
+  (`models.stack.in_repeats`); checkpoints store [n_layers] by a reshape, as every other stack, so they restore
+  onto any number of stages and repeats. Checkpoints written when a circular pipeline permuted the stack's rows
+  stored layer order too: they restore the same way.
 - A model from a py: file is stored as it is held: its structure is its own.
 """
 
-import functools
 
 import jax
 from flax import nnx
@@ -29,8 +29,8 @@ from shardlm.models.stack import (
     is_per_layer,
     layers_alike,
     per_layer_tree,
-    permuted_blocks,
-    rows_of_layers,
+    unrepeated_tree,
+    repeated_tree,
     stack_row,
     stacked_tree,
 )
@@ -46,46 +46,47 @@ def _stored_per_layer(reader: RunCheckpoints, step: int) -> bool:
 
 
 def save_state(ckpts: RunCheckpoints, step: int, state, position: int, meta: dict, stacks_blocks: bool,
-               order: tuple[int, ...] | None = None) -> None:
+               repeats: int = 1) -> None:
     """Start saving the nnx.State {"model", "optimizer"}: with `stacks_blocks` (shardlm's models), per-layer
-    blocks stacked first, and a stack held in a circular pipeline's `order` (row p holds layer order[p]) put in
-    layer order."""
+    blocks stacked first, and a stack held with `repeats` > 1 ([R, n / R]) in layer order ([n])."""
     pure = nnx.to_pure_dict(state)
     if stacks_blocks and is_per_layer(pure["model"]) and layers_alike(pure["model"]):
         pure = jax.jit(stacked_tree)(pure)
-    elif stacks_blocks and order is not None:
-        pure = _permuted(pure, tuple(rows_of_layers(order)))
+    elif stacks_blocks and repeats > 1:
+        pure = _unrepeated(pure)
     ckpts.save_trees(step, pure["model"], pure["optimizer"], position, meta)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _permuted(tree, rows: tuple[int, ...]):
-    """`permuted_blocks` compiled once per row order (a lambda jitted at each save would compile at each save)."""
-    return permuted_blocks(tree, rows)
+@jax.jit
+def _unrepeated(tree):
+    """`unrepeated_tree` compiled once (a lambda jitted at each save would compile at each save)."""
+    return unrepeated_tree(tree)
 
 
 def restore_state(reader: RunCheckpoints, step: int, abstract_state, *, optimizer: bool = True,
-                  stacks_blocks: bool = True, order: tuple[int, ...] | None = None):
+                  stacks_blocks: bool = True, repeats: int = 1):
     """The state at `step` in `abstract_state`'s layout and shardings (the nnx.State {"model", "optimizer"}, or the
-    model's alone when `optimizer` is False), whichever layout the checkpoint stored its blocks in. `order`: the
-    layer each row of the held stack holds (a circular pipeline's; None: row i is layer i)."""
+    model's alone when `optimizer` is False), whichever layout the checkpoint stored its blocks in. `repeats` > 1:
+    the held stack is [repeats, n_layers / repeats] (`models.stack.in_repeats`), stored as [n_layers]."""
     target = nnx.to_pure_dict(abstract_state)
     held_per_layer = stacks_blocks and is_per_layer(target["model"] if optimizer else target)
     stored_per_layer = stacks_blocks and _stored_per_layer(reader, step)
     convert = held_per_layer != stored_per_layer
-    stored = (_as_stacked(target) if held_per_layer else _as_per_layer(target)) if convert else target
+    reshape = stacks_blocks and repeats > 1 and not held_per_layer
+    stacked_as_stored = unrepeated_tree(target, _abstract_reshape) if reshape else target
+    stored = ((_as_stacked(stacked_as_stored) if held_per_layer else _as_per_layer(stacked_as_stored)) if convert
+              else stacked_as_stored)
     params, opt = reader.restore_trees(step, stored["model"] if optimizer else stored,
                                        stored["optimizer"] if optimizer else None)
     arrays = {"model": params, "optimizer": opt} if optimizer else params
-    reorder = stacks_blocks and order is not None and not held_per_layer
-    if convert or reorder:
+    if convert or reshape:
         shardings = jax.tree.map(lambda t: t.sharding, target)
         n_layers = _n_layers(target) if convert and held_per_layer else 0  # (stacking needs no count)
 
         def change(t):
             if convert:
                 t = per_layer_tree(t, n_layers) if held_per_layer else stacked_tree(t)
-            return permuted_blocks(t, order) if reorder else t
+            return repeated_tree(t, repeats) if reshape else t
 
         arrays = jax.jit(change, out_shardings=shardings)(arrays)
     state = jax.tree.map(lambda x: x, abstract_state)  # a fresh tree of the same Variables, filled below
@@ -96,6 +97,13 @@ def restore_state(reader: RunCheckpoints, step: int, abstract_state, *, optimize
 def _n_layers(per_layer) -> int:
     model = per_layer["model"] if "model" in per_layer else per_layer
     return len(_blocks_in(model))
+
+
+def _abstract_reshape(leaf, shape):
+    """An abstract stack held with repeats ([R, n / R, ...]) as stored ([n, ...]): read with its leading axis whole
+    (each device reads every layer of its shard, and the reshape back places them)."""
+    return jax.ShapeDtypeStruct(shape, leaf.dtype,
+                                sharding=NamedSharding(leaf.sharding.mesh, P(None, *leaf.sharding.spec[2:])))
 
 
 def _as_stacked(target):
