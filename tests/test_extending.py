@@ -32,7 +32,7 @@ def _build(cfg):
 class NoPositions(CausalLM):
     """GPT-2's blocks without a position table (NoPE): causal attention alone tells positions apart."""
 
-    def __init__(self, cfg, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs, *, stages: int = 1):
+    def __init__(self, cfg, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
         self.precision, self.attention = Precision.of(cfg), cfg.attention
         self.remat, self.remat_offload = cfg.remat, cfg.remat_offload
@@ -40,7 +40,7 @@ class NoPositions(CausalLM):
         self.wte = param(rngs, nnx.initializers.normal(0.02), (padded_vocab, cfg.d_model), ("vocab", "embed"), pd,
                          cast_where_read=True)
         self.dropout = nnx.Dropout(cfg.dropout)
-        self._stack_blocks(cfg, lambda r, i=None: gpt.Block(cfg, r), rngs, stages)
+        self._stack_blocks(cfg, lambda r, i=None: gpt.Block(cfg, r), rngs)
         self.ln_f = gpt.LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.lm_head = None
 
@@ -127,3 +127,34 @@ def test_an_attention_kernel_registered_from_outside_is_configured_run_and_repor
     with pytest.raises(ShardlmError, match="model.attention='blocked' is not one of: auto, cudnn, splash, flash, "
                                            "xla, einsum"):
         load_config(None, MICRO + ["model.attention=blocked"])
+
+
+def test_a_pipeline_schedule_registered_from_outside_is_configured_dispatched_and_explained():
+    from shardlm import schedules
+    from shardlm.mesh import make_mesh
+    from shardlm.schedules import SCHEDULES, Schedule, register_schedule
+    from shardlm.sharding import use_mesh_rules
+    from shardlm.train.source import model_source
+
+    ran = []
+
+    def loss(model, tokens, targets, rngs, settings):  # the layers one after another, as the model runs them
+        ran.append(settings)
+        return model.loss(tokens, targets, rngs)
+
+    register_schedule(Schedule("in-order", loss=loss, forward=lambda model, tokens, rngs, s: model.with_stats(tokens),
+                               holds=lambda stages, micro, repeats, n: f"in order: {n // stages} layers a stage"))
+    try:
+        cfg = load_config(None, MICRO + ["model.pipeline_schedule=in-order", "mesh.stage=2", "mesh.data=4"])
+        mesh = make_mesh(stage=2, data=4, devices=jax.devices()[:8])
+        assert "in order: 1 layers a stage" in model_source(cfg)._pipeline_note(mesh)
+        model = _build(cfg)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (8, 33)), jnp.int32)
+        with use_mesh_rules(mesh):
+            staged, _ = jax.jit(lambda t: schedules.loss(model, t[:, :-1], t[:, 1:], None, cfg.model))(tokens)
+        assert [(s.stages, s.microbatches, s.repeats) for s in ran] == [(2, 0, 1)]
+        assert float(staged) == pytest.approx(float(model.loss(tokens[:, :-1], tokens[:, 1:])[0]), rel=1e-6)
+    finally:
+        SCHEDULES.pop("in-order")
+    with pytest.raises(ShardlmError, match="model.pipeline_schedule='in-order' is not one of: gpipe, 1f1b"):
+        load_config(None, MICRO + ["model.pipeline_schedule=in-order"])

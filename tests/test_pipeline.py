@@ -1,4 +1,4 @@
-"""Pipeline parallelism (`mesh.stage`, `shardlm.models.pipeline`): parity with the unpipelined model, bubbles that
+"""Pipeline parallelism (`mesh.stage`, `shardlm.schedules.gpipe`): parity with the unpipelined model, bubbles that
 cannot poison gradients, and the compiled program's stage traffic."""
 
 from pathlib import Path
@@ -62,7 +62,7 @@ CASES = [
     ("pp2, grad_accum 2, remat full", {"stage": 2, "data": 2}, ["train.grad_accum=2", "model.remat=full"], []),
     ("pp2, remat full per layer too", {"stage": 2, "data": 2}, ["model.remat=full", "model.pipeline_remat=layer"],
      []),
-    # 1F1B (`shardlm.models.one_f_one_b`): the head and loss inside the loop, a copy of the head per device of the
+    # 1F1B (`shardlm.schedules.one_f_one_b`): the head and loss inside the loop, a copy of the head per device of the
     # batch split, and each stage's replicas over fsdp; the GPT case above runs GPipe on the same mesh
     ("llama 1f1b, pp2 x fsdp 2 x tensor 2, M = 2S", {"stage": 2, "data": 1, "fsdp": 2, "tensor": 2},
      ["model.pipeline_schedule=1f1b", "model.pipeline_microbatches=4"],
@@ -140,7 +140,7 @@ def layers_in_order():
                          [(4, 1, 4, 2, float("nan")), (2, 2, 4, 2, float("nan"))],
                          ids=["bubbles full of NaN", "circular M=2S, NaN bubbles"])
 def test_the_schedule_equals_the_layers_in_order(layers_in_order, stages, repeats, microbatches, data, idle):
-    from shardlm.models.pipeline import run_pipeline, stage_layers
+    from shardlm.schedules.gpipe import run_pipeline, stage_layers
     from shardlm.models.stack import in_repeats
     from shardlm.sharding import use_mesh_rules
 
@@ -174,7 +174,7 @@ def test_the_schedule_table_runs_every_microbatch_through_every_layer_once_in_or
     output lands in slot write_slot one iteration later. Every microbatch goes through the model's layers 0, 1,
     ..., n - 1 in order (a stage's repeat r runs layers first_layer .. first_layer + K - 1), no slot is
     overwritten before it is read, and the last repeat's outputs are in their slots at the end."""
-    from shardlm.models.pipeline import bubble_fraction, pipeline_schedule
+    from shardlm.schedules.gpipe import bubble_fraction, pipeline_schedule
 
     k = 2
     sched = pipeline_schedule(stages, microbatches, repeats, k)
@@ -216,7 +216,7 @@ def test_1f1b_ticks_run_each_microbatch_forward_then_backward_through_every_laye
     the layers in reverse, each unit (a microbatch through K layers) one tick after the one it follows, reading
     the slot its forward pass wrote and no later forward pass overwrote; at most 2 S R - 1 units are in flight on
     a stage, and the schedule takes (M R + S - 1) forward and backward ticks' time, circular GPipe's."""
-    from shardlm.models.one_f_one_b import in_flight, one_f_one_b_ticks
+    from shardlm.schedules.one_f_one_b import in_flight, one_f_one_b_ticks
 
     k = 2
     ticks = one_f_one_b_ticks(stages, microbatches, k, repeats)
@@ -288,7 +288,7 @@ def test_1f1b_ticks_run_each_microbatch_forward_then_backward_through_every_laye
 def test_1f1b_equals_the_layers_in_order(layers_in_order, stages, microbatches, data, repeats):
     """The 1F1B schedule's loss and gradients (the blocks', the input's and the head's) are the layers' in order,
     the head taking each microbatch's share of the loss; with circular repeats, interleaved."""
-    from shardlm.models.one_f_one_b import run_1f1b
+    from shardlm.schedules.one_f_one_b import run_1f1b
     from shardlm.models.stack import in_repeats
     from shardlm.sharding import use_mesh_rules
 
@@ -316,8 +316,8 @@ def test_1f1b_holds_a_few_microbatches_where_gpipe_holds_them_all():
     """Compiled at 2 and 16 microbatches of the same size (two stages): GPipe's temporaries grow with every
     microbatch, whose activations it keeps until its backward pass; 1F1B's hold at most 2S - 1 = 3
     microbatches' whatever M is, so they grow only by the batch itself (its input and its gradient)."""
-    from shardlm.models.one_f_one_b import run_1f1b
-    from shardlm.models.pipeline import run_pipeline
+    from shardlm.schedules.one_f_one_b import run_1f1b
+    from shardlm.schedules.gpipe import run_pipeline
     from shardlm.sharding import use_mesh_rules
 
     model, x = _blocks_and_input()
@@ -352,7 +352,7 @@ def test_stage_weights_are_read_in_the_compute_dtype_and_their_gradients_summed_
     bfloat16 (the weight's own cotangent) is off by a thousandth."""
     from flax.traverse_util import flatten_dict
 
-    from shardlm.models.pipeline import _with_gradient_into, stage_weights
+    from shardlm.schedules.gpipe import _with_gradient_into, stage_weights
     from shardlm.models.precision import compute_view
 
     model, _ = _blocks_and_input()
@@ -379,7 +379,7 @@ def test_stage_weights_are_read_in_the_compute_dtype_and_their_gradients_summed_
 
 def test_pipeline_errors_are_one_line():
     from shardlm.errors import ShardlmError
-    from shardlm.models.pipeline import check_pipeline
+    from shardlm.schedules.gpipe import check_pipeline
 
     with pytest.raises(ShardlmError, match="n_layers=6 does not split into mesh.stage=4"):
         check_pipeline(6, 16, 4, 4, 1)

@@ -36,6 +36,7 @@ from shardlm.hf.config import HF_PREFIX, is_hf
 from shardlm.hf.config import model_label as hf_model_label
 from shardlm.mesh import MESH_AXES
 from shardlm.models.config import FP8, ModelConfig
+from shardlm.schedules import check_schedule
 
 
 @dataclasses.dataclass
@@ -439,6 +440,7 @@ def validate(cfg: Config) -> None:
         _check_py_model(cfg)
     else:
         check_model_config(cfg.model)
+        check_schedule(cfg.model)
         for key, value in (("plan", cfg.plan), ("model.call", cfg.model.call)):
             if value:
                 raise ShardlmError(f"{key}={value} is for a model from a py: file (model=py:FILE:FUNCTION); "

@@ -20,7 +20,7 @@ def _accepts(m: ModelConfig) -> None:
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
-    # The nnx module, called as Class(model config, vocabulary, padded vocabulary, rngs, stages=): the class, or
+    # The nnx module, called as Class(model config, vocabulary, padded vocabulary, rngs): the class, or
     # "module:Class" (the built-in families', imported when a model is built)
     model: str | type
     # The weights of a dense MLP, for the FLOP count and the planner's bound: 2 (in, out) or 3 (SwiGLU's gate,
@@ -74,9 +74,9 @@ def model_class(m: ModelConfig | str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def build_model(m: ModelConfig, vocab: int, padded: int, rngs, stages: int = 1):
+def build_model(m: ModelConfig, vocab: int, padded: int, rngs):
     """The family's nnx module for model config `m`."""
-    return model_class(m)(m, vocab, padded, rngs, stages=stages)
+    return model_class(m)(m, vocab, padded, rngs)
 
 
 def preset_names() -> tuple[str, ...]:

@@ -47,7 +47,7 @@ Design choices:
   logit are combined over the tensor devices once per pass, or per block.
 - The weight is read as stored (float32 master weights: `CAST_WHERE_READ` in the mixed-precision policy): the
   tied head reads the token table [vocab, embed], an untied one its own [embed, vocab].
-- A 1F1B pipeline (`shardlm.models.one_f_one_b`) calls the head once per microbatch, where gathering each weight
+- A 1F1B pipeline (`shardlm.schedules.one_f_one_b`) calls the head once per microbatch, where gathering each weight
   chunk and reducing its gradient would happen once per microbatch too. With `token_copies` the weight arrives as
   one copy per device of the tokens' mesh axes, gathered once by the caller (`sharding.copies_over`), and each
   device's gradient stays its copy's own until the caller's loop has ended and the copies are summed.

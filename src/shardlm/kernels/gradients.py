@@ -7,7 +7,7 @@ Design choices:
   gradient is produced in `model.grad_reduce_dtype` (`models.precision.matmul`), the output head whose gradient
   flows back in the compute dtype (`models.layers.float32_logits`), a pin whose gradient has a sharding of its
   own (`sharding.constrain_with_gradient`), a float32 carrier for a weight read in 16 bits inside a loop
-  (`sharding.gradient_carrier`, `models.pipeline`).
+  (`sharding.gradient_carrier`, `schedules.gpipe`).
 - `saves_inputs=False` keeps nothing for the backward pass (`saved` is None): a pin or a carrier must not keep
   its activation alive until the backward pass.
 - Kernels with real custom derivatives (attention's, the fused head's, the ring's, the grouped matmuls') keep

@@ -124,7 +124,6 @@ class ModelConfig:
 AUTO_REMAT = "auto"  # model.remat=auto: the planner's choice
 FP8 = "fp8"  # model.matmul_dtype's float8 mode (`shardlm.models.precision.Precision`)
 MATMUL_DTYPES = ("auto", FP8)  # model.matmul_dtype
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # model.pipeline_schedule
 
 
 def check_model(m: ModelConfig) -> None:
@@ -146,11 +145,6 @@ def check_model(m: ModelConfig) -> None:
     check_positive("model.layer_norm_eps", m.layer_norm_eps)
     check_positive("model.pipeline_repeats", m.pipeline_repeats)
     check_one_of("model.pipeline_remat", m.pipeline_remat, ("iteration", "layer"))
-    check_one_of("model.pipeline_schedule", m.pipeline_schedule, PIPELINE_SCHEDULES)
-    if m.pipeline_schedule == "1f1b" and m.remat_offload:
-        raise ShardlmError(f"model.pipeline_schedule=1f1b keeps each microbatch's saved activations in device "
-                           f"buffers and cannot offload them (model.remat_offload={m.remat_offload}); drop "
-                           "model.remat_offload, or use model.pipeline_schedule=gpipe")
     if m.pipeline_remat == "layer" and m.remat == "none":
         raise ShardlmError("model.pipeline_remat=layer rematerialises each layer inside the rematerialised pipeline "
                            "iteration, and model.remat=none keeps every matmul output, so there is nothing to "

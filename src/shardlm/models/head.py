@@ -7,7 +7,7 @@ Design choices:
   embedding dimension (FSDP's), used and dropped; its gradient is reduce-scattered back into the stored shards.
   The weight's embedding axes must split the tokens too, or its gradient could not be reduce-scattered over them:
   a one-line error says so.
-- A 1F1B pipeline (`shardlm.models.one_f_one_b`) calls the head once per microbatch. With `token_copies` the
+- A 1F1B pipeline (`shardlm.schedules.one_f_one_b`) calls the head once per microbatch. With `token_copies` the
   weight arrives as one copy per device of the tokens' mesh axes, gathered once by the caller
   (`sharding.copies_over`), and each device's gradient stays its copy's own until the caller's loop has ended.
 - `recording` collects the schedule of every head traced in a block, for the compile report.

@@ -19,18 +19,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlm.errors import ShardlmError
 from shardlm.kernels.gradients import with_gradient
 from shardlm.kernels.ring import from_zigzag, to_zigzag
 from shardlm.models import remat
 from shardlm.models.attention import Context, attention_context
-from shardlm.models.head import head_loss, token_axes
-from shardlm.models.one_f_one_b import run_1f1b
+from shardlm.models.head import head_loss
 from shardlm.models.params import use
-from shardlm.models.pipeline import microbatch_count, run_pipeline, stacked_repeats
 from shardlm.models.precision import compute_view
-from shardlm.models.stack import LAYERS, RESIDUAL, LayerCache, build_blocks, layer_rngs, run_blocks
-from shardlm.sharding import active_degree, constrain, constrain_with_gradient, copies_over, sharded_lookup
+from shardlm.models.stack import RESIDUAL, LayerCache, build_blocks, layer_rngs, run_blocks, stacked_repeats
+from shardlm.sharding import constrain, constrain_with_gradient, sharded_lookup
 
 
 def _projections_input(y: jax.Array) -> jax.Array:
@@ -95,21 +92,17 @@ class CausalLM(nnx.Module):
     (`models.precision.Precision.of` its config), `attention` (the requested implementation), `remat` and
     `remat_offload` (`shardlm.models.remat`), and builds its blocks with `_stack_blocks`.
 
-    With the stacked blocks split over pipeline stages (the rule table maps `layers` to the `stage` mesh axis), a
-    training or evaluation pass runs them as a pipeline (`shardlm.models.pipeline`); the embedding and the head stay
-    outside it, except that a 1F1B schedule's training loss runs the head inside (`loss`). Decoding runs them one after
-    another.
+    On pipeline stages a schedule runs the blocks (`shardlm.schedules`), from the pieces this class exposes: the
+    embedding (`enter`), a block's step (`block_step`), the final norm and head (`finish`), the fused head and
+    loss (`head_loss`). The model itself holds no pipeline setting and runs its blocks one after another.
     """
 
-    def _stack_blocks(self, cfg, make_block, rngs: nnx.Rngs, stages: int = 1):
+    def _stack_blocks(self, cfg, make_block, rngs: nnx.Rngs):
         """The blocks (`make_block(rngs)` per layer) and what running them needs: their number and layout (a stack
-        held as [repeats, layers] for circular pipeline repeats: `stack.in_repeats`), the head shape of the KV cache,
-        and the pipeline's settings for a mesh of `stages` pipeline stages."""
+        held as [repeats, layers] for circular pipeline repeats: `stack.in_repeats`) and the head shape of the KV
+        cache."""
         self.n_layers, self.scan_layers = cfg.n_layers, cfg.scan_layers
         self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
-        self.stages, self.microbatches, self.repeats = stages, cfg.pipeline_microbatches, cfg.pipeline_repeats
-        self.pipeline_remat, self.pipeline_schedule = cfg.pipeline_remat, cfg.pipeline_schedule
-        self.aux_loss_weight = cfg.moe_aux_loss_weight if cfg.moe_experts else 0.0  # a 1F1B pipeline's objective
         self.loss_chunks = cfg.loss_chunks
         self.context_attention, self.attention_block = cfg.context_attention, cfg.attention_block
         self.blocks = build_blocks(make_block, cfg.n_layers, rngs.params(), cfg.scan_layers,
@@ -127,7 +120,7 @@ class CausalLM(nnx.Module):
         over the sparse layers), "expert_tokens" ([experts]: token-assignments each expert received, summed over
         them)}; {} for a dense model. What a training step reads."""
         logits, _, stats = self._forward(tokens, rngs)
-        return logits, self._mean_aux(stats)
+        return logits, self.mean_aux(stats)
 
     def init_cache(self, batch: int) -> LayerCache:
         """An empty KV cache for `batch` rows and the whole context, stacked over the layers, in the compute dtype
@@ -145,87 +138,53 @@ class CausalLM(nnx.Module):
         """tokens [batch, 1], row b at position pos[b] (< seq_len) -> (logits [batch, 1, padded_vocab], cache)."""
         return self._forward(tokens, None, cache, pos)[:2]
 
-    def _stats_zeros(self) -> dict:
+    def stats_zeros(self) -> dict:
         """The structure the blocks' statistics take, zero: a mixture of experts' (see `with_stats`), or {}."""
         if not getattr(self, "moe_experts", 0):
             return {}
         return {"aux_loss": jnp.zeros((), jnp.float32), "expert_tokens": jnp.zeros((self.moe_experts,), jnp.float32),
                 "moe_dropped": jnp.zeros((), jnp.float32), "moe_overflow": jnp.zeros((), jnp.float32)}
 
+    def compute_view(self):
+        """The model on its weights' compute copies (`shardlm.models.precision.compute_view`): what a pass runs on."""
+        return compute_view(self, self.precision.compute, self.precision.reduce)
+
     def _forward(self, tokens, rngs, cache=None, pos=None, at=None, head=True):
         """(logits, cache, stats); with `head=False`, the final norm's output [batch, T, d_model] instead of the
         logits (what `loss` multiplies out chunk by chunk). The modules run on their weights' compute copies
         (`shardlm.models.precision`)."""
-        view = compute_view(self, self.precision.compute, self.precision.reduce)
-        return view._run(tokens, rngs, cache, pos, at, head, stored_blocks=self.blocks)
+        return self.compute_view()._run(tokens, rngs, cache, pos, at, head)
 
     def loss(self, tokens: jax.Array, targets: jax.Array, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
         """(mean cross entropy of `targets` [batch, T] after `tokens` [batch, T], the blocks' statistics as
         `with_stats` gives them): the head and the loss fused and chunked over the vocabulary
         (`shardlm.models.head`), float32 logits never held for the whole vocabulary. What a training step
-        minimises. On pipeline stages under `model.pipeline_schedule=1f1b`, the head and loss run inside the
-        pipeline, each microbatch's as it leaves the last stage (`shardlm.models.one_f_one_b`)."""
-        tied = self.lm_head is None
-        head_weight = (self.wte if tied else self.lm_head)[...]
-        if self.pipeline_schedule == "1f1b" and active_degree(LAYERS) > 1:
-            view = compute_view(self, self.precision.compute, self.precision.reduce)
-            return view._one_f_one_b_loss(tokens, targets, rngs, head_weight, tied, stored_blocks=self.blocks)
+        minimises (on pipeline stages, through a schedule: `shardlm.schedules`)."""
         x, _, stats = self._forward(tokens, rngs, head=False)
-        return self._head_loss(x, head_weight, targets, tied), self._mean_aux(stats)
+        return self.head_loss(x, targets), self.mean_aux(stats)
 
-    def _head_loss(self, x, head_weight, targets, tied: bool, token_copies: bool = False) -> jax.Array:
+    def head_weight(self) -> jax.Array:
+        """The output head as stored: the token table [vocab, embed] when tied, else `lm_head` [embed, vocab]."""
+        return (self.wte if self.lm_head is None else self.lm_head)[...]
+
+    def head_loss(self, x, targets, head_weight=None, token_copies: bool = False) -> jax.Array:
+        """The fused head and loss of the final norm's output `x` (`models.head.head_loss`), on `head_weight`
+        (default: the stored head; with `token_copies`, one copy per device of the tokens' axes)."""
+        head_weight = self.head_weight() if head_weight is None else head_weight
         with jax.named_scope("loss"):  # the output head's matmuls with it
-            return head_loss(x, head_weight, targets, tied=tied, vocab_size=self.vocab_size,
+            return head_loss(x, head_weight, targets, tied=self.lm_head is None, vocab_size=self.vocab_size,
                              compute_dtype=self.precision.compute, reduce_dtype=self.precision.reduce,
-                             chunks=self.loss_chunks,
-                             token_copies=token_copies)
+                             chunks=self.loss_chunks, token_copies=token_copies)
 
-    def _one_f_one_b_loss(self, tokens, targets, rngs, head_weight, tied: bool, stored_blocks
-                          ) -> tuple[jax.Array, dict]:
-        """`loss` with the head inside a 1F1B pipeline: the embedding here, then `run_1f1b`, whose head per
-        microbatch is the final norm (its compute copy) and the fused head and loss on the stored weight. Its
-        gradient is the training objective's: with a mixture of experts, the load-balancing loss (the mean over
-        the sparse layers, `_mean_aux`) joins it times `model.moe_aux_loss_weight`, as in the train step."""
-        self._check_stages()
-        x, ctx, key = self._enter(tokens, rngs, None, None)
-        step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
-        norm_graph, norm_state = nnx.split(self.ln_f)
-        names = ("vocab", "embed") if tied else ("embed", "vocab")
-        rows = tokens.shape[0] // microbatch_count(self.microbatches, self.stages)
-        copies = token_axes((rows, *x.shape[1:]))  # a copy of the head per device of a microbatch's tokens
-
-        def head(params, y, t):
-            if ctx.zigzag:
-                y = constrain(from_zigzag(y, ctx.zigzag), "batch", "seq", "act_embed")
-            norm = nnx.merge(norm_graph, params[0])
-            y = nnx.remat(lambda ln, y: ln(y), policy=jax.checkpoint_policies.nothing_saveable)(norm, y)
-            return self._head_loss(y, params[1], t, tied, token_copies=True)
-
-        stats = self._stats_zeros()
-        weights = {"aux_loss": self.aux_loss_weight / (self.n_layers // self.moe_every)} if stats else {}
-        loss, stats = run_1f1b(self.blocks, self.n_layers, step, x, head, (norm_state, head_weight), targets,
-                               stages=self.stages, microbatches=self.microbatches, dropout_key=key,
-                               policy=remat.policy(self.remat, self.remat_offload, block_inputs=True),
-                               remat_unit=self._pipeline_remat_unit(), stored=stored_blocks,
-                               prepare_head=lambda p: (p[0], copies_over(p[1], names, copies)), stats=stats,
-                               stats_weights=weights, repeats=self.repeats)
-        return loss, self._mean_aux(stats)
-
-    def _pipeline_remat_unit(self) -> str:
-        # Where the policy keeps each layer's input, checkpointing the layers inside the iteration too costs no
-        # recomputation, and spares the backward pass the recomputed elementwise work of all K layers at once
-        return "layer" if remat.keeps_block_inputs(self.remat, self.remat_offload) else self.pipeline_remat
-
-    def _check_stages(self) -> None:
-        stages = active_degree(LAYERS)
-        if stages != self.stages:
-            raise ShardlmError(f"the model was built for {self.stages} pipeline stage(s) but runs on "
-                               f"{stages}: build it for the mesh it runs on")
-
-    def _mean_aux(self, stats: dict) -> dict:
-        if "aux_loss" in stats:  # a mean over the sparse layers, so that balanced routing reads 1.0
+    def mean_aux(self, stats: dict) -> dict:
+        """The blocks' statistics with the load-balancing loss a mean over the sparse layers (balanced reads 1.0)."""
+        if "aux_loss" in stats:
             stats = {**stats, "aux_loss": stats["aux_loss"] / (self.n_layers // self.moe_every)}
         return stats
+
+    def sparse_layers(self) -> int:
+        """How many layers are mixtures of experts."""
+        return self.n_layers // self.moe_every if getattr(self, "moe_experts", 0) else 0
 
     def _token_rows(self, tokens):
         """The token table's rows for `tokens` in the compute dtype, looked up where the table lies
@@ -234,7 +193,7 @@ class CausalLM(nnx.Module):
         return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]),
                               self.precision.compute)
 
-    def _enter(self, tokens, rngs, cache, pos):
+    def enter(self, tokens, rngs, cache=None, pos=None):
         """(the embedding's output in the blocks' layout, the blocks' attention `Context`, the pass's dropout key):
         what every pass does before the blocks."""
         # One dropout key for the pass: layer i draws from it folded with i, the embedding with n_layers
@@ -251,32 +210,31 @@ class CausalLM(nnx.Module):
             ctx = ctx._replace(rope=None if rope is None else tuple(to_zigzag(t, ctx.zigzag) for t in rope))
         return x, ctx, key
 
-    def _run(self, tokens, rngs, cache, pos, at, head, stored_blocks=None):
-        x, ctx, key = self._enter(tokens, rngs, cache, pos)
-        zigzag = ctx.zigzag
+    def block_step(self, ctx: Context):
+        """step(block, x, rngs, cache, i): block i of a pass whose attention `Context` is `ctx`
+        (`shardlm.models.stack.Step`)."""
+        return lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))
+
+    def _run(self, tokens, rngs, cache, pos, at, head):
+        x, ctx, key = self.enter(tokens, rngs, cache, pos)
         policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
-        step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
-        stages = active_degree(LAYERS)
-        if cache is None and stages > 1:
-            self._check_stages()
-            x, stats = run_pipeline(self.blocks, self.n_layers, step, x, stages=stages,
-                                    microbatches=self.microbatches, repeats=self.repeats, dropout_key=key,
-                                    policy=remat.policy(self.remat, self.remat_offload, block_inputs=True),
-                                    remat_unit=self._pipeline_remat_unit(), stored=stored_blocks,
-                                    stats=self._stats_zeros())
-        else:
-            x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, step, x, dropout_key=key,
-                                         cache=cache, policy=policy,
-                                         stats=self._stats_zeros())
-        if zigzag:
-            x = constrain(from_zigzag(x, zigzag), "batch", "seq", "act_embed")
+        x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, self.block_step(ctx), x,
+                                     dropout_key=key, cache=cache, policy=policy, stats=self.stats_zeros())
+        return self.finish(x, ctx, at, head), cache, stats
+
+    def finish(self, x, ctx: Context, at=None, head: bool = True):
+        """The blocks' output `x` back in the sequence's order, at positions `at` [batch] if given (one per row),
+        through the final norm and, with `head`, the output head (float32 logits, the padded rows -inf); without
+        it, the final norm's output, for the fused loss."""
+        if ctx.zigzag:
+            x = constrain(from_zigzag(x, ctx.zigzag), "batch", "seq", "act_embed")
         if at is not None:  # one position per row reaches the head
             x = jnp.take_along_axis(x, at[:, None, None], axis=1)
         with jax.named_scope("head"):
             # the final norm's float32 work is recomputed in the backward pass, as the blocks' is
             x = nnx.remat(lambda ln, x: ln(x), policy=jax.checkpoint_policies.nothing_saveable)(self.ln_f, x)
             if not head:
-                return x, cache, stats
+                return x
             if self.lm_head is None:  # tied: contract with the table as stored; a `wte.T` operand made XLA:CPU
                 logits = float32_logits("bte,ve->btv", x, use(self.wte, self.precision.compute))  # copy it every call
             else:
@@ -284,7 +242,7 @@ class CausalLM(nnx.Module):
             logits = constrain(logits, "batch", "seq", "act_vocab")
             if self.padded_vocab != self.vocab_size:  # padded rows never receive probability mass
                 logits = jnp.where(jnp.arange(self.padded_vocab) < self.vocab_size, logits, -jnp.inf)
-        return logits, cache, stats
+        return logits
 
 
 def float32_logits(contraction: str, x: jax.Array, w: jax.Array) -> jax.Array:

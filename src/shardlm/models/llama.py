@@ -91,10 +91,9 @@ def is_sparse(cfg: ModelConfig, layer: int | None) -> bool:
 
 
 class Llama(CausalLM):
-    """`vocab_size` is the tokenizer's; the embedding tables are `padded_vocab` rows; `stages`: the pipeline stages of
-    the mesh it is built for."""
+    """`vocab_size` is the tokenizer's; the embedding tables are `padded_vocab` rows."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs, *, stages: int = 1):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
         self.precision, self.attention = Precision.of(cfg), cfg.attention
         self.remat, self.remat_offload = cfg.remat, cfg.remat_offload
@@ -104,7 +103,7 @@ class Llama(CausalLM):
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd, cast_where_read=True)
         self.dropout = nnx.Dropout(cfg.dropout)
         self.moe_experts, self.moe_every = cfg.moe_experts, cfg.moe_every
-        self._stack_blocks(cfg, lambda r, i=None: Block(cfg, r, sparse=is_sparse(cfg, i)), rngs, stages)
+        self._stack_blocks(cfg, lambda r, i=None: Block(cfg, r, sparse=is_sparse(cfg, i)), rngs)
         self.ln_f = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.lm_head = None if cfg.tie_embeddings else param(rngs, init, (cfg.d_model, padded_vocab),
                                                              ("embed", "vocab"), pd, cast_where_read=True)

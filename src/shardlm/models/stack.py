@@ -61,6 +61,13 @@ def build_blocks(make_block: Callable[..., nnx.Module], n_layers: int, key: jax.
     return in_repeats(stack(keys), repeats)
 
 
+def stacked_repeats(n_layers: int, repeats: int, scan: bool = True) -> int:
+    """The repeats a model's stack is held with ([repeats, n_layers / repeats]: `stack.in_repeats`): the circular
+    repeats it is configured with, where they divide its layers (an indivisible split is refused by
+    `schedules.gpipe.check_pipeline` when a pipeline would run it); 1 for layers one module each."""
+    return repeats if scan and repeats > 1 and n_layers % repeats == 0 else 1
+
+
 def in_repeats(blocks, repeats: int):
     """Stacked `blocks` ([n_layers, ...], layer order) as [repeats, n_layers / repeats, ...], named (`repeats`,
     `layers`, ...): a reshape, row (r, j) holding layer r n_layers / repeats + j. As they are for repeats 1."""

@@ -97,7 +97,7 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
     table gives their shapes (`matmul_seconds`), else at peak. `platform`: what the step is compiled for, when
     known: XLA:CPU's collectives block (its step is compute plus traffic, nothing hidden) and it has no fused
     attention kernel; any other (or "") may hide every collective and fuse attention."""
-    from shardlm.models.pipeline import microbatch_count  # imports JAX: planning_flags runs before JAX starts
+    from shardlm.schedules.gpipe import microbatch_count  # imports JAX: planning_flags runs before JAX starts
 
     m, t = cfg.model, cfg.train
     if not m.preset.startswith("py:"):  # causal attention: fused kernels skip the masked half of 12LTd per token

@@ -764,7 +764,7 @@ def pipeline_lines(p: Plan) -> list[str]:
     """For each strategy with pipeline stages: the schedule's bubble (which the compiled step's FLOPs, and so the
     estimate, already include: idle stages compute on zeros) and what it hands between stages, in all and across
     hosts."""
-    from shardlm.models.pipeline import bubble_fraction, microbatch_count
+    from shardlm.schedules.gpipe import bubble_fraction, microbatch_count
 
     m = p.cfg.model
     lines = []

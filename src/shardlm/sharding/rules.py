@@ -437,7 +437,7 @@ def gradient_carrier(x: jax.Array, names: tuple, replicas: int = 1, axes: tuple[
     """Zeros of `x`'s shape and dtype, laid out as `gathered_for(x, names)` lays x out (with `replicas`, as
     `replicas_of(x, names, replicas, axes)` does, [S, F, ...]), whose gradient is `x`'s: summed over the replicas and
     pinned to x's stored sharding. A loop that reads a weight in a 16-bit dtype takes its gradient through a
-    carrier (`shardlm.models.pipeline`), so that the loop sums the weight's gradient over its iterations in x's
+    carrier (`shardlm.schedules.gpipe`), so that the loop sums the weight's gradient over its iterations in x's
     dtype (float32) and not in the weight's. The zeros themselves are never read (XLA drops them)."""
     active = getattr(_active, "value", None)
     shape = x.shape if replicas == 1 else (x.shape[0], replicas, *x.shape[1:])

@@ -41,6 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardlm import schedules
 from shardlm.accelerator import resolve_dtype
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
@@ -58,17 +59,10 @@ from shardlm.kernels.registry import check_attention, uses_ring
 from shardlm.losses import cross_entropy
 from shardlm.models.head import plan as head_plan
 from shardlm.models.moe import exchange_capacity, round_sizes
-from shardlm.models.one_f_one_b import in_flight
 from shardlm.models.params import padded_vocab_size
-from shardlm.models.pipeline import (
-    bubble_fraction,
-    check_pipeline,
-    layer_ranges,
-    microbatch_count,
-    stacked_repeats,
-    stage_layers,
-)
 from shardlm.models.precision import DTYPES, cast_once
+from shardlm.models.stack import stacked_repeats
+from shardlm.schedules.gpipe import bubble_fraction, check_pipeline, layer_ranges, microbatch_count, stage_layers
 from shardlm.sharding import batch_sharding, sequence_parallel_rules, state_shardings, use_mesh_rules, zero_rules
 from shardlm.trees import path_str
 from shardlm.units import fmt_bytes
@@ -125,10 +119,10 @@ class OwnModel:
         real = self.cfg.model.vocab_size or tokenizer_vocab
         return real, padded_vocab_size(real, tensor_degree)
 
-    def factory(self, vocab_size: int, tensor_degree: int, stages: int = 1):
+    def factory(self, vocab_size: int, tensor_degree: int):
         real, padded = self.vocab_sizes(vocab_size, tensor_degree)
         m, seed = self.cfg.model, self.cfg.seed
-        return lambda: build_model(m, real, padded, nnx.Rngs(params=seed), stages=stages)
+        return lambda: build_model(m, real, padded, nnx.Rngs(params=seed))
 
     def state_shardings(self, abstract_state, mesh):
         """The training state's: weights and AdamW moments split over `data` too where the state is sharded over
@@ -167,17 +161,19 @@ class OwnModel:
         """(logits, the blocks' statistics: `CausalLM.with_stats`)."""
         dropout = train and key is not None and self.cfg.model.dropout > 0
         with use_mesh_rules(mesh, self.rules()):
-            return model.with_stats(tokens, rngs=nnx.Rngs(dropout=key) if dropout else None)
+            return schedules.with_stats(model, tokens, nnx.Rngs(dropout=key) if dropout else None, self.cfg.model)
 
     def logits(self, model, tokens, mesh, *, train: bool, key=None):
         return self.forward(model, tokens, mesh, train=train, key=key)[0]
 
     def loss(self, model, batch, mesh, *, key=None):
         """(the training loss of `batch` [rows, seq_len + 1], the blocks' statistics): the head and the cross
-        entropy fused (`CausalLM.loss`), under the training state's storage rules."""
+        entropy fused (`CausalLM.loss`; on pipeline stages, through the schedule: `shardlm.schedules`), under the
+        training state's storage rules."""
         dropout = key is not None and self.cfg.model.dropout > 0
         with use_mesh_rules(mesh, self.rules(), storage=self.storage_rules(mesh)):
-            return model.loss(batch[:, :-1], batch[:, 1:], rngs=nnx.Rngs(dropout=key) if dropout else None)
+            return schedules.loss(model, batch[:, :-1], batch[:, 1:], nnx.Rngs(dropout=key) if dropout else None,
+                                  self.cfg.model)
 
     def cast_once(self, model, params):
         """`params` (`model`'s) as a loop over microbatches differentiates them: cast once to the dtype the forward
@@ -282,7 +278,8 @@ class OwnModel:
         m, t = self.cfg.model, self.cfg.train
         padded = self.vocab_sizes(vocab_size, mesh.shape["tensor"])[1]
         rows = t.batch_size // t.grad_accum
-        one_f_one_b = mesh.shape.get("stage", 1) > 1 and m.pipeline_schedule == "1f1b"
+        one_f_one_b = (mesh.shape.get("stage", 1) > 1
+                       and schedules.schedule_named(m.pipeline_schedule).head_per_microbatch)
         if one_f_one_b:
             rows //= microbatch_count(m.pipeline_microbatches, mesh.shape["stage"])
         w_shape = (padded, m.d_model) if m.tie_embeddings else (m.d_model, padded)
@@ -304,11 +301,7 @@ class OwnModel:
                          for s, layers in enumerate(stage_layers(m.n_layers, stages, repeats)))
         activation = self._rows_per_device(mesh) // micro * m.seq_len // mesh.shape["context"] * m.d_model \
             * (2 if m.dtype == "bfloat16" else 4)
-        units = min(micro * repeats, in_flight(stages, repeats))  # a microbatch through one repeat's layers
-        holds = (f"1F1B: each stage holds at most {units} microbatches' activations"
-                 + (f" through {m.n_layers // (stages * repeats)} of its layers (interleaved)" if repeats > 1 else "")
-                 if m.pipeline_schedule == "1f1b" else f"GPipe: each stage holds all {micro} microbatches' "
-                 "activations until the backward pass")
+        holds = schedules.schedule_named(m.pipeline_schedule).holds(stages, micro, repeats, m.n_layers)
         return (f"pipeline over stage={stages} ({held}): {micro} microbatches x {repeats} repeat(s) per step, "
                 f"{micro * repeats + stages - 1} iterations, bubble (S-1)/(M R+S-1) = "
                 f"{bubble_fraction(stages, micro, repeats):.0%}; {holds}; each hand-off to the next stage sends "
@@ -343,7 +336,7 @@ class PlannedModel:
         real = self.model_cfg.vocab_size or tokenizer_vocab
         return real, real
 
-    def factory(self, vocab_size: int, tensor_degree: int = 1, stages: int = 1):
+    def factory(self, vocab_size: int, tensor_degree: int = 1):
         m, seed = self.model_cfg, self.seed
         vocab_size = self.built_vocab = self.vocab_sizes(vocab_size, tensor_degree)[0]
 

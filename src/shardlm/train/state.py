@@ -18,7 +18,7 @@ from flax import nnx
 
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
-from shardlm.models.pipeline import microbatch_count
+from shardlm.schedules.gpipe import microbatch_count
 from shardlm.models.stack import is_stacked_block
 from shardlm.sharding.rules import as_axes, axis_degree
 from shardlm.train.source import model_source
@@ -87,7 +87,7 @@ def vocab_sizes(cfg: Config, tokenizer_vocab: int, tensor_degree: int) -> tuple[
 def _builder(cfg: Config, mesh, vocab_size: int):
     """build(params=None): model + AdamW; with `params` (the model's nnx.State) the model holds those values (the
     random initialisation is traced, and dead code for XLA)."""
-    build_model = model_source(cfg).factory(vocab_size, mesh.shape["tensor"], mesh.shape["stage"])
+    build_model = model_source(cfg).factory(vocab_size, mesh.shape["tensor"])
     tx = make_optimizer(cfg)
 
     def build(params=None):
@@ -179,7 +179,7 @@ def abstract_model(cfg: Config, mesh, vocab_size: int):
     """(graphdef, abstract state with shardings) of the model alone: what readers of a checkpoint restore."""
     source = model_source(cfg)
     with nnx.use_eager_sharding(False):
-        graphdef, abstract_state = nnx.split(nnx.eval_shape(source.factory(vocab_size, mesh.shape["tensor"], mesh.shape["stage"])))
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(source.factory(vocab_size, mesh.shape["tensor"])))
         shardings = source.model_shardings(abstract_state, mesh)
     return graphdef, _placed(abstract_state, shardings)
 
@@ -187,7 +187,7 @@ def abstract_model(cfg: Config, mesh, vocab_size: int):
 def init_model(cfg: Config, mesh, vocab_size: int):
     """(graphdef, state) of a freshly initialised model alone (no optimizer), each device computing its shards."""
     graphdef, abstract = abstract_model(cfg, mesh, vocab_size)
-    build = model_source(cfg).factory(vocab_size, mesh.shape["tensor"], mesh.shape["stage"])
+    build = model_source(cfg).factory(vocab_size, mesh.shape["tensor"])
     with nnx.use_eager_sharding(False):
         state = jax.jit(lambda: nnx.state(build()), out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
     return graphdef, state

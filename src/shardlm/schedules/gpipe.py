@@ -1,4 +1,5 @@
-"""The stacked blocks split into pipeline stages: an SPMD circular GPipe schedule inside one jitted step. Math only.
+"""The GPipe schedule (`model.pipeline_schedule=gpipe`): the stacked blocks split into pipeline stages, an SPMD
+circular GPipe timetable scanned inside one jitted step, and the pieces the other schedules share.
 
 Layer l of the scanned stack (`shardlm.models.stack`) belongs to stage l // K (K = n_layers / stages layers each):
 the stack's leading `layers` axis is what the rule table splits over the `stage` mesh axis, so each stage's
@@ -78,8 +79,10 @@ import numpy as np
 from flax import nnx
 
 from shardlm.errors import ShardlmError
+from shardlm.models import remat
 from shardlm.kernels.gradients import with_gradient
 from shardlm.models.stack import LAYERS, PER_BATCH, REPEATS, RESIDUAL, Step, add_stats, combine_parts
+from shardlm.schedules.spec import PipelineSettings, Schedule, register_schedule
 from shardlm.sharding import (
     active_axes,
     active_mesh,
@@ -123,13 +126,6 @@ def check_pipeline(n_layers: int, batch: int, stages: int, microbatches: int, re
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The share of stage-iterations with nothing to do: (S - 1) / (M R + S - 1)."""
     return (stages - 1) / (microbatches * repeats + stages - 1)
-
-
-def stacked_repeats(n_layers: int, repeats: int, scan: bool = True) -> int:
-    """The repeats a model's stack is held with ([repeats, n_layers / repeats]: `stack.in_repeats`): the circular
-    repeats it is configured with, where they divide its layers (an indivisible split is refused by
-    `check_pipeline` when a pipeline would run it); 1 for layers one module each."""
-    return repeats if scan and repeats > 1 and n_layers % repeats == 0 else 1
 
 
 def run_pipeline(blocks, n_layers: int, step: Step, x: jax.Array, *, stages: int, microbatches: int = 0,
@@ -183,7 +179,7 @@ class IterationRow(NamedTuple):
     write_slot: jax.Array  # int32 scalar: the slot the last stage's previous output goes to (-1: none yet)
 
 
-class Schedule(NamedTuple):
+class Timetable(NamedTuple):
     """The circular GPipe schedule as a static table: row t of each array is iteration t (`pipeline_schedule`)."""
 
     stages: int
@@ -207,7 +203,7 @@ class Schedule(NamedTuple):
                                                         self.read_slot, self.write_slot[:-1])))
 
 
-def pipeline_schedule(stages: int, microbatches: int, repeats: int, layers_per_stage: int) -> Schedule:
+def pipeline_schedule(stages: int, microbatches: int, repeats: int, layers_per_stage: int) -> Timetable:
     """S stages, M microbatches, R repeats of K layers: M R + S - 1 iterations. At iteration t stage s runs the
     (t - s)-th of the M R microbatch-repeats (repeat (t - s) // M of microbatch (t - s) mod M) when there is one,
     and is idle otherwise. Stage 0 reads microbatch t mod M from its buffer's slot of that number, which holds the
@@ -223,7 +219,7 @@ def pipeline_schedule(stages: int, microbatches: int, repeats: int, layers_per_s
     first_layer = (repeat * s_count * k + s * k).astype(np.int32)
     returned = np.arange(iterations + 1) - s_count  # the microbatch-repeat arriving back at stage 0 at t
     write_slot = np.where(returned >= 0, returned % m, -1).astype(np.int32)
-    return Schedule(s_count, m, r, k, microbatch, repeat, active, first_layer,
+    return Timetable(s_count, m, r, k, microbatch, repeat, active, first_layer,
                     (np.arange(iterations) % m).astype(np.int32), write_slot)
 
 
@@ -352,14 +348,14 @@ def _layers(rows) -> int:
 
 
 def stage_weights(blocks, stored, stages: int, repeats: int, replicas: int, replica_axes):
-    """(weights, carriers): the stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already holds: [S R
-    K] in layer order without repeats, [R, S K] with them), their compute copies gathered over FSDP once for the whole
-    step, not once per microbatch, and for each a float32 gradient carrier (`sharding.gradient_carrier`) through which
-    its gradient reaches the stored weight: the weights themselves are read without a gradient, so the loop sums each
-    weight's gradient over its iterations in float32 (M R + S - 1 of them) where a bfloat16 weight's own would be summed
-    in bfloat16. With F > 1 data-parallel replicas, both as [S, F, R, K, ...]: each device's own copy
-    (`sharding.replicas_of`), whose gradient it accumulates over every microbatch before the copies' gradients are
-    reduce-scattered, once, after the loop."""
+    """(weights, carriers): the stack's parameters as [S, R, K, ...] (a reshape of the rows each stage already holds:
+    [S R K] in layer order without repeats, [R, S K] with them), their compute copies gathered over FSDP once for
+    the whole step, not once per microbatch, and for each a float32 gradient carrier (`sharding.gradient_carrier`)
+    through which its gradient reaches the stored weight: the weights themselves are read without a gradient, so the
+    loop sums each weight's gradient over its iterations in float32 (M R + S - 1 of them) where a bfloat16 weight's
+    own would be summed in bfloat16. With F > 1 data-parallel replicas, both as [S, F, R, K, ...]: each device's own
+    copy (`sharding.replicas_of`), whose gradient it accumulates over every microbatch before the copies' gradients
+    are reduce-scattered, once, after the loop."""
     def staged(var):
         a, names = var[...], _names(var)
         staged_names = (LAYERS, None, None, *names[2 if names[0] == REPEATS else 1:])
@@ -440,5 +436,37 @@ def layer_ranges(layers: list[int]) -> str:
 
 __all__ = ["IterationRow", "PER_STAGE_ROW", "bubble_fraction", "check_pipeline", "data_replicas",
            "from_microbatches", "layer_ranges", "microbatch_count", "on_every_stage", "on_stages",
-           "pipeline_schedule", "run_pipeline", "shift_to_next", "stacked_repeats", "stage_compute", "stage_layers",
+           "pipeline_schedule", "run_pipeline", "shift_to_next", "stage_compute", "stage_layers",
            "stage_mask", "stage_weights", "store_at_stage0", "to_microbatches"]
+
+
+# --- the schedule: a model's pass with its blocks pipelined ------------------------------------------------------
+
+def pipelined(model, tokens, rngs, settings: PipelineSettings, head: bool = True):
+    """(logits, or with `head=False` the final norm's output; the blocks' statistics) of `model`'s pass with its
+    blocks run by `run_pipeline`: the embedding and the head outside the pipeline, computed by every stage's
+    devices for their rows. The blocks run on their compute copies, their gradients reaching the stored ones."""
+    view = model.compute_view()
+    x, ctx, key = view.enter(tokens, rngs)
+    x, stats = run_pipeline(view.blocks, view.n_layers, view.block_step(ctx), x, stages=settings.stages,
+                            microbatches=settings.microbatches, repeats=settings.repeats, dropout_key=key,
+                            policy=remat.policy(view.remat, view.remat_offload, block_inputs=True),
+                            remat_unit=settings.remat_unit(view), stored=model.blocks, stats=view.stats_zeros())
+    return view.finish(x, ctx, None, head), stats
+
+
+def gpipe_loss(model, tokens, targets, rngs, settings: PipelineSettings):
+    x, stats = pipelined(model, tokens, rngs, settings, head=False)
+    return model.head_loss(x, targets), model.mean_aux(stats)
+
+
+def gpipe_forward(model, tokens, rngs, settings: PipelineSettings):
+    logits, stats = pipelined(model, tokens, rngs, settings)
+    return logits, model.mean_aux(stats)
+
+
+def _holds(stages: int, microbatches: int, repeats: int, n_layers: int) -> str:
+    return f"GPipe: each stage holds all {microbatches} microbatches' activations until the backward pass"
+
+
+GPIPE = register_schedule(Schedule("gpipe", loss=gpipe_loss, forward=gpipe_forward, holds=_holds))

@@ -1,6 +1,6 @@
 """The stacked blocks as a one-forward-one-backward (1F1B) pipeline, the head and loss inside it: each microbatch's
 backward pass runs as soon as the last stage has its loss, so a stage holds the activations of at most 2S - 1
-microbatches where the GPipe schedule (`shardlm.models.pipeline`) holds all M until its backward pass begins.
+microbatches where the GPipe schedule (`shardlm.schedules.gpipe`) holds all M until its backward pass begins.
 Math only.
 
 GPipe is one loop that autodiff differentiates as a whole: its backward pass is a second loop that can only start
@@ -46,12 +46,12 @@ GPipe are:
 - Circular repeats (the stack held as [R, S K]: `stack.in_repeats`) make it Megatron's interleaved 1F1B: the units
   (a microbatch through one repeat's K layers) go in groups of S microbatches through each repeat in turn
   (`one_f_one_b_ticks`), a stage holds at most 2 S R - 1 units (about 2 S microbatches' worth through all its R K
-  layers, as without repeats), and the bubble shrinks to (S - 1) / (M R + S - 1), as circular GPipe's does. The forward pass differentiates the
-  unit's repeat's weights, sliced out before `jax.vjp`, and the backward pass adds their gradient into that
-  repeat's rows of the sums. The head runs only in the ticks that end a microbatch's last repeat: the steady
-  ticks come in runs of S with the head and (R - 1) S without (`Ticks.steady_runs`), each run its own scan, so
-  that no tick computes a head it discards (a `cond` would run only the branch taken, but a cost model that
-  cannot know which charges the larger).
+  layers, as without repeats), and the bubble shrinks to (S - 1) / (M R + S - 1), as circular GPipe's does. The
+  forward pass differentiates the unit's repeat's weights, sliced out before `jax.vjp`, and the backward pass adds
+  their gradient into that repeat's rows of the sums. The head runs only in the ticks that end a microbatch's last
+  repeat: the steady ticks come in runs of S with the head and (R - 1) S without (`Ticks.steady_runs`), each run
+  its own scan, so that no tick computes a head it discards (a `cond` would run only the branch taken, but a cost
+  model that cannot know which charges the larger).
 """
 
 from __future__ import annotations
@@ -63,12 +63,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardlm.models.pipeline import (
+from shardlm.errors import ShardlmError
+from shardlm.kernels.ring import from_zigzag
+from shardlm.models import remat
+from shardlm.models.head import token_axes
+from shardlm.models.stack import PER_BATCH, RESIDUAL, Step, add_stats
+from shardlm.schedules.gpipe import (
     IterationRow,
     PER_STAGE_ROW,
     check_pipeline,
     data_replicas,
     from_microbatches,
+    gpipe_forward,
     microbatch_count,
     on_every_stage,
     on_stages,
@@ -79,8 +85,8 @@ from shardlm.models.pipeline import (
     store_at_stage0,
     to_microbatches,
 )
-from shardlm.models.stack import PER_BATCH, RESIDUAL, Step, add_stats
-from shardlm.sharding import constrain
+from shardlm.schedules.spec import PipelineSettings, Schedule, register_schedule
+from shardlm.sharding import constrain, copies_over
 
 
 def in_flight(stages: int, repeats: int = 1) -> int:
@@ -388,3 +394,55 @@ def _add(total, more):
 
 
 __all__ = ["in_flight", "one_f_one_b_ticks", "run_1f1b"]
+
+
+# --- the schedule: the model's training loss with its head inside the pipeline -----------------------------------
+
+def one_f_one_b_loss(model, tokens, targets, rngs, settings: PipelineSettings):
+    """The training loss with the head inside a 1F1B pipeline: the embedding first, then `run_1f1b`, whose head per
+    microbatch is the final norm (its compute copy) and the fused head and loss on the stored weight, one copy per
+    device of a microbatch's tokens. Its gradient is the training objective's: with a mixture of experts, the
+    load-balancing loss (the mean over the sparse layers) joins it times `model.moe_aux_loss_weight`, as in the
+    train step."""
+    head_weight = model.head_weight()
+    view = model.compute_view()
+    x, ctx, key = view.enter(tokens, rngs)
+    norm_graph, norm_state = nnx.split(view.ln_f)
+    names = ("vocab", "embed") if view.lm_head is None else ("embed", "vocab")
+    rows = tokens.shape[0] // microbatch_count(settings.microbatches, settings.stages)
+    copies = token_axes((rows, *x.shape[1:]))  # a copy of the head per device of a microbatch's tokens
+
+    def head(params, y, t):
+        if ctx.zigzag:
+            y = constrain(from_zigzag(y, ctx.zigzag), "batch", "seq", "act_embed")
+        norm = nnx.merge(norm_graph, params[0])
+        y = nnx.remat(lambda ln, y: ln(y), policy=jax.checkpoint_policies.nothing_saveable)(norm, y)
+        return view.head_loss(y, t, params[1], token_copies=True)
+
+    stats = view.stats_zeros()
+    weights = {"aux_loss": settings.aux_loss_weight / view.sparse_layers()} if stats else {}
+    loss, stats = run_1f1b(view.blocks, view.n_layers, view.block_step(ctx), x, head, (norm_state, head_weight),
+                           targets, stages=settings.stages, microbatches=settings.microbatches, dropout_key=key,
+                           policy=remat.policy(view.remat, view.remat_offload, block_inputs=True),
+                           remat_unit=settings.remat_unit(view), stored=model.blocks,
+                           prepare_head=lambda p: (p[0], copies_over(p[1], names, copies)), stats=stats,
+                           stats_weights=weights, repeats=settings.repeats)
+    return loss, view.mean_aux(stats)
+
+
+def _holds(stages: int, microbatches: int, repeats: int, n_layers: int) -> str:
+    units = min(microbatches * repeats, in_flight(stages, repeats))  # a microbatch through one repeat's layers
+    return (f"1F1B: each stage holds at most {units} microbatches' activations"
+            + (f" through {n_layers // (stages * repeats)} of its layers (interleaved)" if repeats > 1 else ""))
+
+
+def _check(m) -> None:
+    if m.remat_offload:
+        raise ShardlmError(f"model.pipeline_schedule=1f1b keeps each microbatch's saved activations in device "
+                           f"buffers and cannot offload them (model.remat_offload={m.remat_offload}); drop "
+                           "model.remat_offload, or use model.pipeline_schedule=gpipe")
+
+
+# Evaluation has no backward pass to interleave: GPipe's forward
+ONE_F_ONE_B = register_schedule(Schedule("1f1b", loss=one_f_one_b_loss, forward=gpipe_forward, holds=_holds,
+                                         head_per_microbatch=True, check=_check))
