@@ -29,6 +29,9 @@ Design choices:
   reduce-scattered back over `data`.
 - A loop over microbatches (`train.grad_accum`) differentiates weights cast once before it (`cast_once`), not
   cast by every microbatch: the compute copies then only pin them.
+- Gradients summed over the parts of a step (the train step's microbatches, 1F1B's ticks) are summed in one
+  float32 accumulator (`gradient_zeros`, `add_gradients`); a loop autodiff differentiates (GPipe's) sums a
+  weight's gradient through a float32 carrier (`sharding.gradient_carrier`), autodiff's own sum then float32.
 - Where gradients are summed across devices: XLA reduces a weight gradient's partial sums (over the devices
   that split the tokens) where the matmul producing it does, in its output dtype. `matmul` produces the weight's
   gradient in `grad_reduce_dtype` when that is not the compute dtype, so the choice reaches every such sum.
@@ -173,6 +176,19 @@ def matmuls(spec: str, x: jax.Array, ws, reduce_dtype=None, fp8: bool = False) -
     if fp8:
         return list(fp8_einsums(spec, x, ws, grad_dtype=reduce_dtype))
     return [matmul(spec, x, w, reduce_dtype) for w in ws]
+
+
+def gradient_zeros(tree):
+    """A running sum of gradients shaped like `tree`, in float32: the one accumulator every loop over parts of a
+    step sums its gradients in (`add_gradients`: the train step's microbatches, 1F1B's ticks), whatever the
+    weights' dtype. (A loop that autodiff differentiates, GPipe's, sums a weight's gradient through a float32
+    carrier instead: `sharding.gradient_carrier`.)"""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+
+
+def add_gradients(total, more):
+    """`total` (a `gradient_zeros` sum) + `more`, each gradient added in the sum's dtype."""
+    return jax.tree.map(lambda s, g: s + g.astype(s.dtype), total, more)
 
 
 def add_bias(y: jax.Array, bias: nnx.Param | None) -> jax.Array:

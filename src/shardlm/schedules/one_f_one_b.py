@@ -67,6 +67,7 @@ from shardlm.errors import ShardlmError
 from shardlm.kernels.ring import from_zigzag
 from shardlm.models import remat
 from shardlm.models.head import token_axes
+from shardlm.models.precision import add_gradients, gradient_zeros
 from shardlm.models.stack import PER_BATCH, RESIDUAL, Step, add_stats
 from shardlm.schedules.gpipe import (
     IterationRow,
@@ -284,8 +285,8 @@ def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangent
     zeros = lambda a, dtype=None: jnp.zeros(a.shape, dtype or a.dtype)  # noqa: E731
     state = _State(out=out, g=zeros(out), dx=zeros(io),
                    buffers=[jnp.zeros((s_count, slots, *r.shape[1:]), r.dtype) for r in residuals],
-                   d_weights=jax.tree.map(lambda a: zeros(a, jnp.float32), weights),
-                   d_head=jax.tree.map(lambda a: zeros(a, jnp.float32), head_params), loss=jnp.zeros((), jnp.float32),
+                   d_weights=gradient_zeros(weights), d_head=gradient_zeros(head_params),
+                   loss=jnp.zeros((), jnp.float32),
                    stats=stats_zeros)
 
     def tick(state: _State, row, forward: bool, backward: bool, with_head: bool = False) -> _State:
@@ -303,7 +304,7 @@ def _run(compute, head, prepare_head, ticks: Ticks, stats_zeros: dict, cotangent
             t_mb = jax.lax.dynamic_index_in_dim(targets_mb, head_mb, 0, keepdims=False)
             value, (d_head, dy) = jax.value_and_grad(lambda p, y: head(p, y, t_mb) / m_count, argnums=(0, 1))(
                 head_params, constrain(state.out[s_count - 1], *RESIDUAL))
-            state = state._replace(loss=state.loss + value, d_head=_add(state.d_head, d_head))
+            state = state._replace(loss=state.loss + value, d_head=add_gradients(state.d_head, d_head))
             g_in = jnp.where(last_stage, jnp.broadcast_to(dy, g_in.shape).astype(g_in.dtype), g_in)
         g_in = on_stages(jnp.where(b_active[:, None, None, None], g_in, jnp.zeros_like(g_in)), 1)
         d_weights, g = run_backward(weights, g_in, b_active, b_repeat, state.buffers, b_slot, state.d_weights)
@@ -343,7 +344,7 @@ def _stage_passes(compute, axis: int, stats_zeros: dict, cotangents: dict):
                    for k, z in stats_zeros.items()}
         dw, dx = jax.tree.unflatten(pullback.treedef, leaves)((g_in, g_stats))
         d_weights = jax.tree.map(lambda d, g: jax.lax.dynamic_update_slice_in_dim(
-            d, jax.lax.dynamic_slice_in_dim(d, repeat, 1, axis) + g.astype(d.dtype), repeat, axis), d_weights, dw)
+            d, add_gradients(jax.lax.dynamic_slice_in_dim(d, repeat, 1, axis), g), repeat, axis), d_weights, dw)
         return d_weights, dx
 
     return (on_every_stage(forward_on_stage, in_axes=(0, 0, PER_STAGE_ROW, None, 0, 0)),
@@ -387,10 +388,6 @@ class _State(NamedTuple):
     d_head: object
     loss: jax.Array
     stats: dict
-
-
-def _add(total, more):
-    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), total, more)
 
 
 __all__ = ["in_flight", "one_f_one_b_ticks", "run_1f1b"]

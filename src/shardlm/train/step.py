@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlm.accelerator import SEQUENCE_PARALLEL_GPU_OPTIONS, current
+from shardlm.models.precision import add_gradients, gradient_zeros
 from shardlm.sharding import replicated, use_mesh_rules
 from shardlm.train.source import model_source
 
@@ -141,12 +142,11 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch
         (_, (rest, metrics)), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, rest, tokens,
                                                                                   jax.random.fold_in(key, i))
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        return (jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads),
+        return (add_gradients(grad_sum, grads),
                 jax.tree.map(jnp.add, metric_sum, metrics), rest), None
 
     # The running sum is float32 even for bfloat16 parameters, and is cast back once at the end.
-    zeros = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-                                             param_shardings)
+    zeros = jax.lax.with_sharding_constraint(gradient_zeros(params), param_shardings)
     metric_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                                 jax.eval_shape(lambda: micro_loss(params, rest, micro[0], key)[1][1]))
     (grad_sum, metric_sum, rest), _ = jax.lax.scan(micro_step, (zeros, metric_zeros, rest), (micro, jnp.arange(k)))
