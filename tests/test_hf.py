@@ -163,7 +163,10 @@ def test_training_from_a_bad_checkpoint_stops_before_writing_anything(hf_dirs, t
 
 FINETUNE = ["data.tokenizer=bytes", "model.seq_len=32", "train.steps=8", "train.batch_size=16", "train.warmup_steps=2",
             "train.lr=3e-3", "train.log_interval=1", "train.eval_interval=4", "train.eval_batches=2",
-            "train.sample_tokens=0", "checkpoint.every=4", *MESH]
+            "train.sample_tokens=0", "checkpoint.every=4",
+            # data-parallel replicas too: the training state is stored split over `data` (ZeRO), and the imported
+            # weights are read straight into that layout (an import into the model's own layout once crashed here)
+            "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
 
 def test_fine_tuning_an_imported_model_starts_from_it_resumes_and_exports(hf_dirs, tmp_path):

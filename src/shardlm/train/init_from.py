@@ -23,7 +23,7 @@ from shardlm.hf import importer
 from shardlm.families import family_of, from_hf, hf_format
 from shardlm.hf.config import hf_dir, is_hf, read_hf_config
 from shardlm.train.source import model_source
-from shardlm.train.state import abstract_model, vocab_sizes
+from shardlm.train.state import abstract_model, abstract_train_state, vocab_sizes
 
 def with_checkpoint_defaults(cfg: Config) -> Config:
     """`cfg` for a run that starts from the checkpoint in `init.from`: the model's vocabulary the checkpoint's
@@ -86,9 +86,12 @@ SHAPING = ("family", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_mlp", "u
 
 
 def import_params(spec: str, cfg: Config, mesh, vocab_size: int, log=None):
-    """(graphdef, state) of `cfg`'s model with the weights of the checkpoint `hf:DIR`, placed on `mesh`.
-    `vocab_size` is the real vocabulary (the model pads it for the tensor degree)."""
+    """(graphdef, state) of `cfg`'s model with the weights of the checkpoint `hf:DIR`, placed on `mesh` as the
+    training state stores them (split over `data` too where the state is: `train.shard_optimizer_over_data`), so
+    that `train_state_with` takes them as they are. `vocab_size` is the real vocabulary (the model pads it for the
+    tensor degree)."""
     real, padded = vocab_sizes(cfg, vocab_size, mesh.shape["tensor"])
-    graphdef, abstract = abstract_model(cfg, mesh, real)
+    graphdef, _ = abstract_model(cfg, mesh, real)
+    abstract = abstract_train_state(cfg, mesh, vocab_size)[2]["model"]
     return graphdef, importer.read_params(hf_dir(spec), cfg.model, hf_format(cfg.model), real, padded, abstract, log,
                                           model_source(cfg).stack_repeats)
