@@ -14,8 +14,8 @@ Design choices:
 """
 
 from shardlm.families.spec import (FAMILIES, Family, build_model, check_model_config, family_of, from_hf,
-                                   hf_format, model_class, model_preset, preset_names, register)
+                                   hf_format, model_preset, preset_names, register)
 from shardlm.families import gpt, llama  # noqa: F401 - the built-in families register themselves
 
 __all__ = ["FAMILIES", "Family", "build_model", "check_model_config", "family_of", "from_hf", "hf_format",
-           "model_class", "model_preset", "preset_names", "register"]
+           "model_preset", "preset_names", "register"]

@@ -104,12 +104,12 @@ def hf_format(m: ModelConfig) -> HfFormat:
 
 def from_hf(spec: str) -> ModelConfig:
     """`model=hf:DIR`: that checkpoint's architecture, read by the family whose mapping takes its model_type."""
-    directory = hf_dir(spec).resolve()
+    directory = hf_dir(spec).resolve()  # one spelling of the path, whatever the working directory
     tree = read_hf_config(directory)
     kind = tree.get("model_type")
     for family in FAMILIES.values():
         if family.hf is not None and kind in family.hf.model_types:
-            return model_config(spec, family.hf.fields)
+            return model_config(directory, tree, family.hf.fields)
     arch = ", ".join(tree.get("architectures") or []) or "no architectures listed"
     known = [t for f in FAMILIES.values() if f.hf is not None for t in f.hf.model_types]
     raise ShardlmError(f"{directory / CONFIG_FILE}: model_type {kind!r} ({arch}) is not supported; shardlm imports "

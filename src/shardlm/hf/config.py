@@ -57,12 +57,11 @@ def round_float(x: float) -> float:
     return float(f"{x:.12g}")
 
 
-def model_config(spec: str, read_fields) -> ModelConfig:
-    """`model=hf:DIR`: the ModelConfig of that checkpoint (its architecture; `init.from=hf:DIR` also loads the
+def model_config(directory: Path, tree: dict, read_fields) -> ModelConfig:
+    """`model=hf:DIR`: the ModelConfig of the checkpoint in `directory` (resolved: one spelling of the path, whatever
+    the working directory) whose config.json is `tree` (its architecture; `init.from=hf:DIR` also loads the
     weights), its fields read by `read_fields(tree, directory)` (the family's, looked up by `model_type`).
     Missing keys in config.json are one-line errors naming them."""
-    directory = hf_dir(spec).resolve()  # one spelling of the path, whatever the working directory
-    tree = read_hf_config(directory)
     try:
         fields = read_fields(tree, directory)
     except KeyError as e:

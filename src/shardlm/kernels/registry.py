@@ -82,13 +82,9 @@ class AttentionKernel:
 ATTENTION_KERNELS: dict[str, AttentionKernel] = {}
 
 
-def register_attention(kernel: AttentionKernel, *, before: str | None = None) -> AttentionKernel:
-    """Add `kernel` to the table, last in `auto`'s order or just before the kernel named `before`."""
-    items = [(n, k) for n, k in ATTENTION_KERNELS.items() if n != kernel.name]
-    at = next((i for i, (n, _) in enumerate(items) if n == before), len(items))
-    items.insert(at, (kernel.name, kernel))
-    ATTENTION_KERNELS.clear()
-    ATTENTION_KERNELS.update(items)
+def register_attention(kernel: AttentionKernel) -> AttentionKernel:
+    """Add `kernel` to the table, last in `auto`'s order (again under its name: replaced where it stood)."""
+    ATTENTION_KERNELS[kernel.name] = kernel
     return kernel
 
 
@@ -132,11 +128,6 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
             raise ShardlmError(refusal)
         return requested
     return next(k.name for k in ATTENTION_KERNELS.values() if k.fits(dtype, head_dim, length, block))
-
-
-def fits(name: str, dtype, head_dim: int, length: int, block: int = 0) -> bool:
-    """Whether kernel `name` fits a pass (`AttentionKernel.fits`)."""
-    return ATTENTION_KERNELS[name].fits(dtype, head_dim, length, block)
 
 
 def prefill_kernel(requested: str, dtype, head_dim: int, length: int) -> str:

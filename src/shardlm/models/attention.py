@@ -36,13 +36,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardlm.accelerator import current, resolve_dtype
+from shardlm.accelerator import current
 from shardlm.kernels.registry import (RING, attention_impl, attention_summary as kernel_summary, chunk_kernel,
                                       kernel_named, prefill_kernel, ring_chunk)
 from shardlm.kernels.ring import ring_attention
 from shardlm.models import remat
 from shardlm.models.params import param, use
-from shardlm.models.precision import DTYPES, Precision, add_bias
+from shardlm.models.precision import Precision, add_bias, compute_dtype
 from shardlm.models.stack import LAYERS, LayerCache
 from shardlm.sharding import active_degree, active_mesh, active_spec, constrain
 from shardlm.sharding.rules import as_axes
@@ -90,7 +90,7 @@ def attention_context(requested: str, dtype, head_dim: int, length: int, *, bloc
 def attention_summary(m, seq_split: int) -> str:
     """Which kernel a training step of model config `m` compiles with, for the target being compiled for, and why
     (a report's line)."""
-    return kernel_summary(m.attention, DTYPES[resolve_dtype(m.dtype)], m.d_model // m.n_heads, m.seq_len,
+    return kernel_summary(m.attention, compute_dtype(m.dtype), m.d_model // m.n_heads, m.seq_len,
                           m.attention_block, seq_split, m.context_attention)
 
 

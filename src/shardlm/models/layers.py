@@ -179,7 +179,7 @@ class CausalLM(nnx.Module):
     def mean_aux(self, stats: dict) -> dict:
         """The blocks' statistics with the load-balancing loss a mean over the sparse layers (balanced reads 1.0)."""
         if "aux_loss" in stats:
-            stats = {**stats, "aux_loss": stats["aux_loss"] / (self.n_layers // self.moe_every)}
+            stats = {**stats, "aux_loss": stats["aux_loss"] / self.sparse_layers()}
         return stats
 
     def sparse_layers(self) -> int:

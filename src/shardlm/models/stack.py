@@ -84,7 +84,7 @@ def in_repeats(blocks, repeats: int):
     return nnx.merge(graphdef, jax.tree.map(reshaped, state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
 
 
-def stack_repeats(blocks) -> int:
+def held_repeats(blocks) -> int:
     """R of stacked blocks held as [R, n_layers / R, ...] (`in_repeats`), 1 for a stack in layer order."""
     for _, var in nnx.iter_graph(blocks):
         if isinstance(var, nnx.Variable):
@@ -143,7 +143,7 @@ def run_blocks(blocks, n_layers: int, scan: bool, step: Step, x: jax.Array, *, d
 
 def _scanned(blocks, n_layers, step, x, dropout_key, cache, policy, stats):
     graphdef, stacked = nnx.split(blocks)
-    if stack_repeats(blocks) > 1:  # [R, n / R] -> [n], layer order: a circular pipeline's model run unpipelined
+    if held_repeats(blocks) > 1:  # [R, n / R] -> [n], layer order: a circular pipeline's model run unpipelined
         stacked = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stacked)
 
     def body(carry, xs):
@@ -184,7 +184,7 @@ def unstacked(model):
     if not model.scan_layers:
         return model
     graphdef, stacked = nnx.split(model.blocks)
-    repeats = stack_repeats(model.blocks)
+    repeats = held_repeats(model.blocks)
 
     def row(a, i):
         for k in layer_index(i, model.n_layers, repeats):

@@ -42,7 +42,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlm import schedules
-from shardlm.accelerator import resolve_dtype
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
 from shardlm.explanation import explain_state, explain_trees
@@ -60,7 +59,7 @@ from shardlm.losses import cross_entropy
 from shardlm.models.head import plan as head_plan
 from shardlm.models.moe import exchange_capacity, round_sizes
 from shardlm.models.params import padded_vocab_size
-from shardlm.models.precision import DTYPES, cast_once
+from shardlm.models.precision import cast_once, compute_dtype
 from shardlm.models.stack import stacked_repeats
 from shardlm.schedules.gpipe import bubble_fraction, check_pipeline, layer_ranges, microbatch_count, stage_layers
 from shardlm.sharding import batch_sharding, sequence_parallel_rules, state_shardings, use_mesh_rules, zero_rules
@@ -286,7 +285,7 @@ class OwnModel:
         copies = (1,) if one_f_one_b else ()  # a copy per device, whole over the embedding dimension: its shape
         with use_mesh_rules(mesh, self.rules(), storage=self.storage_rules(mesh)):
             schedule = head_plan((rows, m.seq_len, m.d_model), copies + w_shape, tied=m.tie_embeddings,
-                                 compute_dtype=DTYPES[resolve_dtype(m.dtype)], chunks=m.loss_chunks,
+                                 compute_dtype=compute_dtype(m.dtype), chunks=m.loss_chunks,
                                  token_copies=one_f_one_b)
         return f"output head and loss, per device: {schedule.describe()}"
 

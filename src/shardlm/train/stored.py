@@ -18,7 +18,6 @@ Design choices:
 - A model from a py: file is stored as it is held: its structure is its own.
 """
 
-
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -29,10 +28,10 @@ from shardlm.models.stack import (
     is_per_layer,
     layers_alike,
     per_layer_tree,
-    unrepeated_tree,
     repeated_tree,
     stack_row,
     stacked_tree,
+    unrepeated_tree,
 )
 
 
