@@ -87,7 +87,7 @@ def test_a_family_registered_from_outside_configures_builds_counts_and_refuses(n
         load_config(None, ["model=nope-micro", "model.n_kv_heads=2"])
     with pytest.raises(ShardlmError, match="the nope family has no Hugging Face counterpart"):
         hf_format(cfg.model)
-    with pytest.raises(ShardlmError, match="model.moe_experts applies to the llama family"):
+    with pytest.raises(ShardlmError, match="model.moe_experts applies to the llama"):
         load_config(None, ["model=nope-micro", "model.moe_experts=4"])
 
 

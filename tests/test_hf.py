@@ -131,9 +131,10 @@ def edit_checkpoint(src: Path, dst: Path, config=None, tensors=None) -> Path:
 BAD = {
     "architecture": (dict(config=lambda t: t.update(model_type="mistral", architectures=["MistralForCausalLM"])),
                      "model_type 'mistral' (MistralForCausalLM) is not supported"),
-    "rope scaling": (dict(config=lambda t: t.update(rope_scaling={"rope_type": "llama3", "factor": 8.0},
+    "rope scaling": (dict(config=lambda t: t.update(rope_scaling={"rope_type": "dynamic", "factor": 8.0},
                                                     rope_parameters=None)),
-                     "rope_scaling={\"rope_type\": \"llama3\", \"factor\": 8.0} is not supported (rope scaling 'llama3'"),
+                     "rope_scaling={\"rope_type\": \"dynamic\", \"factor\": 8.0} is not supported (rope scaling "
+                     "'dynamic'"),
     "biases": (dict(config=lambda t: t.update(attention_bias=True)), "attention_bias=true is not supported"),
     "missing key": (dict(tensors=lambda w: w.pop("model.norm.weight")), "has no tensor 'model.norm.weight'"),
     "extra key": (dict(tensors=lambda w: w.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)})),

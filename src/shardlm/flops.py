@@ -26,7 +26,7 @@ from shardlm.accelerator import resolve_dtype
 from shardlm.families import family_of
 from shardlm.kernels.grouped import megablox_flops
 from shardlm.kernels.registry import ATTENTION_KERNELS
-from shardlm.models.config import FP8, ModelConfig
+from shardlm.models.config import FP8, ModelConfig, head_size
 
 
 def jaxpr_matmul_flops(jaxpr, scope: str = "") -> float:
@@ -111,17 +111,18 @@ def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
     """The weights one token multiplies by (a mixture of experts' active ones: its top-k experts, the shared
     expert and the router, not every expert)."""
     d, f, L = cfg.d_model, cfg.d_mlp, cfg.n_layers
-    kv_width = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)  # grouped-query k and v are narrower
+    q_width = cfg.n_heads * head_size(cfg)  # Qwen3's heads are wider than d_model / n_heads
+    kv_width = (cfg.n_kv_heads or cfg.n_heads) * head_size(cfg)  # grouped-query k and v are narrower
     mlp_matrices = family_of(cfg).mlp_matrices  # SwiGLU: gate, up, down; GPT: in, out
     sparse = L // cfg.moe_every if cfg.moe_experts else 0
     experts_per_token = cfg.moe_top_k + (1 if cfg.moe_shared_expert else 0)
     moe_mlp = experts_per_token * mlp_matrices * d * (cfg.moe_d_ff or f) + d * cfg.moe_experts  # + the router
-    return (L * (2 * d * d + 2 * d * kv_width) + (L - sparse) * mlp_matrices * d * f + sparse * moe_mlp
+    return (L * (2 * d * q_width + 2 * d * kv_width) + (L - sparse) * mlp_matrices * d * f + sparse * moe_mlp
             + d * padded_vocab)
 
 
 def flops_per_token(cfg: ModelConfig, padded_vocab: int) -> int:
-    return 6 * matmul_params(cfg, padded_vocab) + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
+    return 6 * matmul_params(cfg, padded_vocab) + 12 * cfg.n_layers * cfg.seq_len * cfg.n_heads * head_size(cfg)
 
 
 # Dense peak FLOP/s per device, matched in order against `device.device_kind` (first match wins). float32 matmuls

@@ -60,8 +60,9 @@ def check_model_config(m: ModelConfig) -> None:
     family = family_of(m)
     if m.moe_experts and not family.experts:
         with_experts = [f.name for f in FAMILIES.values() if f.experts]
-        raise ShardlmError(f"model.moe_experts applies to the {', '.join(with_experts)} family (SwiGLU experts), "
-                           f"not {family.name}: use a preset of it (model=llama-tiny, moe-tiny, ...) or drop it")
+        families = " and ".join(with_experts) + (" families" if len(with_experts) > 1 else " family")
+        raise ShardlmError(f"model.moe_experts applies to the {families} (SwiGLU experts), not {family.name}: use a "
+                           "preset of one (model=moe-tiny, qwen3-moe-tiny, ...) or drop it")
     family.check(m)
 
 

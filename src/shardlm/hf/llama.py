@@ -3,9 +3,9 @@
 family, both ways.
 
 Design choices:
-- A setting the model code would compute differently is refused by name: rope scaling (Llama 3.1's `llama3`,
-  linear, dynamic, YaRN), attention or MLP biases, another activation than silu, a `head_dim` other than
-  hidden / heads, and Mixtral's sliding window when it is shorter than the context: by default the context is
+- A setting the model code would compute differently is refused by name: rope scaling other than Llama 3.1's
+  `llama3` and YaRN (`shardlm.hf.rope`), attention or MLP biases, another activation than silu, and Mixtral's
+  sliding window when it is shorter than the context: by default the context is
   capped at the window (within it, Mixtral's attention is shardlm's full causal attention), and a longer
   `model.seq_len` is refused by `check_import` once the overrides are known. Mixtral's training-time
   regularisers (`router_jitter_noise`, `attention_dropout`) are not carried over: the forward pass is the same
@@ -15,8 +15,13 @@ Design choices:
   same term in the objective is `moe_aux_loss_weight = router_aux_loss_coef * num_experts_per_tok` (and the
   export divides by k). transformers pools the layers' routing into one loss where shardlm averages the layers'
   losses, so the two agree exactly for one layer and closely otherwise; either only matters when training.
-- Both spellings of the rotary base are read: `rope_theta` with `rope_scaling` (transformers 4.x, most
-  checkpoints on the Hub) and `rope_parameters` (transformers 5). Export writes the 4.x spelling, which 5.x reads.
+- Both spellings of the rotary settings are read (`shardlm.hf.rope`). Export writes the 4.x spelling, which 5.x
+  reads.
+- `head_dim` may differ from hidden / heads (transformers' Llama takes it); the projections are [heads x head_dim,
+  hidden] whatever it is.
+- The pieces other Llama-shaped mappings share (`shardlm.hf.qwen`) are functions here: the attention's views and
+  tensors (with Qwen's q/k/v biases and per-head q/k norms when the model has them), the dense MLP's, and the
+  experts' in either layout under the mapping's own names.
 - Rotary embeddings need no permutation: Hugging Face stores the q/k projections for the "rotate half" form,
   which is the one shardlm computes (`shardlm.models.layers.apply_rope`).
 """
@@ -29,8 +34,10 @@ from typing import Callable, Iterator
 import numpy as np
 
 from shardlm.errors import ShardlmError
+from shardlm.models.config import head_size
 from shardlm.hf.config import CONFIG_FILE, refuse, round_float
 from shardlm.hf.format import HfFormat
+from shardlm.hf.rope import read_rope, write_rope
 from shardlm.hf.views import Padded, Split, Stacked, Transposed, View, Window
 
 LLAMA_DEFAULT_CONTEXT = 2048  # Llama 3's 131,072 positions would be the default context otherwise
@@ -46,29 +53,25 @@ def read_fields(tree: dict, directory: Path) -> dict:
 
 
 def _llama_fields(t: dict, d: Path, defaults: dict = LLAMA_DEFAULTS) -> dict:
-    if t.get("hidden_act", "silu") != "silu":
-        raise refuse(d, "hidden_act", t["hidden_act"], "shardlm's Llama uses SwiGLU with silu")
     for key in ("attention_bias", "mlp_bias"):
         if t.get(key, False):
             raise refuse(d, key, t[key], "shardlm's Llama has no biases")
+    return llama_shaped_fields(t, d, defaults, "llama")
+
+
+def llama_shaped_fields(t: dict, d: Path, defaults: dict, family: str) -> dict:
+    """The fields every Llama-shaped config.json (Llama, Mixtral, Qwen) spells alike, for shardlm's `family`."""
+    if t.get("hidden_act", "silu") != "silu":
+        raise refuse(d, "hidden_act", t["hidden_act"], "shardlm's Llama uses SwiGLU with silu")
     heads, hidden = t["num_attention_heads"], t["hidden_size"]
-    if t.get("head_dim") not in (None, hidden // heads):
-        raise refuse(d, "head_dim", t["head_dim"], f"shardlm's head size is hidden_size / num_attention_heads = "
-                                                    f"{hidden // heads}")
-    params = t.get("rope_parameters") or {}
-    scaling = t.get("rope_scaling")
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type")) if scaling else params.get("rope_type")
-    if kind not in (None, "default"):
-        key = "rope_scaling" if scaling else "rope_parameters"
-        raise refuse(d, key, scaling or params, f"rope scaling {kind!r}: shardlm implements plain rotary embeddings")
-    theta = t.get("rope_theta", params.get("rope_theta", defaults["rope_theta"]))
-    return dict(family="llama", n_layers=t["num_hidden_layers"], n_heads=heads,
+    head_dim = t.get("head_dim") or hidden // heads
+    return dict(family=family, n_layers=t["num_hidden_layers"], n_heads=heads,
                 n_kv_heads=t.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads, d_model=hidden,
-                d_mlp=t["intermediate_size"],
+                d_mlp=t["intermediate_size"], head_dim=0 if head_dim * heads == hidden else head_dim,
                 seq_len=min(t.get("max_position_embeddings", LLAMA_DEFAULT_CONTEXT), LLAMA_DEFAULT_CONTEXT),
                 vocab_size=t["vocab_size"], use_bias=False, tie_embeddings=t.get("tie_word_embeddings", False),
-                layer_norm_eps=t.get("rms_norm_eps", defaults["rms_norm_eps"]), rope_theta=float(theta),
-                dropout=0.0)
+                layer_norm_eps=t.get("rms_norm_eps", defaults["rms_norm_eps"]), dropout=0.0,
+                **read_rope(t, d, defaults["rope_theta"]))
 
 
 def _mixtral_fields(t: dict, d: Path) -> dict:
@@ -88,7 +91,7 @@ def _mixtral_fields(t: dict, d: Path) -> dict:
         fields["seq_len"] = min(fields["seq_len"], window)
     coef = t.get("router_aux_loss_coef", MIXTRAL_DEFAULTS["router_aux_loss_coef"])
     return dict(fields, moe_experts=experts, moe_top_k=top_k, moe_every=1, moe_d_ff=0, moe_shared_expert=False,
-                moe_aux_loss_weight=round_float(coef * top_k))
+                moe_norm_topk=True, moe_aux_loss_weight=round_float(coef * top_k))
 
 
 def check_import(model, tree: dict, directory: Path) -> None:
@@ -107,8 +110,12 @@ def check_import(model, tree: dict, directory: Path) -> None:
 
 
 def exportable(m, where: str) -> None:
-    """Raise if `m` has no Hugging Face counterpart: a mixture of experts is exported as Mixtral, whose every layer
-    is sparse, with one expert size and no shared expert."""
+    """Raise if `m` has no Hugging Face counterpart: Llama has no q/k norms nor q/k/v-only biases (Qwen's: export
+    a qwen-family model), and a mixture of experts is exported as Mixtral, whose every layer is sparse, with one
+    expert size, no shared expert, and its top-k weights renormalised."""
+    if m.qk_norm or m.qkv_bias:
+        raise ShardlmError(f"{where} has {'q/k norms' if m.qk_norm else 'q/k/v biases'} (Qwen's), which "
+                           "LlamaForCausalLM cannot hold; train it as model.family=qwen to export it as Qwen")
     if not m.moe_experts:
         return
     if m.moe_every != 1:
@@ -122,14 +129,23 @@ def exportable(m, where: str) -> None:
         raise ShardlmError(f"{where} routes each token to one expert weighted by its router probability "
                            "(model.moe_top_k=1, Switch's), which MixtralForCausalLM would weigh 1.0; only runs with "
                            "model.moe_top_k >= 2 export")
+    if not m.moe_norm_topk:
+        raise ShardlmError(f"{where} weighs its top-k experts by their raw router probabilities "
+                           "(model.moe_norm_topk=false), which MixtralForCausalLM renormalises; train it as "
+                           "model.family=qwen to export it as Qwen3-MoE")
+
+
+def llama_shaped_config(m, common: dict) -> dict:
+    """The config.json keys every Llama-shaped architecture spells alike."""
+    return {"num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
+            "num_key_value_heads": m.n_kv_heads or m.n_heads, "hidden_size": m.d_model,
+            "intermediate_size": m.d_mlp, "head_dim": head_size(m), "max_position_embeddings": m.seq_len,
+            "rms_norm_eps": m.layer_norm_eps, **write_rope(m), "hidden_act": "silu", "attention_dropout": 0.0,
+            **common}
 
 
 def write_config(m, common: dict) -> dict:
-    llama = {"num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
-             "num_key_value_heads": m.n_kv_heads or m.n_heads, "hidden_size": m.d_model,
-             "intermediate_size": m.d_mlp, "head_dim": m.d_model // m.n_heads, "max_position_embeddings": m.seq_len,
-             "rms_norm_eps": m.layer_norm_eps, "rope_theta": m.rope_theta, "rope_scaling": None, "hidden_act": "silu",
-             "attention_dropout": 0.0, **common}
+    llama = llama_shaped_config(m, common)
     if m.moe_experts:  # every layer sparse (`check_exportable`), so d_mlp is unused and the experts' size is Mixtral's
         exportable(m, "the model")
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **llama,
@@ -141,44 +157,41 @@ def write_config(m, common: dict) -> dict:
             "mlp_bias": False}
 
 
-def tensor_views(m, vocab: int, padded: int, T, names: set[str]) -> dict[str, View]:
-    """Llama's tensors, and a mixture's as Mixtral's (`_mixtral_views`)."""
-    prefix = "model."
-    d, h, f = m.d_model, m.n_heads, m.d_mlp
-    hd, kv = d // h, m.n_kv_heads or h
-    views = {"wte": Padded(T(f"{prefix}embed_tokens.weight", (vocab, d)), 0, padded),
-             "ln_f/scale": T(f"{prefix}norm.weight", (d,))}
-    for i in range(m.n_layers):
-        p, o = f"{prefix}layers.{i}.", f"blocks/{i}/"
-        views[f"{o}attn/wq"] = Split(Transposed(T(f"{p}self_attn.q_proj.weight", (h * hd, d))), 1, (h, hd))
-        views[f"{o}attn/wk"] = Split(Transposed(T(f"{p}self_attn.k_proj.weight", (kv * hd, d))), 1, (kv, hd))
-        views[f"{o}attn/wv"] = Split(Transposed(T(f"{p}self_attn.v_proj.weight", (kv * hd, d))), 1, (kv, hd))
-        views[f"{o}attn/wo"] = Split(Transposed(T(f"{p}self_attn.o_proj.weight", (d, h * hd))), 0, (h, hd))
-        views[f"{o}ln1/scale"] = T(f"{p}input_layernorm.weight", (d,))
-        views[f"{o}ln2/scale"] = T(f"{p}post_attention_layernorm.weight", (d,))
-        if m.moe_experts and (i + 1) % m.moe_every == 0:
-            views.update(_mixtral_views(m, p, f"{o}mlp/", T, names))
-            continue
-        views[f"{o}mlp/w_gate"] = Transposed(T(f"{p}mlp.gate_proj.weight", (f, d)))
-        views[f"{o}mlp/w_up"] = Transposed(T(f"{p}mlp.up_proj.weight", (f, d)))
-        views[f"{o}mlp/w_down"] = Transposed(T(f"{p}mlp.down_proj.weight", (d, f)))
-    if not m.tie_embeddings:
-        views["lm_head"] = Padded(Transposed(T("lm_head.weight", (vocab, d))), 1, padded)
+def attention_views(m, p: str, o: str, T) -> dict[str, View]:
+    """One layer's attention (Hugging Face prefix `p`, 'model.layers.3.'; shardlm's `o`, 'blocks/3/'): the
+    projections per head, and Qwen's q/k/v biases and per-head q/k norms where the model has them."""
+    d, h, hd, kv = m.d_model, m.n_heads, head_size(m), m.n_kv_heads or m.n_heads
+    a, views = f"{p}self_attn.", {}
+    for x, heads in (("q", h), ("k", kv), ("v", kv)):
+        views[f"{o}attn/w{x}"] = Split(Transposed(T(f"{a}{x}_proj.weight", (heads * hd, d))), 1, (heads, hd))
+        if m.qkv_bias:
+            views[f"{o}attn/{x}_bias"] = Split(T(f"{a}{x}_proj.bias", (heads * hd,)), 0, (heads, hd))
+    views[f"{o}attn/wo"] = Split(Transposed(T(f"{a}o_proj.weight", (d, h * hd))), 0, (h, hd))
+    if m.qk_norm:
+        views[f"{o}attn/q_norm/scale"] = T(f"{a}q_norm.weight", (hd,))
+        views[f"{o}attn/k_norm/scale"] = T(f"{a}k_norm.weight", (hd,))
+    views[f"{o}ln1/scale"] = T(f"{p}input_layernorm.weight", (d,))
+    views[f"{o}ln2/scale"] = T(f"{p}post_attention_layernorm.weight", (d,))
     return views
 
 
-def _mixtral_views(m, p: str, o: str, T, names: set[str]) -> dict[str, View]:
-    """One sparse layer's MLP (`shardlm.models.moe.MoeMLP`) from Mixtral's tensors (prefix `p`, 'model.layers.3.'),
-    in either layout transformers reads:
-    - per expert, as the published checkpoints and transformers' `save_pretrained` write them:
-      `block_sparse_moe.gate.weight` [E, d] and `block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate and up
-      [f, d], down [d, f]), each expert's tensor its own file entry; stacked by a view on the experts axis, so a
-      device holding experts 2-3 reads experts 2 and 3 only;
+def mlp_views(d: int, f: int, p: str, o: str, T) -> dict[str, View]:
+    """A dense SwiGLU MLP's views (`mlp.gate_proj` / `up_proj` / `down_proj`)."""
+    return {f"{o}mlp/w_gate": Transposed(T(f"{p}mlp.gate_proj.weight", (f, d))),
+            f"{o}mlp/w_up": Transposed(T(f"{p}mlp.up_proj.weight", (f, d))),
+            f"{o}mlp/w_down": Transposed(T(f"{p}mlp.down_proj.weight", (d, f)))}
+
+
+def expert_views(d: int, e: int, f: int, p: str, o: str, T, names: set[str], moe: str,
+                 per_expert: tuple[str, str, str]) -> dict[str, View]:
+    """One sparse layer's MLP (`shardlm.models.moe.MoeMLP`) from the tensors under prefix `moe`, in either layout
+    transformers reads:
+    - per expert, as the published checkpoints and transformers' `save_pretrained` write them: `{moe}gate.weight`
+      [E, d] and `{moe}experts.{e}.{gate}/{up}/{down}.weight` (`per_expert`'s names; gate and up [f, d], down
+      [d, f]), each expert's tensor its own file entry; stacked by a view on the experts axis, so a device holding
+      experts 2-3 reads experts 2 and 3 only;
     - fused, as transformers 5 holds them in memory: `mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2f, d]
-      (gate rows first, then up) and `mlp.experts.down_proj` [E, d, f].
-    (`mlp.` also stands for `block_sparse_moe.` in the first, as transformers renames one to the other.)"""
-    d, e, f = m.d_model, m.moe_experts, m.moe_d_ff or m.d_mlp
-    moe = f"{p}block_sparse_moe." if f"{p}block_sparse_moe.gate.weight" in names else f"{p}mlp."
+      (gate rows first, then up) and `mlp.experts.down_proj` [E, d, f]."""
     views = {f"{o}router": Transposed(T(f"{moe}gate.weight", (e, d)))}
     if f"{p}mlp.experts.gate_up_proj" in names:
         gate_up = T(f"{p}mlp.experts.gate_up_proj", (e, 2 * f, d))
@@ -186,36 +199,80 @@ def _mixtral_views(m, p: str, o: str, T, names: set[str]) -> dict[str, View]:
         views[f"{o}w_up"] = Transposed(Window(gate_up, 1, f, f), (0, 2, 1))
         views[f"{o}w_down"] = Transposed(T(f"{p}mlp.experts.down_proj", (e, d, f)), (0, 2, 1))
         return views
-    for ours, theirs, shape in (("w_gate", "w1", (f, d)), ("w_up", "w3", (f, d)), ("w_down", "w2", (d, f))):
+    for ours, theirs, shape in zip(("w_gate", "w_up", "w_down"), per_expert, ((f, d), (f, d), (d, f))):
         views[f"{o}{ours}"] = Stacked(tuple(Transposed(T(f"{moe}experts.{x}.{theirs}.weight", shape))
                                             for x in range(e)))
     return views
 
 
-def export_tensors(m, vocab: int, get: Callable[..., np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
-    """LlamaForCausalLM's tensors, or Mixtral's per-expert ones, one at a time (see `HfFormat.tensors`); one
-    expert's tensor is gathered at a time."""
+def embedding_views(m, vocab: int, padded: int, T) -> dict[str, View]:
     d = m.d_model
+    views = {"wte": Padded(T("model.embed_tokens.weight", (vocab, d)), 0, padded),
+             "ln_f/scale": T("model.norm.weight", (d,))}
+    if not m.tie_embeddings:
+        views["lm_head"] = Padded(Transposed(T("lm_head.weight", (vocab, d))), 1, padded)
+    return views
+
+
+MIXTRAL_EXPERTS = ("w1", "w3", "w2")  # gate, up, down
+
+
+def tensor_views(m, vocab: int, padded: int, T, names: set[str]) -> dict[str, View]:
+    """Llama's tensors, and a mixture's as Mixtral's (`block_sparse_moe.` or `mlp.`, which transformers renames
+    one to the other)."""
+    views = embedding_views(m, vocab, padded, T)
+    for i in range(m.n_layers):
+        p, o = f"model.layers.{i}.", f"blocks/{i}/"
+        views.update(attention_views(m, p, o, T))
+        if m.moe_experts and (i + 1) % m.moe_every == 0:
+            moe = f"{p}block_sparse_moe." if f"{p}block_sparse_moe.gate.weight" in names else f"{p}mlp."
+            views.update(expert_views(m.d_model, m.moe_experts, m.moe_d_ff or m.d_mlp, p, f"{o}mlp/", T, names,
+                                      moe, MIXTRAL_EXPERTS))
+        else:
+            views.update(mlp_views(m.d_model, m.d_mlp, p, o, T))
+    return views
+
+
+def attention_tensors(m, p: str, o: str, get) -> Iterator[tuple[str, np.ndarray]]:
+    """One layer's norms and attention tensors, as `attention_views` reads them."""
+    d, a = m.d_model, f"{p}self_attn."
+    yield f"{p}input_layernorm.weight", get(f"{o}ln1/scale")
+    yield f"{p}post_attention_layernorm.weight", get(f"{o}ln2/scale")
+    for x in "qkv":
+        yield f"{a}{x}_proj.weight", get(f"{o}attn/w{x}").reshape(d, -1).T  # [d, heads, head_dim]
+        if m.qkv_bias:
+            yield f"{a}{x}_proj.bias", get(f"{o}attn/{x}_bias").reshape(-1)
+    yield f"{a}o_proj.weight", get(f"{o}attn/wo").reshape(-1, d).T
+    if m.qk_norm:
+        yield f"{a}q_norm.weight", get(f"{o}attn/q_norm/scale")
+        yield f"{a}k_norm.weight", get(f"{o}attn/k_norm/scale")
+
+
+def mlp_tensors(p: str, o: str, get) -> Iterator[tuple[str, np.ndarray]]:
+    yield f"{p}mlp.gate_proj.weight", get(f"{o}mlp/w_gate").T
+    yield f"{p}mlp.up_proj.weight", get(f"{o}mlp/w_up").T
+    yield f"{p}mlp.down_proj.weight", get(f"{o}mlp/w_down").T
+
+
+def expert_tensors(m, moe: str, o: str, get, per_expert: tuple[str, str, str]) -> Iterator[tuple[str, np.ndarray]]:
+    """A sparse layer's router and experts, per expert as save_pretrained writes them, one expert's tensor
+    gathered at a time."""
+    yield f"{moe}gate.weight", get(f"{o}mlp/router").T
+    for e in range(m.moe_experts):
+        for ours, theirs in sorted(zip(("w_gate", "w_up", "w_down"), per_expert), key=lambda pair: pair[1]):
+            yield f"{moe}experts.{e}.{theirs}.weight", get(f"{o}mlp/{ours}", e).T
+
+
+def export_tensors(m, vocab: int, get: Callable[..., np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """LlamaForCausalLM's tensors, or Mixtral's per-expert ones, one at a time (see `HfFormat.tensors`)."""
     yield "model.embed_tokens.weight", get("wte")[:vocab]
     for i in range(m.n_layers):
         p, o = f"model.layers.{i}.", f"blocks/{i}/"
-        yield f"{p}input_layernorm.weight", get(f"{o}ln1/scale")
-        yield f"{p}post_attention_layernorm.weight", get(f"{o}ln2/scale")
-        for x in "qkv":
-            w = get(f"{o}attn/w{x}")  # [d, heads, head_dim]
-            yield f"{p}self_attn.{x}_proj.weight", w.reshape(d, -1).T
-        yield f"{p}self_attn.o_proj.weight", get(f"{o}attn/wo").reshape(d, d).T
-        if m.moe_experts:  # Mixtral (every layer sparse), per expert as save_pretrained writes it
-            moe = f"{p}block_sparse_moe."
-            yield f"{moe}gate.weight", get(f"{o}mlp/router").T
-            for e in range(m.moe_experts):  # one expert at a time
-                yield f"{moe}experts.{e}.w1.weight", get(f"{o}mlp/w_gate", e).T
-                yield f"{moe}experts.{e}.w2.weight", get(f"{o}mlp/w_down", e).T
-                yield f"{moe}experts.{e}.w3.weight", get(f"{o}mlp/w_up", e).T
-            continue
-        yield f"{p}mlp.gate_proj.weight", get(f"{o}mlp/w_gate").T
-        yield f"{p}mlp.up_proj.weight", get(f"{o}mlp/w_up").T
-        yield f"{p}mlp.down_proj.weight", get(f"{o}mlp/w_down").T
+        yield from attention_tensors(m, p, o, get)
+        if m.moe_experts:  # Mixtral (every layer sparse)
+            yield from expert_tensors(m, f"{p}block_sparse_moe.", o, get, MIXTRAL_EXPERTS)
+        else:
+            yield from mlp_tensors(p, o, get)
     yield "model.norm.weight", get("ln_f/scale")
     if not m.tie_embeddings:
         yield "lm_head.weight", get("lm_head")[:, :vocab].T

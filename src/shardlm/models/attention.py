@@ -41,8 +41,11 @@ from shardlm.kernels.registry import (RING, attention_impl, attention_summary as
                                       kernel_named, prefill_kernel, ring_chunk)
 from shardlm.kernels.ring import ring_attention
 from shardlm.models import remat
+from shardlm.models.config import head_size
 from shardlm.models.params import param, use
+from shardlm.models.norms import RMSNorm
 from shardlm.models.precision import Precision, add_bias, compute_dtype
+from shardlm.models.rope import apply_rope
 from shardlm.models.stack import LAYERS, LayerCache
 from shardlm.sharding import active_degree, active_mesh, active_spec, constrain
 from shardlm.sharding.rules import as_axes
@@ -90,7 +93,7 @@ def attention_context(requested: str, dtype, head_dim: int, length: int, *, bloc
 def attention_summary(m, seq_split: int) -> str:
     """Which kernel a training step of model config `m` compiles with, for the target being compiled for, and why
     (a report's line)."""
-    return kernel_summary(m.attention, compute_dtype(m.dtype), m.d_model // m.n_heads, m.seq_len,
+    return kernel_summary(m.attention, compute_dtype(m.dtype), head_size(m), m.seq_len,
                           m.attention_block, seq_split, m.context_attention)
 
 
@@ -193,21 +196,6 @@ def _per_device(attend, q, k, v) -> jax.Array:
                          check_vma=False)(q, k, v)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """(sin, cos) [rows, T, head_dim / 2] for integer positions [rows, T], in float32."""
-    freqs = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * freqs
-    return jnp.sin(angles), jnp.cos(angles)
-
-
-def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotary position embedding of x [batch, T, heads, head_dim], rotating the pairs (i, i + head_dim / 2) (the
-    "rotate half" layout of GPT-NeoX and Hugging Face Llama), in float32."""
-    sin, cos = (t[:, :, None, :] for t in rope)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
 class Attention(nnx.Module):
     """Multi-head self-attention with `kv_heads` key/value heads, weights stored per head: [embed, heads,
     head_dim], so splitting heads over a mesh axis is a plain dimension split (Megatron column-parallel for
@@ -215,8 +203,11 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d: int, heads: int, kv_heads: int, n_layers: int, use_bias: bool, precision: Precision,
-                 rngs: nnx.Rngs):
-        hd = d // heads
+                 rngs: nnx.Rngs, *, head_dim: int = 0, qkv_bias: bool = False, qk_norm_eps: float = 0.0):
+        """`head_dim` 0: d / heads. `use_bias`: biases on q, k, v and the output (GPT's); `qkv_bias`: on q, k and v
+        only (Qwen2's). `qk_norm_eps` > 0: q and k each through a per-head RMSNorm before the rotation (Qwen3's,
+        OLMo 2's QK-norm), learned scales of head_dim shared by the heads."""
+        hd = head_dim or d // heads
         self.precision, param_dtype = precision, precision.param
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual projection scaling
@@ -225,14 +216,14 @@ class Attention(nnx.Module):
         self.wv = param(rngs, init, (d, kv_heads, hd), ("embed", "kv_heads", "head_dim"), param_dtype)
         self.wo = param(rngs, out_init, (heads, hd, d), ("heads", "head_dim", "embed"), param_dtype)
         zeros = nnx.initializers.zeros_init()
-        if use_bias:
-            bias = lambda shape, names: param(rngs, zeros, shape, names, param_dtype, read_in_float32=True)  # noqa: E731
-            self.q_bias = bias((heads, hd), ("heads", "head_dim"))
-            self.k_bias = bias((kv_heads, hd), ("kv_heads", "head_dim"))
-            self.v_bias = bias((kv_heads, hd), ("kv_heads", "head_dim"))
-            self.out_bias = bias((d,), ("embed",))
-        else:
-            self.q_bias = self.k_bias = self.v_bias = self.out_bias = None
+        bias = lambda shape, names: param(rngs, zeros, shape, names, param_dtype, read_in_float32=True)  # noqa: E731
+        in_bias = use_bias or qkv_bias
+        self.q_bias = bias((heads, hd), ("heads", "head_dim")) if in_bias else None
+        self.k_bias = bias((kv_heads, hd), ("kv_heads", "head_dim")) if in_bias else None
+        self.v_bias = bias((kv_heads, hd), ("kv_heads", "head_dim")) if in_bias else None
+        self.out_bias = bias((d,), ("embed",)) if use_bias else None
+        norm = lambda: RMSNorm(hd, qk_norm_eps, param_dtype, rngs, axis="head_dim") if qk_norm_eps else None  # noqa: E731
+        self.q_norm, self.k_norm = norm(), norm()
 
     def __call__(self, x, cache: LayerCache | None, ctx: Context):
         """x [batch, T, embed] -> ([batch, T, embed], cache); see `self_attention` for the cache's three modes."""
@@ -246,6 +237,8 @@ class Attention(nnx.Module):
         q = project(q, self.q_bias, "act_heads")
         k = project(k, self.k_bias, "act_kv_heads")
         v = project(v, self.v_bias, "act_kv_heads")
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if ctx.rope is not None:
             q, k = apply_rope(q, ctx.rope), apply_rope(k, ctx.rope)
         y, cache = self_attention(q, k, v, cache, ctx)

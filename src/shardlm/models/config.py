@@ -19,6 +19,7 @@ from shardlm.kernels.exchange import EXCHANGES
 from shardlm.kernels.grouped import KERNELS as GROUPED_KERNELS
 from shardlm.kernels.registry import attention_choices
 from shardlm.models.remat import check_policy
+from shardlm.models.rope import SCALINGS as ROPE_SCALINGS
 
 
 @dataclasses.dataclass
@@ -39,6 +40,26 @@ class ModelConfig:
     use_bias: bool = True
     layer_norm_eps: float = 1e-5  # the epsilon of LayerNorm (gpt) or RMSNorm (llama)
     rope_theta: float = 10000.0  # rotary embedding base (llama)
+    # Rotary scaling for long contexts (`shardlm.models.rope`): none | llama3 (Llama 3.1-3.3's: low frequencies
+    # divided by rope_factor, high ones kept, the band between low_freq_factor and high_freq_factor smoothed) |
+    # yarn (Qwen's and DeepSeek's: beta_fast / beta_slow bound the ramp; the tables scaled by YaRN's attention
+    # factor, or by mscale / mscale_all_dim's ratio where both are set). rope_original_context: the context the
+    # model was pretrained at (original_max_position_embeddings).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_context: int = 0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    # The attention heads' size (0 = d_model / n_heads; Qwen3's is 128 whatever its width), biases on q, k and v
+    # only (Qwen2's; model.use_bias is GPT's, on every projection and norm), and a per-head RMSNorm on q and k
+    # before the rotation (QK-norm: Qwen3's, OLMo 2's). Llama family.
+    head_dim: int = 0
+    qkv_bias: bool = False
+    qk_norm: bool = False
     # Compute dtype of matmuls and activations; norms, softmax and the loss stay float32 whatever it is. auto:
     # bfloat16 on GPUs and TPUs, float32 on a CPU (resolved when the config is loaded: `shardlm.accelerator`).
     dtype: str = "auto"
@@ -83,6 +104,9 @@ class ModelConfig:
     moe_every: int = 1
     moe_d_ff: int = 0
     moe_shared_expert: bool = False
+    # With top_k > 1: the k routing weights renormalised to sum to one (Mixtral's; Qwen3-MoE's norm_topk_prob), or
+    # the raw softmax probabilities (false)
+    moe_norm_topk: bool = True
     # 0 = dropless. > 0: under expert parallelism each device sends each expert device at most
     # ceil(moe_capacity_factor x T x k / mesh.expert) of its T tokens' k assignments (its balanced share, times
     # the factor), which bounds the exchange buffer (dropless: T x min(k, experts per device) rows per pair);
@@ -121,6 +145,11 @@ class ModelConfig:
     call: str = ""
 
 
+def head_size(m: ModelConfig) -> int:
+    """The attention heads' size: model.head_dim, or d_model / n_heads."""
+    return m.head_dim or m.d_model // m.n_heads
+
+
 AUTO_REMAT = "auto"  # model.remat=auto: the planner's choice
 FP8 = "fp8"  # model.matmul_dtype's float8 mode (`shardlm.models.precision.Precision`)
 MATMUL_DTYPES = ("auto", FP8)  # model.matmul_dtype
@@ -135,7 +164,9 @@ def check_model(m: ModelConfig) -> None:
                            "use model.seq_len >= 2")
     if m.vocab_size < 0:
         raise ShardlmError(f"model.vocab_size must be >= 0 (0 = the tokenizer's), got {m.vocab_size}")
-    if m.d_model % m.n_heads:
+    if m.head_dim < 0:
+        raise ShardlmError(f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {m.head_dim}")
+    if m.d_model % m.n_heads and not m.head_dim:
         raise ShardlmError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a head count dividing it"
         )
@@ -174,6 +205,23 @@ def _check_moe(m: ModelConfig) -> None:
         raise ShardlmError("model.moe_d_ff and model.moe_aux_loss_weight must be >= 0")
 
 
+def _check_rope_scaling(m: ModelConfig) -> None:
+    """The rotary scaling's name and numbers, each a one-line error."""
+    check_one_of("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
+    if m.rope_scaling == "none":
+        return
+    if m.rope_factor < 1 or m.rope_original_context < 1:
+        raise ShardlmError(f"model.rope_scaling={m.rope_scaling} needs model.rope_factor >= 1 and "
+                           f"model.rope_original_context >= 1 (the pretraining context), got {m.rope_factor} and "
+                           f"{m.rope_original_context}")
+    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise ShardlmError(f"model.rope_scaling=llama3 needs 0 < model.rope_low_freq_factor < "
+                           f"model.rope_high_freq_factor, got {m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow <= m.rope_beta_fast:
+        raise ShardlmError(f"model.rope_scaling=yarn needs 0 < model.rope_beta_slow <= model.rope_beta_fast, got "
+                           f"{m.rope_beta_slow} and {m.rope_beta_fast}")
+
+
 def _check_kinds(m: ModelConfig) -> None:
     """Head layout, dtypes and the remat/attention choices."""
     check_one_of("model.dtype", m.dtype, COMPUTE_DTYPES, " (float16 would need loss scaling: use bfloat16)")
@@ -196,6 +244,7 @@ def _check_kinds(m: ModelConfig) -> None:
     check_one_of("model.moe_dropless", m.moe_dropless, ("rounds", "buffer"))
     check_positive("model.attention_block", m.attention_block)
     check_positive("model.rope_theta", m.rope_theta)
+    _check_rope_scaling(m)
     kv = m.n_kv_heads or m.n_heads
     if m.n_kv_heads < 0 or m.n_heads % kv:
         raise ShardlmError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (each kv head "

@@ -23,6 +23,7 @@ from shardlm.kernels.gradients import with_gradient
 from shardlm.kernels.ring import from_zigzag, to_zigzag
 from shardlm.models import remat
 from shardlm.models.attention import Context, attention_context
+from shardlm.models.config import head_size
 from shardlm.models.head import head_loss
 from shardlm.models.params import use
 from shardlm.models.precision import compute_view
@@ -102,7 +103,7 @@ class CausalLM(nnx.Module):
         held as [repeats, layers] for circular pipeline repeats: `stack.in_repeats`) and the head shape of the KV
         cache."""
         self.n_layers, self.scan_layers = cfg.n_layers, cfg.scan_layers
-        self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, head_size(cfg)
         self.loss_chunks = cfg.loss_chunks
         self.context_attention, self.attention_block = cfg.context_attention, cfg.attention_block
         self.blocks = build_blocks(make_block, cfg.n_layers, rngs.params(), cfg.scan_layers,

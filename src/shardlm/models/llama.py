@@ -8,7 +8,10 @@ Design choices:
   (1 kv head: multi-query attention). Under TP both head dimensions are split over `tensor`, so the tensor degree
   must divide n_kv_heads as well as n_heads (`check_shardable` says so by name).
 - RMSNorm computes in float32 and returns the compute dtype; rotary embeddings rotate q and k in float32 with
-  tables computed once per forward pass ("rotate half" layout, as Hugging Face stores Llama checkpoints).
+  tables computed once per forward pass ("rotate half" layout, as Hugging Face stores Llama checkpoints), plain or
+  scaled for long contexts (Llama 3.1's `llama3`, YaRN: `shardlm.models.rope`).
+- Qwen's variations are settings of the same block: a head size apart from d_model / n_heads (`head_dim`), biases
+  on q, k and v (`qkv_bias`, Qwen2), and a per-head RMSNorm on q and k before the rotation (`qk_norm`, Qwen3).
 - The SwiGLU MLP has three matrices, gate and up [embed, mlp] (column-parallel under TP) and down [mlp, embed]
   (row-parallel); its hidden size `d_mlp` is usually ~8/3 d_model rounded, not GPT's 4 d_model.
 - Initialisation: N(0, 0.02), with the residual output projections (wo, w_down) scaled by 1/sqrt(2 * n_layers)
@@ -25,24 +28,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlm.models import remat
-from shardlm.models.config import ModelConfig
-from shardlm.models.attention import Attention, rope_tables
+from shardlm.models.config import ModelConfig, head_size
+from shardlm.models.attention import Attention
+from shardlm.models.norms import RMSNorm
+from shardlm.models.rope import Rope
 from shardlm.models.layers import CausalLM, PreNormBlock
 from shardlm.models.params import param, use
 from shardlm.models.precision import Precision
 from shardlm.models.moe import MoeMLP
 from shardlm.sharding import constrain
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, d: int, eps: float, param_dtype, rngs: nnx.Rngs):
-        self.eps = eps
-        self.scale = param(rngs, nnx.initializers.ones_init(), (d,), ("embed",), param_dtype, read_in_float32=True)
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class SwiGLU(nnx.Module):
@@ -71,14 +65,15 @@ class Block(PreNormBlock):
         # ln1 / ln2 / ln_f: RMSNorms, named as the GPT family's norms (and Hugging Face's "input_layernorm").
         self.ln1 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, precision,
-                              rngs)
+                              rngs, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                              qk_norm_eps=cfg.layer_norm_eps if cfg.qk_norm else 0.0)
         self.ln2 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.sparse = sparse
         if sparse:
             self.mlp = MoeMLP(cfg.d_model, cfg.moe_d_ff or cfg.d_mlp, cfg.moe_experts, cfg.moe_top_k,
                               shared_expert=cfg.moe_shared_expert, n_layers=cfg.n_layers, precision=precision,
                               rngs=rngs, kernel=cfg.moe_kernel, capacity_factor=cfg.moe_capacity_factor,
-                              exchange=cfg.moe_exchange, dropless=cfg.moe_dropless)
+                              exchange=cfg.moe_exchange, dropless=cfg.moe_dropless, norm_topk=cfg.moe_norm_topk)
         else:
             self.mlp = SwiGLU(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
@@ -97,7 +92,7 @@ class Llama(CausalLM):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
         self.precision, self.attention = Precision.of(cfg), cfg.attention
         self.remat, self.remat_offload = cfg.remat, cfg.remat_offload
-        self.rope_theta = cfg.rope_theta
+        self.rope = Rope.of(cfg, head_size(cfg))
         pd = self.precision.param
         init = nnx.initializers.normal(0.02)
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd, cast_where_read=True)
@@ -111,4 +106,4 @@ class Llama(CausalLM):
     def _embed(self, tokens, rngs, pos):
         positions = jnp.arange(tokens.shape[1])[None] if pos is None else pos[:, None]
         x = self.dropout(self._token_rows(tokens), deterministic=rngs is None, rngs=rngs)
-        return x, rope_tables(positions, self.head_dim, self.rope_theta)
+        return x, self.rope.tables(positions)

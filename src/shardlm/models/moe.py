@@ -67,6 +67,7 @@ Design choices:
   output; it stays outside the shard_map, sharded by the ordinary rules like the dense Llama MLP.
 """
 
+import dataclasses
 import math
 from functools import partial
 from typing import NamedTuple
@@ -100,13 +101,23 @@ class MoeStats(NamedTuple):
 # --- routing and the load-balancing loss -------------------------------------------------------------------------
 
 
-def route(x_flat: jax.Array, router: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x_flat [N, D] -> (weights [N, k] float32, summing to 1 per token for k > 1 and the top probability for
-    k = 1; experts [N, k] int32; probs [N, E])."""
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How tokens pick their experts: `top_k` of them, by softmax probability; with `norm_topk` (Mixtral's, and
+    Qwen3-MoE's `norm_topk_prob`) the k weights renormalised to sum to one when k > 1, else the raw probabilities
+    (Qwen3-MoE's default)."""
+
+    top_k: int
+    norm_topk: bool = True
+
+
+def route(x_flat: jax.Array, router: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x_flat [N, D] -> (weights [N, k] float32, summing to 1 per token for k > 1 when renormalised, else the raw
+    probabilities; experts [N, k] int32; probs [N, E])."""
     logits = x_flat.astype(jnp.float32) @ router.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    if top_k > 1:
+    weights, experts = jax.lax.top_k(probs, routing.top_k)
+    if routing.top_k > 1 and routing.norm_topk:
         weights = weights / weights.sum(-1, keepdims=True)
     return weights, experts.astype(jnp.int32), probs
 
@@ -394,11 +405,12 @@ def global_stats(probs, experts, num_experts: int, n_tokens: int, token_axes: tu
     return MoeStats(aux_from_sums(counts, prob_sums, n_tokens, experts.shape[1]), counts, dropped, overflow)
 
 
-def moe_local(x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla") -> tuple[jax.Array, MoeStats]:
+def moe_local(x, router, w_gate, w_up, w_down, routing: Routing, kernel: str = "xla"
+              ) -> tuple[jax.Array, MoeStats]:
     """The routed experts on one device: x [B, S, D] -> ([B, S, D], stats)."""
     b, s, d = x.shape
     x_flat = x.reshape(b * s, d)
-    weights, experts, probs = route(x_flat, router, top_k)
+    weights, experts, probs = route(x_flat, router, routing)
     y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel)
     return y.reshape(b, s, d), global_stats(probs, experts, w_gate.shape[0], b * s, ())
 
@@ -433,7 +445,7 @@ def check_expert_parallel(mesh, num_experts: int, d_ff: int, token_axes: tuple[s
                            "too: make the batch rows divisible by mesh.data x mesh.fsdp x mesh.expert")
 
 
-def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str = "xla",
+def moe_sharded(mesh, x, router, w_gate, w_up, w_down, routing: Routing, kernel: str = "xla",
                 capacity_factor: float = 0.0, exchange_kind: str = "all_to_all",
                 dropless: str = "rounds") -> tuple[jax.Array, MoeStats]:
     """The routed experts per device inside `jax.shard_map` over the whole active mesh (see the docstring)."""
@@ -447,7 +459,7 @@ def moe_sharded(mesh, x, router, w_gate, w_up, w_down, top_k: int, kernel: str =
     def per_device(x, router, w_gate, w_up, w_down):
         b, s, d = x.shape
         x_flat = x.reshape(b * s, d)
-        weights, experts, probs = route(x_flat, router, top_k)
+        weights, experts, probs = route(x_flat, router, routing)
         dropped = overflow = 0.0
         if ep_axis is None:
             y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel)
@@ -477,10 +489,12 @@ class MoeMLP(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, shared_expert: bool,
                  n_layers: int, precision: Precision, rngs: nnx.Rngs, kernel: str = "auto",
-                 capacity_factor: float = 0.0, exchange: str = "auto", dropless: str = "rounds"):
+                 capacity_factor: float = 0.0, exchange: str = "auto", dropless: str = "rounds",
+                 norm_topk: bool = True):
         if not 1 <= top_k <= num_experts:
             raise ShardlmError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
-        self.precision, self.top_k, self.kernel, self.capacity_factor = precision, top_k, kernel, capacity_factor
+        self.precision, self.kernel, self.capacity_factor = precision, kernel, capacity_factor
+        self.routing = Routing(top_k, norm_topk)
         param_dtype = precision.param
         self.exchange, self.dropless = exchange, dropless
         init = nnx.initializers.normal(0.02)
@@ -504,9 +518,9 @@ class MoeMLP(nnx.Module):
         xc = x.astype(self.precision.compute)
         mesh, kernel = active_mesh(), grouped_kernel(self.kernel)
         if mesh is None:
-            y, stats = moe_local(xc, router, *experts, self.top_k, kernel)
+            y, stats = moe_local(xc, router, *experts, self.routing, kernel)
         else:
-            y, stats = moe_sharded(mesh, xc, router, *experts, self.top_k, kernel, self.capacity_factor,
+            y, stats = moe_sharded(mesh, xc, router, *experts, self.routing, kernel, self.capacity_factor,
                                    exchange_kind(self.exchange), self.dropless)
         if self.shared_gate is not None:
             y = y + self._shared(xc)

@@ -40,6 +40,7 @@ import math
 import numpy as np
 
 from shardlm.families import family_of
+from shardlm.models.config import head_size
 from shardlm.perf.costmodel import Hardware
 from shardlm.perf.strategies import Strategy
 
@@ -125,7 +126,7 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
     rows = t.batch_size // t.grad_accum // (s.data * s.fsdp * s.expert)  # sequences per device and microstep
     activation = rows * m.seq_len // s.context * m.d_model * dtype
     layers = m.n_layers // s.stage
-    kv = 2 * rows * m.seq_len * (m.n_kv_heads or m.n_heads) // s.tensor * (m.d_model // m.n_heads) * dtype
+    kv = 2 * rows * m.seq_len * (m.n_kv_heads or m.n_heads) // s.tensor * head_size(m) * dtype
     seconds = (
         _send(s, hw, ("fsdp", "expert", "context"), 2 * weights)  # gathered once, reduce-scattered once
         + _send(s, hw, expert_storage, 2 * expert_weights)
@@ -203,7 +204,7 @@ def matmul_seconds(cfg, s: Strategy, hw: Hardware, padded_vocab: int, *, fused_a
     column = "f8e4m3" if fp8 else "f32" if m.dtype == "float32" else "bf16"
     rows = max(t.batch_size // (s.data * s.fsdp * s.expert), 1)
     tokens = rows * m.seq_len // s.context
-    head_dim, kv = m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
+    head_dim, kv = head_size(m), m.n_kv_heads or m.n_heads
     inputs = family_of(m).mlp_matrices - 1  # the MLP's input projections (SwiGLU's gate and up), as one product
     dense = m.n_layers - (m.n_layers // m.moe_every if m.moe_experts else 0)
     per_layer = [(m.d_model, (m.n_heads + 2 * kv) * head_dim // s.tensor), (m.n_heads * head_dim // s.tensor,

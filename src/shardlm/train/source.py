@@ -56,6 +56,7 @@ from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.kernels.registry import check_attention, uses_ring
 from shardlm.losses import cross_entropy
+from shardlm.models.config import head_size
 from shardlm.models.head import plan as head_plan
 from shardlm.models.moe import exchange_capacity, round_sizes
 from shardlm.models.params import padded_vocab_size
@@ -231,7 +232,7 @@ class OwnModel:
             return None
         m = self.cfg.model
         kv_heads = (m.n_kv_heads or m.n_heads) // mesh.shape["tensor"]
-        gathered = 2 * self._rows_per_device(mesh) * m.seq_len * kv_heads * (m.d_model // m.n_heads) \
+        gathered = 2 * self._rows_per_device(mesh) * m.seq_len * kv_heads * head_size(m) \
             * (2 if m.dtype == "bfloat16" else 4)
         held = f"sequence split over context={cp}: each device holds {m.seq_len // cp} of every {m.seq_len} tokens"
         if uses_ring(m.attention, m.context_attention):
