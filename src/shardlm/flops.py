@@ -1,14 +1,16 @@
 """FLOP counting, accelerator peaks and MFU, with the convention stated so the numbers can be checked.
 
 Convention (PaLM appendix B, as in nanoGPT's `estimate_mfu`):
-    FLOPs per token = 6 * N_matmul + 12 * n_layers * seq_len * d_model
+    FLOPs per token = 6 * N_matmul + 6 * n_layers * seq_len * heads * (qk head + v head)
 - N_matmul counts the weights that take part in matrix multiplies: the attention weights (q, k, v, o; k and v
-  narrower under grouped-query attention) and MLP weights (two matrices, three for SwiGLU) of every block (of a
+  narrower under grouped-query attention; latent attention's own, its family's `attention_params`) and MLP weights (two matrices, three for SwiGLU) of every block (of a
   mixture of experts, the active ones: the top-k experts a token is routed to, the shared expert and the router),
   and the output head (d_model x padded vocabulary, counted once even when tied to the embedding). The embedding lookups,
   biases and norms do no matmul and are left out. The factor 6 is 2 (multiply-add) x 3 (forward,
   and backward for activations and for weights).
-- 12 * L * T * d is attention's QK^T and AV, forward and backward, *not* halved for causal masking.
+  Multi-token prediction modules count as the blocks and head they run.
+- 6 * L * T * H * (qk + v) is attention's QK^T and AV, forward and backward, *not* halved for causal masking:
+  12 * L * T * d when the heads' size is d / H, as it is but for Qwen3's (`model.head_dim`) and latent attention's.
 MFU = achieved model FLOP/s per device / peak FLOP/s per device. The peak comes from a table of known
 accelerators (dense, no sparsity) for the compute dtype; on CPU there is no datasheet number, so the peak is
 *measured*: a large fp32 matmul run on every device at once, kept for the host (`shardlm.host_figures`: the same
@@ -26,7 +28,7 @@ from shardlm.accelerator import resolve_dtype
 from shardlm.families import family_of
 from shardlm.kernels.grouped import megablox_flops
 from shardlm.kernels.registry import ATTENTION_KERNELS
-from shardlm.models.config import FP8, ModelConfig, head_size
+from shardlm.models.config import FP8, ModelConfig, head_size, sparse_layer_count, value_size
 
 
 def jaxpr_matmul_flops(jaxpr, scope: str = "") -> float:
@@ -111,18 +113,23 @@ def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
     """The weights one token multiplies by (a mixture of experts' active ones: its top-k experts, the shared
     expert and the router, not every expert)."""
     d, f, L = cfg.d_model, cfg.d_mlp, cfg.n_layers
-    q_width = cfg.n_heads * head_size(cfg)  # Qwen3's heads are wider than d_model / n_heads
-    kv_width = (cfg.n_kv_heads or cfg.n_heads) * head_size(cfg)  # grouped-query k and v are narrower
-    mlp_matrices = family_of(cfg).mlp_matrices  # SwiGLU: gate, up, down; GPT: in, out
-    sparse = L // cfg.moe_every if cfg.moe_experts else 0
+    family = family_of(cfg)
+    mlp_matrices = family.mlp_matrices  # SwiGLU: gate, up, down; GPT: in, out
+    sparse = sparse_layer_count(cfg)
     experts_per_token = cfg.moe_top_k + (1 if cfg.moe_shared_expert else 0)
     moe_mlp = experts_per_token * mlp_matrices * d * (cfg.moe_d_ff or f) + d * cfg.moe_experts  # + the router
-    return (L * (2 * d * q_width + 2 * d * kv_width) + (L - sparse) * mlp_matrices * d * f + sparse * moe_mlp
+    main = (L * family.attention_params(cfg) + (L - sparse) * mlp_matrices * d * f + sparse * moe_mlp
             + d * padded_vocab)
+    # multi-token prediction: per module, the projection of [embedding; hidden], a block (sparse when the model's
+    # are) and the shared head
+    mtp = cfg.mtp_depth * (2 * d * d + family.attention_params(cfg) + (moe_mlp if cfg.moe_experts else
+                                                                       mlp_matrices * d * f) + d * padded_vocab)
+    return main + mtp
 
 
 def flops_per_token(cfg: ModelConfig, padded_vocab: int) -> int:
-    return 6 * matmul_params(cfg, padded_vocab) + 12 * cfg.n_layers * cfg.seq_len * cfg.n_heads * head_size(cfg)
+    qk_and_v = head_size(cfg) + value_size(cfg)  # q.k over the query/key head, p.v over the value head
+    return 6 * matmul_params(cfg, padded_vocab) + 6 * cfg.n_layers * cfg.seq_len * cfg.n_heads * qk_and_v
 
 
 # Dense peak FLOP/s per device, matched in order against `device.device_kind` (first match wins). float32 matmuls

@@ -33,7 +33,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardlm.errors import ShardlmError
-from shardlm.models.attention import STACKED_CACHE_AXES
 from shardlm.models.stack import LayerCache
 from shardlm.models.stack import unstacked
 from shardlm.sampling import Sampling, next_tokens
@@ -94,6 +93,7 @@ class Generator:
         if forward is None:
             model = nnx.merge(graphdef, state)
             self.context, self.n_layers = model.context, model.n_layers
+            self.cache_layout = model.cache_layout  # the cache's logical axes (a latent cache's differ)
         elif use_cache or context is None:
             raise ValueError("a model run by `forward` generates without a cache, over `context` tokens")
         else:
@@ -195,8 +195,8 @@ class Generator:
         # there the tokens come out replicated (a few bytes gathered per step).
         new_s = replicated(mesh) if jax.process_count() > 1 else row_s
         rules = generation_rules()  # context and stage devices serve as replicas (see the module docstring)
-        cache_s = NamedSharding(mesh, logical_to_spec(STACKED_CACHE_AXES, rules, mesh=mesh))
-        carry_s = LayerCache(cache_s, cache_s) if use_cache else tok_s
+        carry_s = LayerCache(*(NamedSharding(mesh, logical_to_spec(axes, rules, mesh=mesh))
+                               for axes in self.cache_layout)) if use_cache else tok_s
 
         model_of = lambda params: nnx.merge(graphdef, jax.tree.unflatten(self.params_def, params))  # noqa: E731
         forward, vocab = self.forward, self.vocab

@@ -15,7 +15,7 @@ Design choices:
 
 from shardlm.families.spec import (FAMILIES, Family, build_model, check_model_config, family_of, from_hf,
                                    hf_format, model_preset, preset_names, register)
-from shardlm.families import gpt, llama, qwen  # noqa: F401 - the built-in families register themselves
+from shardlm.families import deepseek, gpt, llama, qwen  # noqa: F401 - the built-in families register themselves
 
 __all__ = ["FAMILIES", "Family", "build_model", "check_model_config", "family_of", "from_hf", "hf_format",
            "model_preset", "preset_names", "register"]

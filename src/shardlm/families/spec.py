@@ -10,11 +10,24 @@ from typing import Callable, Mapping
 from shardlm.errors import ShardlmError, check_one_of
 from shardlm.hf.config import CONFIG_FILE, hf_dir, model_config, read_hf_config
 from shardlm.hf.format import HfFormat
-from shardlm.models.config import ModelConfig, check_model
+from shardlm.models.config import ModelConfig, check_model, head_size
 
 
 def _accepts(m: ModelConfig) -> None:
     """The check of a family with nothing to refuse beyond the shared checks."""
+
+
+def grouped_query_attention_params(m: ModelConfig) -> int:
+    """The weights of one grouped-query attention layer: q and the output [d, heads x head], k and v [d, kv heads x
+    head]."""
+    return sum(k * n for k, n in grouped_query_attention_matrices(m, 1))
+
+
+def grouped_query_attention_matrices(m: ModelConfig, tensor: int) -> list[tuple[int, int]]:
+    """One grouped-query attention layer's products per device as (in, out) under a tensor split: q, k and v as
+    one, and the output."""
+    head, kv = head_size(m), m.n_kv_heads or m.n_heads
+    return [(m.d_model, (m.n_heads + 2 * kv) * head // tensor), (m.n_heads * head // tensor, m.d_model)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +45,10 @@ class Family:
     hf: HfFormat | None = None  # its Hugging Face mapping; None: it neither imports nor exports
     # The tokenizer of a checkpoint saved without tokenizer.json, by its vocabulary size (GPT-2's 50257: gpt2)
     tokenizers: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    # The weights one layer's attention multiplies each token by, for the FLOP count and the planner's bound
+    attention_params: Callable[[ModelConfig], int] = grouped_query_attention_params
+    # ... and as the products one device runs under a tensor split, (in, out) each: the planner's bound
+    attention_matrices: Callable[[ModelConfig, int], list[tuple[int, int]]] = grouped_query_attention_matrices
 
 
 FAMILIES: dict[str, Family] = {}

@@ -33,8 +33,9 @@ class HfFormat:
     fields: Callable[[dict, Path], dict]
     # (model config, the keys every family writes) -> config.json
     config: Callable[..., dict]
-    # (model config, vocabulary, padded vocabulary, T(name, shape) -> Tensor, the checkpoint's tensor names)
-    # -> {parameter path ('blocks/0/attn/wq'): view}
+    # (model config, vocabulary, padded vocabulary, T(name, shape) -> Tensor, the checkpoint's tensor names, its
+    # config.json (how its tensors are laid out: DeepSeek's interleaved rotary rows)) -> {parameter path
+    # ('blocks/0/attn/wq'): view}
     views: Callable[..., dict[str, View]]
     # (model config, vocabulary, get(path[, expert]) -> array) -> (name, array) for every tensor, in order
     tensors: Callable[..., Iterator[tuple[str, np.ndarray]]]

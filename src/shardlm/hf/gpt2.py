@@ -57,7 +57,7 @@ def write_config(m, common: dict) -> dict:
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, **common}
 
 
-def tensor_views(m, vocab: int, padded: int, T, names: set[str]) -> dict[str, View]:
+def tensor_views(m, vocab: int, padded: int, T, names: set[str], config: dict) -> dict[str, View]:
     """GPT-2's tensors (under `transformer.` as GPT2LMHeadModel saves them, or bare as GPT2Model does)."""
     prefix = "transformer." if "transformer.wte.weight" in names else ""
     d, h, hd, f = m.d_model, m.n_heads, m.d_model // m.n_heads, m.d_mlp

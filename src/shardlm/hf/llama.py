@@ -217,7 +217,7 @@ def embedding_views(m, vocab: int, padded: int, T) -> dict[str, View]:
 MIXTRAL_EXPERTS = ("w1", "w3", "w2")  # gate, up, down
 
 
-def tensor_views(m, vocab: int, padded: int, T, names: set[str]) -> dict[str, View]:
+def tensor_views(m, vocab: int, padded: int, T, names: set[str], config: dict) -> dict[str, View]:
     """Llama's tensors, and a mixture's as Mixtral's (`block_sparse_moe.` or `mlp.`, which transformers renames
     one to the other)."""
     views = embedding_views(m, vocab, padded, T)

@@ -101,7 +101,7 @@ def _sparse(m, i: int) -> bool:
     return bool(m.moe_experts) and (i + 1) % m.moe_every == 0
 
 
-def tensor_views(m, vocab: int, padded: int, T, names: set[str]) -> dict:
+def tensor_views(m, vocab: int, padded: int, T, names: set[str], config: dict) -> dict:
     views = embedding_views(m, vocab, padded, T)
     for i in range(m.n_layers):
         p, o = f"model.layers.{i}.", f"blocks/{i}/"

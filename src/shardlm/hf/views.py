@@ -157,3 +157,41 @@ class Padded(View):
         pad = [(0, 0)] * x.ndim
         pad[self.dim] = (0, b - real)
         return np.pad(x, pad)
+
+
+@dataclasses.dataclass
+class Permuted(View):
+    """Dimension `dim` read in the order `order` (entry i is the inner tensor's entry order[i]): DeepSeek's rotary
+    features stored as interleaved pairs, read in the "rotate half" order shardlm rotates. The whole extent of
+    `dim` is read for any block of it (a rotary part is a few dozen entries)."""
+
+    inner: View
+    dim: int
+    order: tuple[int, ...]
+
+    @property
+    def shape(self):
+        return self.inner.shape
+
+    def block(self, bounds):
+        a, b = bounds[self.dim]
+        whole = self.inner.block(_replace(bounds, self.dim, (0, self.inner.shape[self.dim])))
+        return np.take(whole, np.asarray(self.order[a:b]), axis=self.dim)
+
+
+@dataclasses.dataclass
+class Initialised(View):
+    """A tensor the checkpoint does not hold (DeepSeek's multi-token prediction module, which transformers neither
+    computes nor saves), as shardlm initialises its kind: `value` everywhere (a norm's ones, a bias's zeros), or
+    normal(0, `std`) from `seed` (a matrix)."""
+
+    shape: tuple[int, ...]
+    std: float = 0.0
+    value: float = 0.0
+    seed: int = 0
+
+    def block(self, bounds):
+        if not self.std:
+            return np.full([b - a for a, b in bounds], self.value, np.float32)
+        whole = np.random.default_rng(self.seed).normal(0.0, self.std, self.shape).astype(np.float32)
+        return whole[tuple(slice(a, b) for a, b in bounds)]

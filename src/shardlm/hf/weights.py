@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from shardlm.errors import ShardlmError
+from shardlm.hf.config import read_hf_config
 from shardlm.hf.format import HfFormat
 from shardlm.hf.views import Stacked, Tensor, View
 from shardlm.models.stack import split_layer_path
@@ -86,6 +87,11 @@ class Checkpoint:
     def names(self) -> set[str]:
         return set(self.file_of)
 
+    @property
+    def config(self) -> dict:
+        """Its config.json."""
+        return read_hf_config(self.directory)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
 
@@ -105,7 +111,7 @@ def parameter_views(m, fmt: HfFormat, vocab: int, padded: int, ckpt: Checkpoint)
             tensors[name] = Tensor(name, shape, ckpt.read)
         return tensors[name]
 
-    views = fmt.views(m, vocab, padded, T, names)
+    views = fmt.views(m, vocab, padded, T, names, ckpt.config)
     _check_shapes(m, tensors, ckpt)
     tied_copy = {"lm_head.weight"} if m.tie_embeddings else set()  # a tied head saved twice: the table's copy
     extra = sorted(n for n in names - set(tensors) - tied_copy if not n.endswith(IGNORED_SUFFIXES))

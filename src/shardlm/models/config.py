@@ -20,6 +20,7 @@ from shardlm.kernels.grouped import KERNELS as GROUPED_KERNELS
 from shardlm.kernels.registry import attention_choices
 from shardlm.models.remat import check_policy
 from shardlm.models.rope import SCALINGS as ROPE_SCALINGS
+from shardlm.models.routing import ROUTER_SCORES
 
 
 @dataclasses.dataclass
@@ -107,6 +108,30 @@ class ModelConfig:
     # With top_k > 1: the k routing weights renormalised to sum to one (Mixtral's; Qwen3-MoE's norm_topk_prob), or
     # the raw softmax probabilities (false)
     moe_norm_topk: bool = True
+    # The router (`shardlm.models.moe.Routing`): softmax, or sigmoid (DeepSeek-V3's: each expert scored on its own,
+    # with a per-expert bias that moves the choice toward balance, by moe_bias_rate per step, without an
+    # auxiliary loss); node-limited routing over moe_groups groups of experts, each token choosing among its
+    # moe_group_top_k best; the chosen weights times moe_routed_scale. The first moe_first_dense layers are dense.
+    moe_router: str = "softmax"
+    moe_groups: int = 1
+    moe_group_top_k: int = 1
+    moe_routed_scale: float = 1.0
+    moe_bias_rate: float = 0.0
+    moe_first_dense: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3; mla_kv_rank > 0): keys and values from a latent of mla_kv_rank
+    # per token (what generation caches, with the mla_rope_dim rotary key shared by the heads), queries through a
+    # latent of mla_q_rank (0: a plain projection); each head's query and key are mla_nope_dim plain features and
+    # mla_rope_dim rotated ones, its value mla_v_dim. DeepSeek family.
+    mla_kv_rank: int = 0
+    mla_q_rank: int = 0
+    mla_rope_dim: int = 64
+    mla_nope_dim: int = 128
+    mla_v_dim: int = 128
+    # Multi-token prediction (DeepSeek-V3): mtp_depth extra modules, module k predicting the token k + 1 ahead of
+    # the next from the previous module's hidden state and that token's embedding; their mean loss joins the
+    # objective times mtp_loss_weight. Training only: generation runs the main model. DeepSeek family.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     # 0 = dropless. > 0: under expert parallelism each device sends each expert device at most
     # ceil(moe_capacity_factor x T x k / mesh.expert) of its T tokens' k assignments (its balanced share, times
     # the factor), which bounds the exchange buffer (dropless: T x min(k, experts per device) rows per pair);
@@ -145,9 +170,26 @@ class ModelConfig:
     call: str = ""
 
 
+def is_sparse_layer(m: ModelConfig, layer: int) -> bool:
+    """Whether `layer`'s MLP is a mixture of experts: past the first `moe_first_dense`, every `moe_every`-th."""
+    return m.moe_experts > 0 and layer >= m.moe_first_dense and (layer + 1) % m.moe_every == 0
+
+
+def sparse_layer_count(m: ModelConfig) -> int:
+    return sum(is_sparse_layer(m, i) for i in range(m.n_layers))
+
+
 def head_size(m: ModelConfig) -> int:
-    """The attention heads' size: model.head_dim, or d_model / n_heads."""
+    """The attention heads' size as the kernels see it: model.head_dim, or d_model / n_heads; latent attention's
+    queries and keys, its plain and rotary parts (values are narrower and padded to it: `shardlm.models.mla`)."""
+    if m.mla_kv_rank:
+        return m.mla_nope_dim + m.mla_rope_dim
     return m.head_dim or m.d_model // m.n_heads
+
+
+def value_size(m: ModelConfig) -> int:
+    """The values' head size: latent attention's `mla_v_dim`, else the heads' size."""
+    return m.mla_v_dim if m.mla_kv_rank else head_size(m)
 
 
 AUTO_REMAT = "auto"  # model.remat=auto: the planner's choice
@@ -198,11 +240,31 @@ def _check_moe(m: ModelConfig) -> None:
     if m.n_layers % m.moe_every:
         raise ShardlmError(f"model.moe_every={m.moe_every} does not divide model.n_layers={m.n_layers}: every "
                            f"{m.moe_every}-th layer is sparse; choose a divisor of {m.n_layers}")
-    if m.moe_every > 1 and m.scan_layers:
-        raise ShardlmError(f"model.moe_every={m.moe_every} mixes dense and sparse layers, which a scan over one "
-                           "stacked block cannot run: set model.scan_layers=false (or model.moe_every=1)")
+    if (m.moe_every > 1 or m.moe_first_dense) and m.scan_layers:
+        what = f"model.moe_every={m.moe_every}" if m.moe_every > 1 else f"model.moe_first_dense={m.moe_first_dense}"
+        raise ShardlmError(f"{what} mixes dense and sparse layers, which a scan over one stacked block cannot run: "
+                           "set model.scan_layers=false")
+    if not 0 <= m.moe_first_dense < m.n_layers:
+        raise ShardlmError(f"model.moe_first_dense={m.moe_first_dense} must leave a sparse layer: 0 <= it < "
+                           f"model.n_layers={m.n_layers}")
+    _check_routing(m)
     if m.moe_d_ff < 0 or m.moe_aux_loss_weight < 0:
         raise ShardlmError("model.moe_d_ff and model.moe_aux_loss_weight must be >= 0")
+
+
+def _check_routing(m: ModelConfig) -> None:
+    check_one_of("model.moe_router", m.moe_router, ROUTER_SCORES)
+    if m.moe_groups < 1 or m.moe_experts % m.moe_groups or not 1 <= m.moe_group_top_k <= m.moe_groups:
+        raise ShardlmError(f"model.moe_groups={m.moe_groups} must divide model.moe_experts={m.moe_experts}, and "
+                           f"1 <= model.moe_group_top_k={m.moe_group_top_k} <= the groups")
+    if m.moe_top_k > m.moe_group_top_k * (m.moe_experts // m.moe_groups):
+        raise ShardlmError(f"model.moe_top_k={m.moe_top_k} experts cannot be chosen from model.moe_group_top_k="
+                           f"{m.moe_group_top_k} groups of {m.moe_experts // m.moe_groups}; raise the groups kept")
+    if m.moe_bias_rate < 0 or m.moe_routed_scale <= 0:
+        raise ShardlmError("model.moe_bias_rate must be >= 0 and model.moe_routed_scale > 0")
+    if m.moe_bias_rate and m.moe_router != "sigmoid":
+        raise ShardlmError(f"model.moe_bias_rate={m.moe_bias_rate} moves the sigmoid router's per-expert bias "
+                           "(DeepSeek-V3's balancing); set model.moe_router=sigmoid, or model.moe_bias_rate=0")
 
 
 def _check_rope_scaling(m: ModelConfig) -> None:

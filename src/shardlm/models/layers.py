@@ -22,13 +22,16 @@ from flax import nnx
 from shardlm.kernels.gradients import with_gradient
 from shardlm.kernels.ring import from_zigzag, to_zigzag
 from shardlm.models import remat
-from shardlm.models.attention import Context, attention_context
+from shardlm.models.attention import STACKED_CACHE_AXES, Context, attention_context
 from shardlm.models.config import head_size
 from shardlm.models.head import head_loss
 from shardlm.models.params import use
 from shardlm.models.precision import compute_view
 from shardlm.models.stack import RESIDUAL, LayerCache, build_blocks, layer_rngs, run_blocks, stacked_repeats
 from shardlm.sharding import constrain, constrain_with_gradient, sharded_lookup
+
+
+LAYER_LOADS = "layer_expert_tokens"  # a block's statistic: [layers, experts] assignments per layer and expert
 
 
 def _projections_input(y: jax.Array) -> jax.Array:
@@ -56,6 +59,7 @@ class PreNormBlock(nnx.Module):
     returns its statistics with its output: `shardlm.models.moe`)."""
 
     sparse = False
+    layer_loads = 0  # > 0: a sparse block also reports its loads as row `ctx.layer` of [layer_loads, experts]
 
     def __call__(self, x, rngs: nnx.Rngs | None, cache: LayerCache | None, ctx: Context):
         """-> (x, cache, stats): `stats` {"aux_loss", "expert_tokens", "moe_dropped", "moe_overflow"} for a sparse
@@ -69,6 +73,9 @@ class PreNormBlock(nnx.Module):
             h, moe = h
             stats = {"aux_loss": moe.aux_loss, "expert_tokens": moe.expert_tokens, "moe_dropped": moe.dropped,
                      "moe_overflow": moe.overflow}
+            if self.layer_loads:  # summed over the layers, each layer's own row (`shardlm.train.balance`)
+                row = jax.nn.one_hot(ctx.layer, self.layer_loads, dtype=jnp.float32)
+                stats[LAYER_LOADS] = row[:, None] * moe.expert_tokens[None]
         h = remat.named(_residual_branch(h), remat.MLP_OUT)
         x = x + self._dropout(h, rngs, ctx)
         return constrain(x, *RESIDUAL), cache, stats
@@ -123,6 +130,9 @@ class CausalLM(nnx.Module):
         logits, _, stats = self._forward(tokens, rngs)
         return logits, self.mean_aux(stats)
 
+    # The KV cache's logical axes, keys' and values' (`shardlm.generate` places the cache by them)
+    cache_layout = LayerCache(STACKED_CACHE_AXES, STACKED_CACHE_AXES)
+
     def init_cache(self, batch: int) -> LayerCache:
         """An empty KV cache for `batch` rows and the whole context, stacked over the layers, in the compute dtype
         (shard it with `STACKED_CACHE_AXES`)."""
@@ -143,8 +153,11 @@ class CausalLM(nnx.Module):
         """The structure the blocks' statistics take, zero: a mixture of experts' (see `with_stats`), or {}."""
         if not getattr(self, "moe_experts", 0):
             return {}
-        return {"aux_loss": jnp.zeros((), jnp.float32), "expert_tokens": jnp.zeros((self.moe_experts,), jnp.float32),
-                "moe_dropped": jnp.zeros((), jnp.float32), "moe_overflow": jnp.zeros((), jnp.float32)}
+        zeros = {"aux_loss": jnp.zeros((), jnp.float32), "expert_tokens": jnp.zeros((self.moe_experts,), jnp.float32),
+                 "moe_dropped": jnp.zeros((), jnp.float32), "moe_overflow": jnp.zeros((), jnp.float32)}
+        if getattr(self, "balanced_layers", 0):
+            zeros[LAYER_LOADS] = jnp.zeros((self.balanced_layers, self.moe_experts), jnp.float32)
+        return zeros
 
     def compute_view(self):
         """The model on its weights' compute copies (`shardlm.models.precision.compute_view`): what a pass runs on."""
@@ -185,7 +198,7 @@ class CausalLM(nnx.Module):
 
     def sparse_layers(self) -> int:
         """How many layers are mixtures of experts."""
-        return self.n_layers // self.moe_every if getattr(self, "moe_experts", 0) else 0
+        return getattr(self, "sparse_count", 0)
 
     def _token_rows(self, tokens):
         """The token table's rows for `tokens` in the compute dtype, looked up where the table lies

@@ -28,14 +28,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlm.models import remat
-from shardlm.models.config import ModelConfig, head_size
+from shardlm.models.config import ModelConfig, head_size, is_sparse_layer, sparse_layer_count
 from shardlm.models.attention import Attention
 from shardlm.models.norms import RMSNorm
 from shardlm.models.rope import Rope
 from shardlm.models.layers import CausalLM, PreNormBlock
 from shardlm.models.params import param, use
 from shardlm.models.precision import Precision
-from shardlm.models.moe import MoeMLP
+from shardlm.models.moe import MoeMLP, Routing
 from shardlm.sharding import constrain
 
 
@@ -73,7 +73,7 @@ class Block(PreNormBlock):
             self.mlp = MoeMLP(cfg.d_model, cfg.moe_d_ff or cfg.d_mlp, cfg.moe_experts, cfg.moe_top_k,
                               shared_expert=cfg.moe_shared_expert, n_layers=cfg.n_layers, precision=precision,
                               rngs=rngs, kernel=cfg.moe_kernel, capacity_factor=cfg.moe_capacity_factor,
-                              exchange=cfg.moe_exchange, dropless=cfg.moe_dropless, norm_topk=cfg.moe_norm_topk)
+                              exchange=cfg.moe_exchange, dropless=cfg.moe_dropless, routing=Routing.of(cfg))
         else:
             self.mlp = SwiGLU(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
@@ -82,23 +82,30 @@ class Block(PreNormBlock):
 def is_sparse(cfg: ModelConfig, layer: int | None) -> bool:
     """Whether `layer` has a mixture of experts for its MLP: every `moe_every`-th layer of a model with experts
     (None: the layer of a scanned stack, where every layer is the same; `moe_every` is then 1)."""
-    return cfg.moe_experts > 0 and (layer is None or (layer + 1) % cfg.moe_every == 0)
+    return cfg.moe_experts > 0 and (layer is None or is_sparse_layer(cfg, layer))
 
 
 class Llama(CausalLM):
-    """`vocab_size` is the tokenizer's; the embedding tables are `padded_vocab` rows."""
+    """`vocab_size` is the tokenizer's; the embedding tables are `padded_vocab` rows. A family built on it (DeepSeek)
+    changes its block (`block_class`) and the width its rotary tables turn (`rope_width`)."""
+
+    block_class = Block
+
+    @staticmethod
+    def rope_width(cfg: ModelConfig) -> int:
+        return head_size(cfg)
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
         self.vocab_size, self.padded_vocab, self.context = vocab_size, padded_vocab, cfg.seq_len
         self.precision, self.attention = Precision.of(cfg), cfg.attention
         self.remat, self.remat_offload = cfg.remat, cfg.remat_offload
-        self.rope = Rope.of(cfg, head_size(cfg))
+        self.rope = Rope.of(cfg, self.rope_width(cfg))
         pd = self.precision.param
         init = nnx.initializers.normal(0.02)
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd, cast_where_read=True)
         self.dropout = nnx.Dropout(cfg.dropout)
-        self.moe_experts, self.moe_every = cfg.moe_experts, cfg.moe_every
-        self._stack_blocks(cfg, lambda r, i=None: Block(cfg, r, sparse=is_sparse(cfg, i)), rngs)
+        self.moe_experts, self.sparse_count = cfg.moe_experts, sparse_layer_count(cfg)
+        self._stack_blocks(cfg, lambda r, i=None: self.block_class(cfg, r, sparse=is_sparse(cfg, i)), rngs)
         self.ln_f = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.lm_head = None if cfg.tie_embeddings else param(rngs, init, (cfg.d_model, padded_vocab),
                                                              ("embed", "vocab"), pd, cast_where_read=True)

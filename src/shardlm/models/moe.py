@@ -67,7 +67,6 @@ Design choices:
   output; it stays outside the shard_map, sharded by the ordinary rules like the dense Llama MLP.
 """
 
-import dataclasses
 import math
 from functools import partial
 from typing import NamedTuple
@@ -85,6 +84,7 @@ from shardlm.kernels.rows import Routes, from_slots, permute, to_slots
 from shardlm.models import remat
 from shardlm.models.params import param, use
 from shardlm.models.precision import Precision
+from shardlm.models.routing import Routing, route
 from shardlm.sharding import active_mesh, active_spec, constrain
 from shardlm.sharding.rules import as_axes
 
@@ -99,27 +99,6 @@ class MoeStats(NamedTuple):
 
 
 # --- routing and the load-balancing loss -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """How tokens pick their experts: `top_k` of them, by softmax probability; with `norm_topk` (Mixtral's, and
-    Qwen3-MoE's `norm_topk_prob`) the k weights renormalised to sum to one when k > 1, else the raw probabilities
-    (Qwen3-MoE's default)."""
-
-    top_k: int
-    norm_topk: bool = True
-
-
-def route(x_flat: jax.Array, router: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x_flat [N, D] -> (weights [N, k] float32, summing to 1 per token for k > 1 when renormalised, else the raw
-    probabilities; experts [N, k] int32; probs [N, E])."""
-    logits = x_flat.astype(jnp.float32) @ router.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, routing.top_k)
-    if routing.top_k > 1 and routing.norm_topk:
-        weights = weights / weights.sum(-1, keepdims=True)
-    return weights, experts.astype(jnp.int32), probs
 
 
 def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
@@ -407,10 +386,10 @@ def global_stats(probs, experts, num_experts: int, n_tokens: int, token_axes: tu
 
 def moe_local(x, router, w_gate, w_up, w_down, routing: Routing, kernel: str = "xla"
               ) -> tuple[jax.Array, MoeStats]:
-    """The routed experts on one device: x [B, S, D] -> ([B, S, D], stats)."""
+    """The routed experts on one device: x [B, S, D] -> ([B, S, D], stats). `router` is (weights, bias or None)."""
     b, s, d = x.shape
     x_flat = x.reshape(b * s, d)
-    weights, experts, probs = route(x_flat, router, routing)
+    weights, experts, probs = route(x_flat, router[0], routing, router[1])
     y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel)
     return y.reshape(b, s, d), global_stats(probs, experts, w_gate.shape[0], b * s, ())
 
@@ -459,7 +438,7 @@ def moe_sharded(mesh, x, router, w_gate, w_up, w_down, routing: Routing, kernel:
     def per_device(x, router, w_gate, w_up, w_down):
         b, s, d = x.shape
         x_flat = x.reshape(b * s, d)
-        weights, experts, probs = route(x_flat, router, routing)
+        weights, experts, probs = route(x_flat, router[0], routing, router[1])
         dropped = overflow = 0.0
         if ep_axis is None:
             y = dropless_local(x_flat, weights, experts, w_gate, w_up, w_down, kernel)
@@ -490,16 +469,23 @@ class MoeMLP(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *, shared_expert: bool,
                  n_layers: int, precision: Precision, rngs: nnx.Rngs, kernel: str = "auto",
                  capacity_factor: float = 0.0, exchange: str = "auto", dropless: str = "rounds",
-                 norm_topk: bool = True):
-        if not 1 <= top_k <= num_experts:
-            raise ShardlmError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+                 routing: Routing | None = None):
+        """`routing` (default: top_k by softmax, renormalised) overrides `top_k`. Under sigmoid routing the layer
+        holds DeepSeek's per-expert bias (`router_bias`, float32, zero at the start): it moves which experts are
+        chosen, takes no gradient, and is moved toward balance between steps by the trainer
+        (`balance_experts`)."""
+        routing = routing or Routing(top_k)
+        if not 1 <= routing.top_k <= num_experts:
+            raise ShardlmError(f"top_k={routing.top_k} must be between 1 and the number of experts ({num_experts})")
         self.precision, self.kernel, self.capacity_factor = precision, kernel, capacity_factor
-        self.routing = Routing(top_k, norm_topk)
+        self.routing = routing
         param_dtype = precision.param
         self.exchange, self.dropless = exchange, dropless
         init = nnx.initializers.normal(0.02)
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * n_layers))  # GPT-2's residual scaling, as SwiGLU
         self.router = param(rngs, init, (d_model, num_experts), ("embed", None), jnp.float32, read_in_float32=True)
+        self.router_bias = (param(rngs, nnx.initializers.zeros_init(), (num_experts,), (None,), jnp.float32,
+                                  read_in_float32=True) if routing.score == "sigmoid" else None)
         e, d, f = num_experts, d_model, d_ff
         self.w_gate = param(rngs, init, (e, d, f), ("experts", "embed", "mlp"), param_dtype)
         self.w_up = param(rngs, init, (e, d, f), ("experts", "embed", "mlp"), param_dtype)
@@ -513,7 +499,8 @@ class MoeMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoeStats]:
         """x [batch, seq, d_model] -> (y [batch, seq, d_model] in x.dtype, stats of the global batch)."""
-        router = self.router[...].astype(jnp.float32)
+        router = (self.router[...].astype(jnp.float32),
+                  None if self.router_bias is None else self.router_bias[...].astype(jnp.float32))
         experts = tuple(use(w, self.precision.compute) for w in (self.w_gate, self.w_up, self.w_down))
         xc = x.astype(self.precision.compute)
         mesh, kernel = active_mesh(), grouped_kernel(self.kernel)

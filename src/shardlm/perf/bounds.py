@@ -40,7 +40,7 @@ import math
 import numpy as np
 
 from shardlm.families import family_of
-from shardlm.models.config import head_size
+from shardlm.models.config import head_size, sparse_layer_count, value_size
 from shardlm.perf.costmodel import Hardware
 from shardlm.perf.strategies import Strategy
 
@@ -101,8 +101,9 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
     from shardlm.schedules.gpipe import microbatch_count  # imports JAX: planning_flags runs before JAX starts
 
     m, t = cfg.model, cfg.train
-    if not m.preset.startswith("py:"):  # causal attention: fused kernels skip the masked half of 12LTd per token
-        model_flops -= 6 * m.n_layers * m.seq_len * m.d_model * t.batch_size * m.seq_len
+    if not m.preset.startswith("py:"):  # causal attention: fused kernels skip the masked half of its FLOPs
+        model_flops -= 3 * m.n_layers * m.seq_len * m.n_heads * (head_size(m) + value_size(m)) \
+            * t.batch_size * m.seq_len
     per_device = model_flops / s.devices
     compute = per_device / hw.peak_flops
     if padded_vocab and not m.preset.startswith("py:"):
@@ -115,7 +116,7 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
     if m.preset.startswith("py:"):
         return Bound(compute, 0.0, platform != "cpu")
     dtype = 2 if m.dtype == "bfloat16" else 4
-    experts = (m.n_layers // m.moe_every) * m.moe_experts * 3 * m.d_model * (m.moe_d_ff or m.d_mlp) \
+    experts = sparse_layer_count(m) * m.moe_experts * 3 * m.d_model * (m.moe_d_ff or m.d_mlp) \
         if m.moe_experts else 0  # split over `expert`, stored over fsdp (x context)
     weights = (param_count - experts) * dtype / (s.tensor * s.stage)  # one device's share, gathered
     expert_weights = experts * dtype / (s.tensor * s.stage * s.expert)
@@ -138,7 +139,7 @@ def lower_bound(cfg, s: Strategy, hw: Hardware, model_flops: float, param_count:
     if s.stage > 1:
         seconds += _hand_offs(s, hw, 2 * iterations * activation / micro * t.grad_accum)
     if m.moe_experts and s.expert > 1:  # each sparse layer's tokens to their experts and back, forward and backward
-        sparse = m.n_layers // m.moe_every // s.stage
+        sparse = sparse_layer_count(m) // s.stage
         seconds += _send(s, hw, ("expert",), 4 * sparse * activation * m.moe_top_k * t.grad_accum)
     return Bound(compute, seconds, platform != "cpu")
 
@@ -204,11 +205,10 @@ def matmul_seconds(cfg, s: Strategy, hw: Hardware, padded_vocab: int, *, fused_a
     column = "f8e4m3" if fp8 else "f32" if m.dtype == "float32" else "bf16"
     rows = max(t.batch_size // (s.data * s.fsdp * s.expert), 1)
     tokens = rows * m.seq_len // s.context
-    head_dim, kv = head_size(m), m.n_kv_heads or m.n_heads
+    head_dim = head_size(m)
     inputs = family_of(m).mlp_matrices - 1  # the MLP's input projections (SwiGLU's gate and up), as one product
-    dense = m.n_layers - (m.n_layers // m.moe_every if m.moe_experts else 0)
-    per_layer = [(m.d_model, (m.n_heads + 2 * kv) * head_dim // s.tensor), (m.n_heads * head_dim // s.tensor,
-                                                                           m.d_model)]
+    dense = m.n_layers - sparse_layer_count(m)
+    per_layer = family_of(m).attention_matrices(m, s.tensor)
     mlp = [(m.d_model, inputs * m.d_mlp // s.tensor), (m.d_mlp // s.tensor, m.d_model)]
     layers = m.n_layers // s.stage
     weights = ([(k, n, layers) for k, n in per_layer] + [(k, n, dense // s.stage) for k, n in mlp]

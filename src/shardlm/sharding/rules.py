@@ -84,6 +84,11 @@ LOGICAL_AXIS_RULES: Rules = (
     ("kv_heads", "tensor"),  # grouped-query attention's key/value heads: the tensor degree must divide them too
     ("mlp", ("tensor", "fsdp")),  # an MLP bias: split over both
     ("mlp", "tensor"),  # an MLP weight, whose embed dimension already took fsdp
+    # multi-head latent attention's latents (the compressed queries, keys and values every head reads): never
+    # split over tensor (each tensor device expands the whole latent for its heads), split over fsdp where the
+    # weight has no embed dimension (the up-projections [latent, heads, head_dim])
+    ("latent", "fsdp"),
+    ("latent", None),
     ("head_dim", "fsdp"),  # an attention bias [heads, head_dim]: FSDP has no embed dimension to use
     ("head_dim", None),
     ("pos", None),

@@ -441,8 +441,8 @@ class Training:
         row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
                "tflops_per_device": flops_per_dev / 1e12, "mfu": flops_per_dev / self.peak}
-        # a mixture of experts' (`step.model_metrics`)
-        for key in ("aux_loss", "expert_load_max", "expert_load_min", "moe_dropped", "moe_overflow"):
+        # a mixture of experts', multi-token prediction's (`step.model_metrics`)
+        for key in ("aux_loss", "expert_load_max", "expert_load_min", "moe_dropped", "moe_overflow", "mtp_loss"):
             if key in metrics:
                 row[key] = float(metrics[key])
         if not np.isfinite(row["loss"]):
@@ -459,6 +459,7 @@ class Training:
                     f"{row['expert_load_max']:.2f}x" if "aux_loss" in row else "")
                  + (f", {row['moe_dropped']:.1%} dropped" if row.get("moe_dropped") else "")
                  + (f", {row['moe_overflow']:.1%} in later rounds" if row.get("moe_overflow") else "")
+                 + (f" | MTP loss {row['mtp_loss']:.4f}" if "mtp_loss" in row else "")
                  + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb{per_source(row)}"
                     if "eval_loss" in row else ""))
         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{row['mfu']:.1%}")

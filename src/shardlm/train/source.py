@@ -56,7 +56,7 @@ from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.kernels.registry import check_attention, uses_ring
 from shardlm.losses import cross_entropy
-from shardlm.models.config import head_size
+from shardlm.models.config import head_size, sparse_layer_count
 from shardlm.models.head import plan as head_plan
 from shardlm.models.moe import exchange_capacity, round_sizes
 from shardlm.models.params import padded_vocab_size
@@ -107,7 +107,7 @@ class OwnModel:
 
     can_cache = True
     stacks_blocks = True  # checkpoints store the blocks stacked, however they are held (`train.stored`)
-    flops_convention = "6*N_matmul + 12*L*T*d FLOPs per token (attention not halved for causality)"
+    flops_convention = "6*N_matmul + 6*L*T*H*(qk+v) FLOPs per token (attention not halved for causality)"
     placeholder_vocab = 257  # the vocabulary is padded for the tensor degree: any size gives the same verdict
 
     def __init__(self, cfg: Config):
@@ -154,8 +154,17 @@ class OwnModel:
         return batch_sharding(mesh)
 
     @property
-    def aux_loss_weight(self) -> float:
-        return self.cfg.model.moe_aux_loss_weight if self.cfg.model.moe_experts else 0.0
+    def loss_weights(self) -> dict:
+        """The statistics that join the training objective, and their weights: a mixture's load-balancing loss,
+        multi-token prediction's loss."""
+        m = self.cfg.model
+        return {"aux_loss": m.moe_aux_loss_weight if m.moe_experts else 0.0,
+                "mtp_loss": m.mtp_loss_weight if m.mtp_depth else 0.0}
+
+    @property
+    def bias_rate(self) -> float:
+        """How far the routers' balancing biases move per step (`shardlm.train.balance`; 0: not at all)."""
+        return self.cfg.model.moe_bias_rate if self.cfg.model.moe_experts else 0.0
 
     def forward(self, model, tokens, mesh, *, train: bool, key=None):
         """(logits, the blocks' statistics: `CausalLM.with_stats`)."""
@@ -249,7 +258,7 @@ class OwnModel:
         ep = mesh.shape.get("expert", 1)
         if not m.moe_experts:
             return None
-        sparse = m.n_layers // m.moe_every
+        sparse = sparse_layer_count(m)
         what = (f"mixture of experts: {m.moe_experts} experts, top {m.moe_top_k}, in {sparse} of {m.n_layers} layers"
                 f" (the load-balancing loss weighs {m.moe_aux_loss_weight:g} in the objective)")
         if ep == 1:
@@ -383,7 +392,8 @@ class PlannedModel:
         return NamedSharding(mesh, P(*rows, None))
 
     # --- running -----------------------------------------------------------------------------------------------
-    aux_loss_weight = 0.0
+    loss_weights: dict = {}
+    bias_rate = 0.0
 
     def forward(self, model, tokens, mesh, *, train: bool, key=None):
         """(logits, {}): a model from a file reports no statistics."""

@@ -18,19 +18,23 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlm.accelerator import SEQUENCE_PARALLEL_GPU_OPTIONS, current
+from shardlm.models.layers import LAYER_LOADS
 from shardlm.models.precision import add_gradients, gradient_zeros
 from shardlm.sharding import replicated, use_mesh_rules
+from shardlm.train.balance import balance_experts
 from shardlm.train.source import model_source
 
 
 def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss_of, grad_accum: int = 1,
-                    aux_loss_weight: float = 0.0, name: str = "step", compiler_options: dict | None = None,
-                    cast_once=None):
+                    loss_weights: dict | None = None, name: str = "step", compiler_options: dict | None = None,
+                    cast_once=None, bias_rate: float = 0.0):
     """The jitted train step. `loss_of(model, batch, mesh, key=...) -> (loss, stats)` is the model's training loss
     as its source computes it (`train.source`): the forward pass with its dropout and activation constraints, the
     next-token cross entropy (shardlm's models fuse it with the head), and a mixture of experts' statistics
-    (`model_metrics`), whose load-balancing loss joins the objective times `aux_loss_weight`. The logged `loss` is
-    the cross entropy alone. `name` (an identifier) names the jitted function, and so the program and the op_name
+    (`model_metrics`). The statistics named in `loss_weights` join the objective times their weights (a
+    mixture's load-balancing loss `aux_loss`, multi-token prediction's `mtp_loss`). The logged `loss` is the
+    cross entropy alone. With `bias_rate`, the routers' balancing biases move after the update from the step's
+    per-layer loads (`shardlm.train.balance`). `name` (an identifier) names the jitted function, and so the program and the op_name
     of every instruction XLA compiles of it ("jit(step)/..."): a plan names each strategy's step, so that what XLA
     logs about an instruction says which step it is in (`shardlm.perf.xla_log`). `compiler_options`: XLA options
     this step compiles with, over the process's (`step_compiler_options`). `cast_once(model, params)`: the
@@ -45,8 +49,9 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
         # another trace level.
         loss, stats = loss_of(model, tokens, mesh, key=key)
         with jax.named_scope("loss"):
-            objective = loss + aux_loss_weight * stats["aux_loss"] if "aux_loss" in stats else loss
-        return objective, {"loss": loss, **model_metrics(stats)}
+            objective = loss + sum(w * stats[k] for k, w in (loss_weights or {}).items() if k in stats)
+        loads = {LAYER_LOADS: stats[LAYER_LOADS]} if bias_rate and LAYER_LOADS in stats else {}
+        return objective, {"loss": loss, **model_metrics(stats), **loads}
 
     def step(state, batch):
         objects = nnx.merge(graphdef, state)
@@ -67,6 +72,9 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
         with jax.named_scope("optimizer"):
             metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(step_index)}
             optimizer.update(model, grads)
+        if LAYER_LOADS in metrics:
+            with jax.named_scope("balance"):
+                balance_experts(model, metrics.pop(LAYER_LOADS), bias_rate)
         return nnx.state(objects), metrics
 
     step.__name__ = step.__qualname__ = name
@@ -93,14 +101,15 @@ def model_metrics(stats: dict) -> dict:
     when balanced; summed over the sparse layers), the share of its assignments dropped past the exchange's
     capacity (`model.moe_capacity_factor`; 0 when dropless), and the share a dropless exchange sent in rounds
     after its first (`model.moe_dropless=rounds`); nothing for a dense model."""
+    extra = {"mtp_loss": stats["mtp_loss"]} if "mtp_loss" in stats else {}
     if "expert_tokens" not in stats:
-        return {}
+        return extra
     tokens = stats["expert_tokens"]
     mean = jnp.maximum(tokens.mean(), 1.0)
     return {"aux_loss": stats["aux_loss"], "expert_load_max": tokens.max() / mean,
             "expert_load_min": tokens.min() / mean,
             "moe_dropped": stats.get("moe_dropped", 0.0) / jnp.maximum(tokens.sum(), 1.0),
-            "moe_overflow": stats.get("moe_overflow", 0.0) / jnp.maximum(tokens.sum(), 1.0)}
+            "moe_overflow": stats.get("moe_overflow", 0.0) / jnp.maximum(tokens.sum(), 1.0), **extra}
 
 
 def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch_sharding, cast_once=None):
@@ -182,8 +191,8 @@ def train_step_for(cfg, train_state, mesh, name: str = "step"):
 
     source = model_source(cfg)
     return make_train_step(train_state, mesh, source.batch_sharding(mesh), make_schedule(cfg), cfg.seed,
-                           source.loss, cfg.train.grad_accum, source.aux_loss_weight, name,
-                           step_compiler_options(cfg), source.cast_once)
+                           source.loss, cfg.train.grad_accum, source.loss_weights, name,
+                           step_compiler_options(cfg), source.cast_once, source.bias_rate)
 
 
 def eval_step_for(cfg, train_state, mesh, token_bytes):
