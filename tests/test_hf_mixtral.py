@@ -78,8 +78,9 @@ def mixtral_dirs(tmp_path_factory):
     return {"per-expert": root / "per-expert", "fused": root / "fused", "model": model}
 
 
-@pytest.mark.parametrize("layout", ["per-expert", "fused"])
-@pytest.mark.parametrize("mesh", ["one device", "ep4 x fsdp2"])
+# each layout once on each path (the layer on one device, and under the expert exchange); Qwen3-MoE's and
+# DeepSeek-V3's per-expert tensors are read under expert splits in test_hf_families
+@pytest.mark.parametrize("layout, mesh", [("per-expert", "ep4 x fsdp2"), ("fused", "one device")])
 def test_an_imported_mixtral_computes_transformers_logits_and_tokens(mixtral_dirs, layout, mesh, monkeypatch):
     reads = []
     real_read = Checkpoint.read

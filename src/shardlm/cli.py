@@ -402,9 +402,10 @@ def _generate(args: argparse.Namespace) -> None:
             print(f"=== sample {i + 1} of {len(done)} (prompt {rows[i] + 1}) ===\n{prompts[rows[i]].shown(m.tokenizer)}"
                   f"{text}")
     total = sum(len(c.ids) for c in done)
-    print(f"{total} tokens in {seconds:.2f} s ({total / max(seconds, 1e-9):.1f} tokens/s, "
-          f"{'KV cache' if gen.use_cache else 'no cache'}, mesh {describe_mesh(m.mesh)}; "
-          f"compiling took {gen.compile_s:.1f} s)", file=sys.stderr)
+    cache = (f"KV cache of {gen.cache_bytes_per_token:,} B per token ({gen.cache_kind} per layer)"
+             if gen.use_cache and gen.cache_bytes_per_token else "no cache")
+    print(f"{total} tokens in {seconds:.2f} s ({total / max(seconds, 1e-9):.1f} tokens/s, {cache}, mesh "
+          f"{describe_mesh(m.mesh)}; compiling took {gen.compile_s:.1f} s)", file=sys.stderr)
 
 
 def _plan(args: argparse.Namespace) -> None:

@@ -94,6 +94,7 @@ class Generator:
             model = nnx.merge(graphdef, state)
             self.context, self.n_layers = model.context, model.n_layers
             self.cache_layout = model.cache_layout  # the cache's logical axes (a latent cache's differ)
+            self.cache_kind = model.cache_kind()  # what it holds per token and layer, said in the model's terms
         elif use_cache or context is None:
             raise ValueError("a model run by `forward` generates without a cache, over `context` tokens")
         else:
@@ -103,6 +104,7 @@ class Generator:
         self.rows_multiple = axis_degree(mesh, self.row_sharding.spec[0])
         self.max_batch = max(self.rows_multiple, max_batch // self.rows_multiple * self.rows_multiple)
         self.compile_s = 0.0  # total time spent compiling, for reports
+        self.cache_bytes_per_token = 0  # measured once a batch has run with the cache
         self._compiled: dict = {}
 
     def generate(self, prompts: list[list[int]], max_new: int, sampling: Sampling, *, seed: int = 0,
@@ -139,6 +141,8 @@ class Generator:
 
         t0 = time.perf_counter()
         tok, pos, carry = prefill(self.params, *args)
+        if self.use_cache:  # what the cache holds per token, read off the arrays themselves
+            self.cache_bytes_per_token = sum(a.nbytes for a in jax.tree.leaves(carry)) // (rows * self.context)
         rows_arg, seed_arg = args[2], args[3]
         generated: list[list[int]] = [[] for _ in range(n)]
         stops: list[str | None] = [None] * n

@@ -98,6 +98,9 @@ class DeepSeek(Llama):
         self.balanced_layers = cfg.n_layers if cfg.moe_experts and cfg.moe_bias_rate else 0
         self.mtp = nnx.List([Mtp(cfg, rngs) for _ in range(cfg.mtp_depth)])
 
+    def cache_kind(self) -> str:
+        return f"a latent of {self.kv_rank} and a rotary key of {self.rope_dim}"
+
     def init_cache(self, batch: int) -> LayerCache:
         """The latent cache: [layers, batch, 1, seq_len, latent] latents and [..., rope] rotary keys, in the
         compute dtype."""

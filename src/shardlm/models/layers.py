@@ -133,6 +133,10 @@ class CausalLM(nnx.Module):
     # The KV cache's logical axes, keys' and values' (`shardlm.generate` places the cache by them)
     cache_layout = LayerCache(STACKED_CACHE_AXES, STACKED_CACHE_AXES)
 
+    def cache_kind(self) -> str:
+        """What the KV cache holds per token and layer, for reports."""
+        return f"keys and values of {self.kv_heads} kv heads x {self.head_dim}"
+
     def init_cache(self, batch: int) -> LayerCache:
         """An empty KV cache for `batch` rows and the whole context, stacked over the layers, in the compute dtype
         (shard it with `STACKED_CACHE_AXES`)."""

@@ -49,7 +49,10 @@ RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "loss.png", "samples.txt", "tokenizer
 # checkpoint holds, so they may change.
 CHANGEABLE_MODEL_KEYS = ("dropout", "dtype", "remat", "remat_offload", "grad_reduce_dtype", "matmul_dtype",
                          "loss_chunks", "attention", "scan_layers", "pipeline_microbatches", "pipeline_repeats",
-                         "pipeline_remat", "pipeline_schedule")
+                         "pipeline_remat", "pipeline_schedule",
+                         # training coefficients, not the architecture: DeepSeek-V3 stopped moving its balancing
+                         # bias for the last 500B tokens of its pretraining
+                         "moe_aux_loss_weight", "moe_bias_rate", "mtp_loss_weight")
 FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
                    if f.name not in CHANGEABLE_MODEL_KEYS) + ("seed", "train.batch_size")
 
