@@ -3,20 +3,23 @@ holds (test_llama: 1e-5 at step 1): Qwen3's block (a head size apart from d_mode
 scaling) over fsdp x tensor x context and pipeline stages, and DeepSeek's (latent attention, sigmoid routing
 over groups of experts with a shared one and the balancing bias, a dense first layer, multi-token prediction)
 over expert x fsdp x tensor and fsdp x context x tensor (the ring, with the MTP module's shifts done in sequence
-order). DeepSeek's dense and sparse layers are one module each, so it has no pipeline stages to run
-(`model.scan_layers=false`, said by name)."""
+order), and without MTP (which a pipeline does not run: said by name) over stages, its dense first layer held
+before the stack, its sparse layers split over the stages."""
 
+import jax
 import numpy as np
 import pytest
 
 from conftest import MICRO, run_steps
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
+from shardlm.mesh import make_mesh
+from shardlm.train.source import model_source
 
 QWEN3 = MICRO + ["model.family=qwen", "model.use_bias=false", "model.n_kv_heads=2", "model.head_dim=32",
                  "model.qk_norm=true", "model.rope_scaling=yarn", "model.rope_factor=4",
                  "model.rope_original_context=8"]
-DEEPSEEK = MICRO + ["model.family=deepseek", "model.use_bias=false", "model.scan_layers=false",
+DEEPSEEK = MICRO + ["model.family=deepseek", "model.use_bias=false", "model.n_layers=3",
                     "model.mla_kv_rank=16", "model.mla_q_rank=24", "model.mla_rope_dim=8", "model.mla_nope_dim=16",
                     "model.mla_v_dim=16", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_d_ff=32",
                     "model.moe_router=sigmoid", "model.moe_groups=2", "model.moe_group_top_k=1",
@@ -27,6 +30,8 @@ MESHES = {
                       "PP 2 x DP 2 x TP 2": {"stage": 2, "data": 2, "tensor": 2}}),
     "deepseek": (DEEPSEEK, {"1 device": (1, 1, 1), "EP 2 x FSDP 2 x TP 2": {"expert": 2, "fsdp": 2, "tensor": 2},
                             "FSDP 2 x CP 2 x TP 2": {"fsdp": 2, "context": 2, "tensor": 2}}),
+    "deepseek without MTP": (DEEPSEEK + ["model.mtp_depth=0"],
+                             {"1 device": (1, 1, 1), "PP 2 x EP 2 x TP 2": {"stage": 2, "expert": 2, "tensor": 2}}),
 }
 
 
@@ -40,14 +45,14 @@ def trajectories():
                                           if n != "1 device"])
 def test_a_family_trains_the_same_on_every_mesh(trajectories, family, name):
     ref, got = trajectories[(family, "1 device")], trajectories[(family, name)]
-    assert ref[-1] < 0.9 * ref[0]  # it learns
+    assert ref[-1] < 0.95 * ref[0]  # it learns
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
     np.testing.assert_allclose(got, ref, rtol=2e-3)
 
 
 def test_what_a_deepseek_model_cannot_do_is_a_one_line_error():
     for overrides, message in (
-            (["model.scan_layers=true"], "model.moe_first_dense=1 mixes dense and sparse layers"),
+            (["model.moe_first_dense=3"], "model.moe_first_dense=3 must leave a sparse layer"),
             (["model.mla_kv_rank=0"], "the deepseek family computes latent attention"),
             (["model.moe_router=softmax"], "model.moe_bias_rate=0.001 moves the sigmoid router's per-expert bias"),
             (["model.moe_groups=3"], "model.moe_groups=3 must divide model.moe_experts=4"),
@@ -55,3 +60,5 @@ def test_what_a_deepseek_model_cannot_do_is_a_one_line_error():
         with pytest.raises(ShardlmError, match=message) as e:
             load_config(None, DEEPSEEK + overrides)
         assert "\n" not in str(e.value)
+    with pytest.raises(ShardlmError, match="multi-token prediction .* runs after the main model's blocks"):
+        model_source(load_config(None, DEEPSEEK)).check(make_mesh(stage=2, devices=jax.devices()[:2]))

@@ -38,7 +38,7 @@ from shardlm.hf.tokenizer import tokenizer_files
 from shardlm.hf.weights import hf_tensors
 from shardlm.hf.writer import DEFAULT_MAX_SHARD_BYTES, ModelDirWriter
 from shardlm.load import LoadedModel, load_model, run_tokenizer
-from shardlm.models.config import ModelConfig
+from shardlm.models.config import ModelConfig, stack_layer_count
 from shardlm.models.stack import layer_index, split_layer_path
 from shardlm.checkpoint import RunCheckpoints, complete_steps
 from shardlm.train.rundir import CONFIG_FILE, require_run
@@ -135,7 +135,7 @@ def _add_tensors(writer: ModelDirWriter, m: LoadedModel, vocab: int, dtype: str)
     # A per-layer path; a scanned model holds layer i in a row of the stacked parameter (row (r, j) of a stack held
     # with repeats: `stack.layer_index`). `index`: a part of the parameter (one expert's matrix), sliced on the
     # devices before the gather, so that the host receives that part only.
-    repeats, n_layers = model_source(m.cfg).stack_repeats, m.cfg.model.n_layers
+    repeats, n_layers = model_source(m.cfg).stack_repeats, stack_layer_count(m.cfg.model)
 
     def get(path, *index):
         if path not in leaves and (hit := split_layer_path(path)):

@@ -9,7 +9,7 @@ from shardlm.families.spec import Family, register
 from shardlm.hf.deepseek import DEEPSEEK as DEEPSEEK_HF
 from shardlm.models.config import ModelConfig
 
-_DEEPSEEK = dict(use_bias=False, scan_layers=False, moe_router="sigmoid", moe_shared_expert=True, moe_norm_topk=True,
+_DEEPSEEK = dict(use_bias=False, moe_router="sigmoid", moe_shared_expert=True, moe_norm_topk=True,
                  layer_norm_eps=1e-6, tie_embeddings=False)
 
 PRESETS = {

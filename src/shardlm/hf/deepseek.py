@@ -60,7 +60,7 @@ def read_fields(t: dict, d: Path) -> dict:
                 d_model=t["hidden_size"], d_mlp=t["intermediate_size"],
                 seq_len=min(t.get("max_position_embeddings", LLAMA_DEFAULT_CONTEXT), LLAMA_DEFAULT_CONTEXT),
                 vocab_size=t["vocab_size"], use_bias=False, tie_embeddings=t.get("tie_word_embeddings", False),
-                layer_norm_eps=t.get("rms_norm_eps", 1e-6), dropout=0.0, scan_layers=False,
+                layer_norm_eps=t.get("rms_norm_eps", 1e-6), dropout=0.0,
                 mla_kv_rank=t["kv_lora_rank"], mla_q_rank=t.get("q_lora_rank") or 0,
                 mla_rope_dim=t["qk_rope_head_dim"], mla_nope_dim=t["qk_nope_head_dim"], mla_v_dim=t["v_head_dim"],
                 moe_experts=t["n_routed_experts"], moe_top_k=t["num_experts_per_tok"],
@@ -92,6 +92,13 @@ def write_config(m, common: dict) -> dict:
             "moe_layer_freq": 1, "n_group": m.moe_groups, "topk_group": m.moe_group_top_k,
             "routed_scaling_factor": m.moe_routed_scale, "norm_topk_prob": m.moe_norm_topk,
             "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": m.mtp_depth}
+
+
+def _held(m, i: int) -> str:
+    """Where layer i's parameters are held: the dense first layers one module each before the stack
+    (`prefix/i/`), the sparse ones in it (`blocks/{i - first}/`)."""
+    k = m.moe_first_dense
+    return f"prefix/{i}/" if i < k else f"blocks/{i - k}/"
 
 
 def _deinterleave(rope: int) -> tuple[int, ...]:
@@ -172,7 +179,7 @@ def tensor_views(m, vocab: int, padded: int, T, names: set[str], config: dict) -
     interleaved = bool(config.get("rope_interleave", True))
     views = embedding_views(m, vocab, padded, T)
     for i in range(m.n_layers):
-        views.update(layer_views(m, i, f"blocks/{i}/", T, names, interleaved, i >= m.moe_first_dense))
+        views.update(layer_views(m, i, _held(m, i), T, names, interleaved, i >= m.moe_first_dense))
     for k in range(m.mtp_depth):
         views.update(mtp_views(m, k, vocab, T, names, interleaved))
     return views
@@ -207,7 +214,7 @@ def layer_tensors(m, i: int, o: str, get, sparse: bool):
 def export_tensors(m, vocab: int, get):
     yield "model.embed_tokens.weight", get("wte")[:vocab]
     for i in range(m.n_layers):
-        yield from layer_tensors(m, i, f"blocks/{i}/", get, i >= m.moe_first_dense)
+        yield from layer_tensors(m, i, _held(m, i), get, i >= m.moe_first_dense)
     yield "model.norm.weight", get("ln_f/scale")
     head = get("wte")[:vocab] if m.tie_embeddings else get("lm_head")[:, :vocab].T
     if not m.tie_embeddings:

@@ -175,6 +175,12 @@ def is_sparse_layer(m: ModelConfig, layer: int) -> bool:
     return m.moe_experts > 0 and layer >= m.moe_first_dense and (layer + 1) % m.moe_every == 0
 
 
+def stack_layer_count(m: ModelConfig) -> int:
+    """The layers of the model's stack (what scans and splits over pipeline stages): all but the dense first
+    `moe_first_dense` of a mixture, which are held before it (`CausalLM.prefix`)."""
+    return m.n_layers - (m.moe_first_dense if m.moe_experts else 0)
+
+
 def sparse_layer_count(m: ModelConfig) -> int:
     return sum(is_sparse_layer(m, i) for i in range(m.n_layers))
 
@@ -240,10 +246,9 @@ def _check_moe(m: ModelConfig) -> None:
     if m.n_layers % m.moe_every:
         raise ShardlmError(f"model.moe_every={m.moe_every} does not divide model.n_layers={m.n_layers}: every "
                            f"{m.moe_every}-th layer is sparse; choose a divisor of {m.n_layers}")
-    if (m.moe_every > 1 or m.moe_first_dense) and m.scan_layers:
-        what = f"model.moe_every={m.moe_every}" if m.moe_every > 1 else f"model.moe_first_dense={m.moe_first_dense}"
-        raise ShardlmError(f"{what} mixes dense and sparse layers, which a scan over one stacked block cannot run: "
-                           "set model.scan_layers=false")
+    if m.moe_every > 1 and m.scan_layers:
+        raise ShardlmError(f"model.moe_every={m.moe_every} mixes dense and sparse layers, which a scan over one "
+                           "stacked block cannot run: set model.scan_layers=false (or model.moe_every=1)")
     if not 0 <= m.moe_first_dense < m.n_layers:
         raise ShardlmError(f"model.moe_first_dense={m.moe_first_dense} must leave a sparse layer: 0 <= it < "
                            f"model.n_layers={m.n_layers}")

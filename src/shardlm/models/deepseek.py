@@ -6,8 +6,8 @@ auxiliary-loss-free bias: `shardlm.models.routing`), and multi-token prediction.
 Design choices:
 - The block is Llama's with `LatentAttention` in place of grouped-query attention; the rotary tables turn the
   rotary part only (`mla_rope_dim`), and the KV cache holds latents (`mla.LATENT_CACHE_AXES`).
-- Dense and sparse layers differ in structure, so the blocks are one module per layer (`model.scan_layers=false`,
-  as for Llama's `moe_every`).
+- The first `moe_first_dense` layers are dense and held apart, one module each (`CausalLM.prefix`, run after the
+  embedding); the sparse layers after them are the stack, scanned and split over pipeline stages as any model's.
 - Each sparse block reports its expert loads as its own row of a [layers, experts] statistic when the bias is
   balanced (`model.moe_bias_rate` > 0); the trainer moves each layer's bias from it after the update
   (`shardlm.train.balance`), outside the gradient.
@@ -95,7 +95,7 @@ class DeepSeek(Llama):
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
         super().__init__(cfg, vocab_size, padded_vocab, rngs)
         self.kv_rank, self.rope_dim = cfg.mla_kv_rank, cfg.mla_rope_dim
-        self.balanced_layers = cfg.n_layers if cfg.moe_experts and cfg.moe_bias_rate else 0
+        self.balanced_layers = cfg.n_layers if cfg.moe_experts and cfg.moe_bias_rate else 0  # every layer's row
         self.mtp = nnx.List([Mtp(cfg, rngs) for _ in range(cfg.mtp_depth)])
 
     def cache_kind(self) -> str:
@@ -104,7 +104,7 @@ class DeepSeek(Llama):
     def init_cache(self, batch: int) -> LayerCache:
         """The latent cache: [layers, batch, 1, seq_len, latent] latents and [..., rope] rotary keys, in the
         compute dtype."""
-        shape = (self.n_layers, batch, 1, self.context)
+        shape = (self.prefix_layers + self.n_layers, batch, 1, self.context)
         dtype = self.precision.compute
         return LayerCache(jnp.zeros((*shape, self.kv_rank), dtype), jnp.zeros((*shape, self.rope_dim), dtype))
 
@@ -113,6 +113,7 @@ class DeepSeek(Llama):
         (`mtp_loss`) when the model has it."""
         view = self.compute_view()
         x, ctx, key = view.enter(tokens, rngs)
+        x, _ = view.run_prefix(x, ctx, key)
         policy = remat.policy(self.remat, self.remat_offload)
         h, _, stats = run_blocks(view.blocks, self.n_layers, self.scan_layers, view.block_step(ctx), x,
                                  dropout_key=key, policy=policy, stats=view.stats_zeros())
@@ -136,7 +137,7 @@ class DeepSeek(Llama):
             x = self.precision.dense("btc,cd->btd", combined, use(module.eh_proj, self.precision.compute))
             x = constrain(blocks_layout(x), "batch", "seq", "act_embed")
             step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=0))  # noqa: E731
-            mtp_key = None if key is None else jax.random.fold_in(key, self.n_layers + 1 + k)
+            mtp_key = None if key is None else jax.random.fold_in(key, self.prefix_layers + self.n_layers + 1 + k)
             h, _, _ = run_blocks([module.block], 1, False, step, x, dropout_key=mtp_key, policy=policy)
             out = jnp.where(kept, module.norm(in_order(h)), 0)
             mean = self.head_loss(constrain(out, "batch", "seq", "act_embed"), _ahead(targets, k + 1))

@@ -31,7 +31,13 @@ from shardlm.models.stack import RESIDUAL, LayerCache, build_blocks, layer_rngs,
 from shardlm.sharding import constrain, constrain_with_gradient, sharded_lookup
 
 
+PREFIX_DROPOUT = 2**20  # the prefix layers' dropout stream: the pass's key folded with it, then with the layer
 LAYER_LOADS = "layer_expert_tokens"  # a block's statistic: [layers, experts] assignments per layer and expert
+
+
+def _offset(make_block, k: int):
+    """`make_block` for a stack whose layer i is the model's layer k + i."""
+    return lambda rngs, i=None: make_block(rngs) if i is None else make_block(rngs, i + k)
 
 
 def _projections_input(y: jax.Array) -> jax.Array:
@@ -106,15 +112,25 @@ class CausalLM(nnx.Module):
     """
 
     def _stack_blocks(self, cfg, make_block, rngs: nnx.Rngs):
-        """The blocks (`make_block(rngs)` per layer) and what running them needs: their number and layout (a stack
-        held as [repeats, layers] for circular pipeline repeats: `stack.in_repeats`) and the head shape of the KV
-        cache."""
-        self.n_layers, self.scan_layers = cfg.n_layers, cfg.scan_layers
+        """The blocks (`make_block(rngs[, layer])` per layer) and what running them needs: their number and layout
+        (a stack held as [repeats, layers] for circular pipeline repeats: `stack.in_repeats`) and the head shape of
+        the KV cache. A model whose first `moe_first_dense` layers are dense and the rest sparse (DeepSeek's) holds
+        those first layers apart, one module each (`prefix`, run before the stack by `run_prefix`), so that the
+        sparse layers stack, scan and split over pipeline stages; `n_layers` counts the stack, layer i of it being
+        the model's layer `prefix_layers` + i."""
+        k = cfg.moe_first_dense if cfg.moe_experts else 0
+        self.n_layers, self.prefix_layers, self.scan_layers = cfg.n_layers - k, k, cfg.scan_layers
         self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, head_size(cfg)
         self.loss_chunks = cfg.loss_chunks
         self.context_attention, self.attention_block = cfg.context_attention, cfg.attention_block
-        self.blocks = build_blocks(make_block, cfg.n_layers, rngs.params(), cfg.scan_layers,
-                                   stacked_repeats(cfg.n_layers, cfg.pipeline_repeats, cfg.scan_layers))
+        key, prefix = rngs.params(), None
+        if k:  # the stack's layer i is the model's k + i (which `make_block` reads to tell dense from sparse)
+            key, prefix_key = jax.random.split(key)
+            prefix = build_blocks(make_block, k, prefix_key, scan=False)
+            make_block = _offset(make_block, k)
+        self.prefix = nnx.data(prefix)
+        self.blocks = build_blocks(make_block, self.n_layers, key, cfg.scan_layers,
+                                   stacked_repeats(self.n_layers, cfg.pipeline_repeats, cfg.scan_layers))
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None, *, at: jax.Array | None = None
                  ) -> jax.Array:
@@ -140,7 +156,7 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch: int) -> LayerCache:
         """An empty KV cache for `batch` rows and the whole context, stacked over the layers, in the compute dtype
         (shard it with `STACKED_CACHE_AXES`)."""
-        shape = (self.n_layers, batch, self.kv_heads, self.context, self.head_dim)
+        shape = (self.prefix_layers + self.n_layers, batch, self.kv_heads, self.context, self.head_dim)
         return LayerCache(jnp.zeros(shape, self.precision.compute), jnp.zeros(shape, self.precision.compute))
 
     def prefill(self, tokens: jax.Array, cache: LayerCache, *, at: jax.Array | None = None
@@ -231,10 +247,25 @@ class CausalLM(nnx.Module):
     def block_step(self, ctx: Context):
         """step(block, x, rngs, cache, i): block i of a pass whose attention `Context` is `ctx`
         (`shardlm.models.stack.Step`)."""
-        return lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))
+        k = self.prefix_layers  # the stack's layer i is the model's k + i (its cache row, its loads' row)
+        return lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i + k))
+
+    def run_prefix(self, x, ctx: Context, key, cache=None):
+        """(x, cache) through the layers held before the stack (`prefix`, dense; none for most models), one module
+        each, under the model's remat policy when training. Every pass runs them after `enter`, a pipeline's
+        outside its stages (as the embedding)."""
+        if self.prefix is None:
+            return x, cache
+        policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
+        step = lambda block, x, rngs, cache, i: block(x, rngs, cache, ctx._replace(layer=i))  # noqa: E731
+        key = None if key is None else jax.random.fold_in(key, PREFIX_DROPOUT)
+        x, cache, _ = run_blocks(self.prefix, self.prefix_layers, False, step, x, dropout_key=key, cache=cache,
+                                 policy=policy)
+        return x, cache
 
     def _run(self, tokens, rngs, cache, pos, at, head):
         x, ctx, key = self.enter(tokens, rngs, cache, pos)
+        x, cache = self.run_prefix(x, ctx, key, cache)
         policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
         x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, self.block_step(ctx), x,
                                      dropout_key=key, cache=cache, policy=policy, stats=self.stats_zeros())

@@ -448,6 +448,7 @@ def pipelined(model, tokens, rngs, settings: PipelineSettings, head: bool = True
     devices for their rows. The blocks run on their compute copies, their gradients reaching the stored ones."""
     view = model.compute_view()
     x, ctx, key = view.enter(tokens, rngs)
+    x, _ = view.run_prefix(x, ctx, key)  # layers held before the stack (dense ones), outside the stages
     x, stats = run_pipeline(view.blocks, view.n_layers, view.block_step(ctx), x, stages=settings.stages,
                             microbatches=settings.microbatches, repeats=settings.repeats, dropout_key=key,
                             policy=remat.policy(view.remat, view.remat_offload, block_inputs=True),

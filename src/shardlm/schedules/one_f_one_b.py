@@ -404,6 +404,7 @@ def one_f_one_b_loss(model, tokens, targets, rngs, settings: PipelineSettings):
     head_weight = model.head_weight()
     view = model.compute_view()
     x, ctx, key = view.enter(tokens, rngs)
+    x, _ = view.run_prefix(x, ctx, key)  # layers held before the stack (dense ones), outside the stages
     norm_graph, norm_state = nnx.split(view.ln_f)
     names = ("vocab", "embed") if view.lm_head is None else ("embed", "vocab")
     rows = tokens.shape[0] // microbatch_count(settings.microbatches, settings.stages)

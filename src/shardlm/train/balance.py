@@ -18,10 +18,11 @@ BIAS = "router_bias"
 
 def balance_experts(model, loads: jnp.ndarray, rate: float) -> None:
     """Move every main-stack router bias of `model` (in place) by `rate` toward balancing `loads` [layers,
-    experts]."""
+    experts] (the model's layers: the stack's layer i is row `model.prefix_layers` + i)."""
+    k = getattr(model, "prefix_layers", 0)
     for path, var in nnx.iter_graph(model):
         if not (isinstance(var, nnx.Param) and path and path[-1] == BIAS and path[0] == "blocks"):
             continue
-        rows = loads[path[1]] if isinstance(path[1], int) else loads.reshape(var.shape)
+        rows = loads[k + path[1]] if isinstance(path[1], int) else loads[k:].reshape(var.shape)
         step = rate * jnp.sign(rows.mean(-1, keepdims=True) - rows)
         var[...] = (var[...] + step).astype(var.dtype)

@@ -56,7 +56,7 @@ from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.kernels.registry import check_attention, uses_ring
 from shardlm.losses import cross_entropy
-from shardlm.models.config import head_size, sparse_layer_count
+from shardlm.models.config import head_size, sparse_layer_count, stack_layer_count
 from shardlm.models.head import plan as head_plan
 from shardlm.models.moe import exchange_capacity, round_sizes
 from shardlm.models.params import padded_vocab_size
@@ -148,7 +148,7 @@ class OwnModel:
         """R of a stack held as [R, n_layers / R] (circular pipeline repeats: `models.stack.in_repeats`), else 1:
         checkpoints store layer order (`train.stored`), a reshape away."""
         m = self.cfg.model
-        return stacked_repeats(m.n_layers, m.pipeline_repeats, m.scan_layers)
+        return stacked_repeats(stack_layer_count(m), m.pipeline_repeats, m.scan_layers)
 
     def batch_sharding(self, mesh) -> NamedSharding:
         return batch_sharding(mesh)
@@ -211,8 +211,12 @@ class OwnModel:
             if not m.scan_layers:
                 raise ShardlmError(f"mesh.stage={stages} splits the stacked blocks over pipeline stages: set "
                                    "model.scan_layers=true (the default)")
+            if m.mtp_depth:
+                raise ShardlmError(f"mesh.stage={stages}: multi-token prediction (model.mtp_depth={m.mtp_depth}) "
+                                   "runs after the main model's blocks, which a pipeline schedule does not hand it; "
+                                   "set model.mtp_depth=0 or drop the stages")
             t = self.cfg.train
-            check_pipeline(m.n_layers, t.batch_size // t.grad_accum, stages, m.pipeline_microbatches,
+            check_pipeline(stack_layer_count(m), t.batch_size // t.grad_accum, stages, m.pipeline_microbatches,
                            m.pipeline_repeats)
         kv = m.n_kv_heads or m.n_heads
         if kv % tp and not m.n_heads % tp:  # said in the model's terms before the generic per-parameter message
@@ -306,11 +310,12 @@ class OwnModel:
             return None
         m = self.cfg.model
         micro, repeats = microbatch_count(m.pipeline_microbatches, stages), m.pipeline_repeats
-        held = "; ".join(f"stage {s}: layers {layer_ranges(layers)}"
-                         for s, layers in enumerate(stage_layers(m.n_layers, stages, repeats)))
+        first = m.n_layers - stack_layer_count(m)  # layers held before the stack run before the stages
+        held = "; ".join(f"stage {s}: layers {layer_ranges([first + i for i in layers])}"
+                         for s, layers in enumerate(stage_layers(stack_layer_count(m), stages, repeats)))
         activation = self._rows_per_device(mesh) // micro * m.seq_len // mesh.shape["context"] * m.d_model \
             * (2 if m.dtype == "bfloat16" else 4)
-        holds = schedules.schedule_named(m.pipeline_schedule).holds(stages, micro, repeats, m.n_layers)
+        holds = schedules.schedule_named(m.pipeline_schedule).holds(stages, micro, repeats, stack_layer_count(m))
         return (f"pipeline over stage={stages} ({held}): {micro} microbatches x {repeats} repeat(s) per step, "
                 f"{micro * repeats + stages - 1} iterations, bubble (S-1)/(M R+S-1) = "
                 f"{bubble_fraction(stages, micro, repeats):.0%}; {holds}; each hand-off to the next stage sends "
