@@ -100,7 +100,7 @@ def test_an_imported_checkpoint_continues_as_transformers_does_on_4_devices(hf_d
     assert gen.cache_bytes_per_token == model.n_layers * per_layer * 4  # float32
 
 
-@pytest.mark.parametrize("name", sorted(set(ARCHITECTURES) - {"qwen2.5"}))  # Qwen2.5's biases: imported above
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_a_run_trained_from_it_exports_and_continues_in_transformers_as_in_shardlm(hf_dirs, tmp_path, name):
     run, out = tmp_path / "run", tmp_path / "export"
     result = train(load_config(None, [f"init.from=hf:{hf_dirs[name]}", *TRAIN, *MESHES[name]]), run, progress=False)
