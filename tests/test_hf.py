@@ -249,7 +249,7 @@ def trained(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt"])  # Llama's export: test_hf_families (and trained["llama"] below)
 def test_an_exported_run_loads_in_transformers_with_the_same_logits_tokens_and_continuation(trained, tmp_path,
                                                                                           family):
     run, out = trained[family], tmp_path / "export"

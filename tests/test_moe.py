@@ -39,11 +39,10 @@ def _train(overrides, degrees, steps):
     return losses, first
 
 
-# The expert axis alone and beside others. Expert 4 and 8 run the same dispatch: tests/test_moe_layer.py holds the
-# layer to one device under both, and test_the_compiled_step_dispatches_by_all_to_all_and_splits_the_experts reads ep4's
-# compiled step.
-@pytest.mark.parametrize("degrees", [{"expert": 2}, {"expert": 2, "fsdp": 2, "tensor": 2}],
-                         ids=["ep2", "ep2 x fsdp2 x tp2"])
+# The expert axis beside the others (DeepSeek's sigmoid routing under expert 2 x fsdp 2 x tensor 2:
+# test_family_parity). Expert 4 and 8 run the same dispatch: tests/test_moe_layer.py holds the layer to one device
+# under both, and test_the_compiled_step_dispatches_by_all_to_all_and_splits_the_experts reads ep4's compiled step.
+@pytest.mark.parametrize("degrees", [{"expert": 2, "fsdp": 2, "tensor": 2}], ids=["ep2 x fsdp2 x tp2"])
 def test_expert_parallel_training_matches_one_device(degrees):
     if "one" not in _reference:
         _reference["one"] = _train(MOE, {}, 20)

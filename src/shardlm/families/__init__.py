@@ -15,7 +15,8 @@ Design choices:
 
 from shardlm.families.spec import (FAMILIES, Family, build_model, check_model_config, family_of, from_hf,
                                    hf_format, model_preset, preset_names, register)
-from shardlm.families import deepseek, gpt, llama, qwen  # noqa: F401 - the built-in families register themselves
+# the built-in families register themselves, in this order (presets are listed in it)
+from shardlm.families import gpt, llama, qwen, deepseek  # noqa: F401, I001
 
 __all__ = ["FAMILIES", "Family", "build_model", "check_model_config", "family_of", "from_hf", "hf_format",
            "model_preset", "preset_names", "register"]

@@ -77,7 +77,8 @@ def check_model_config(m: ModelConfig) -> None:
     family = family_of(m)
     if m.moe_experts and not family.experts:
         with_experts = [f.name for f in FAMILIES.values() if f.experts]
-        families = " and ".join(with_experts) + (" families" if len(with_experts) > 1 else " family")
+        families = (f"{', '.join(with_experts[:-1])} and {with_experts[-1]} families" if len(with_experts) > 1
+                    else f"{with_experts[0]} family")
         raise ShardlmError(f"model.moe_experts applies to the {families} (SwiGLU experts), not {family.name}: use a "
                            "preset of one (model=moe-tiny, qwen3-moe-tiny, ...) or drop it")
     family.check(m)
