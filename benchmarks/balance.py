@@ -8,7 +8,7 @@ with the bias moving (`--rate` a step) and once, the control, still held. Printe
 busiest expert's load over the mean load (`expert_load_max` in metrics.jsonl, the experts' assignments summed
 over the sparse layers; 1.0 is perfect balance) in both runs, and the evaluation loss of each at its end.
 
-    python benchmarks/balance.py                # about 4 minutes on a 2-core VM
+    python benchmarks/balance.py                # about 2.5 minutes on a 2-core VM
 """
 
 import argparse
