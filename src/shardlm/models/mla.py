@@ -9,8 +9,9 @@ Design choices:
   nope + rope] (or `wq` [embed, heads, nope + rope] without a query latent), `wo` [heads, v, embed].
 - Under tensor parallelism the heads are split (`wk_b`, `wv_b`, `wq_b` column-parallel, `wo` row-parallel, as a
   GQA layer's); the latent projections are replicated over `tensor` (rule `latent`: split over fsdp only): every
-  tensor device computes the whole latent of its tokens (d x (latent + rope) per token, 4% of the layer's matmul
-  FLOPs at DeepSeek-V3's shape) and expands it for its own heads, so the layer needs no collective before its
+  tensor device computes the whole latent of its tokens (d x (latent + rope) weights per token, 0.7% of the
+  layer's active matmul FLOPs at DeepSeek-V3's shape, so about 0.7% more work per device under tensor 2) and
+  expands it for its own heads, so the layer needs no collective before its
   heads and one all-reduce after `wo`, as any attention layer. Splitting the latent over tensor would need an
   all-gather of it before the expansion instead; under sequence parallelism the residual stream (and so the
   latent's input) is already split by sequence and is gathered once for the projections, as for q, k and v.
