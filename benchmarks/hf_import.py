@@ -67,6 +67,7 @@ def child(directory: str, way: str, processes: int, pid: int, port: int) -> dict
 
         from shardlm.config import load_config
         from shardlm.families import hf_format
+        from shardlm.hf.config import read_hf_config
         from shardlm.hf.weights import Checkpoint, parameter_views
         from shardlm.mesh import mesh_from_config
         from shardlm.trees import path_str
@@ -76,7 +77,8 @@ def child(directory: str, way: str, processes: int, pid: int, port: int) -> dict
         mesh = mesh_from_config(cfg.mesh)
         whole = load_file(str(Path(directory) / "model.safetensors"))  # every tensor, read at once
         real, padded = vocab_sizes(cfg, cfg.model.vocab_size, 1)
-        views = parameter_views(cfg.model, hf_format(cfg.model), real, padded, Checkpoint(Path(directory)))
+        views = parameter_views(cfg.model, hf_format(cfg.model), real, padded, Checkpoint(Path(directory)),
+                                read_hf_config(Path(directory)))
         for view in views.values():  # the views now read from the loaded dict, not the file
             v = view
             while not hasattr(v, "reader"):

@@ -35,7 +35,8 @@ import numpy as np
 from shardlm.errors import ShardlmError
 from shardlm.hf.config import refuse
 from shardlm.hf.format import HfFormat
-from shardlm.hf.llama import LLAMA_DEFAULT_CONTEXT, embedding_views, expert_tensors, expert_views, mlp_tensors, mlp_views
+from shardlm.hf.llama import (LLAMA_DEFAULT_CONTEXT, embedding_views, expert_tensors, expert_views, mlp_tensors,
+                              mlp_views)
 from shardlm.hf.rope import read_rope, write_rope
 from shardlm.hf.views import Initialised, Permuted, Split, Transposed, View, Window
 

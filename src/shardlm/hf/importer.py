@@ -36,8 +36,9 @@ def check_checkpoint(directory: Path, model: ModelConfig, fmt: HfFormat, vocab: 
 
 
 def _views(directory: Path, model: ModelConfig, fmt: HfFormat, vocab: int, padded: int) -> dict[str, View]:
-    fmt.check_import(model, read_hf_config(directory), Path(directory))
-    return parameter_views(model, fmt, vocab, padded, Checkpoint(directory))
+    tree = read_hf_config(directory)
+    fmt.check_import(model, tree, Path(directory))
+    return parameter_views(model, fmt, vocab, padded, Checkpoint(directory), tree)
 
 
 def read_params(directory: Path, model: ModelConfig, fmt: HfFormat, vocab: int, padded: int, abstract, log=None,

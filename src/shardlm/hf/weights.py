@@ -21,7 +21,6 @@ from typing import Callable, Iterator
 import numpy as np
 
 from shardlm.errors import ShardlmError
-from shardlm.hf.config import read_hf_config
 from shardlm.hf.format import HfFormat
 from shardlm.hf.views import Stacked, Tensor, View
 from shardlm.models.stack import split_layer_path
@@ -87,11 +86,6 @@ class Checkpoint:
     def names(self) -> set[str]:
         return set(self.file_of)
 
-    @property
-    def config(self) -> dict:
-        """Its config.json."""
-        return read_hf_config(self.directory)
-
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
 
@@ -99,8 +93,9 @@ class Checkpoint:
         return self.handles[self.file_of[name]].get_slice(name)[index]
 
 
-def parameter_views(m, fmt: HfFormat, vocab: int, padded: int, ckpt: Checkpoint) -> dict[str, View]:
-    """{shardlm parameter path ('blocks/0/attn/wq'): view} for the model config `m` in the family's format `fmt`,
+def parameter_views(m, fmt: HfFormat, vocab: int, padded: int, ckpt: Checkpoint, config: dict) -> dict[str, View]:
+    """{shardlm parameter path ('blocks/0/attn/wq'): view} for the model config `m` in the family's format `fmt`
+    (the checkpoint's config.json `config` saying how its tensors are laid out),
     every tensor checked against the checkpoint: a missing or unused key, or a shape that differs, is a one-line
     error naming it."""
     names = ckpt.names()
@@ -111,7 +106,7 @@ def parameter_views(m, fmt: HfFormat, vocab: int, padded: int, ckpt: Checkpoint)
             tensors[name] = Tensor(name, shape, ckpt.read)
         return tensors[name]
 
-    views = fmt.views(m, vocab, padded, T, names, ckpt.config)
+    views = fmt.views(m, vocab, padded, T, names, config)
     _check_shapes(m, tensors, ckpt)
     tied_copy = {"lm_head.weight"} if m.tie_embeddings else set()  # a tied head saved twice: the table's copy
     extra = sorted(n for n in names - set(tensors) - tied_copy if not n.endswith(IGNORED_SUFFIXES))

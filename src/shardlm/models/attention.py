@@ -222,8 +222,9 @@ class Attention(nnx.Module):
         self.k_bias = bias((kv_heads, hd), ("kv_heads", "head_dim")) if in_bias else None
         self.v_bias = bias((kv_heads, hd), ("kv_heads", "head_dim")) if in_bias else None
         self.out_bias = bias((d,), ("embed",)) if use_bias else None
-        norm = lambda: RMSNorm(hd, qk_norm_eps, param_dtype, rngs, axis="head_dim") if qk_norm_eps else None  # noqa: E731
-        self.q_norm, self.k_norm = norm(), norm()
+        self.q_norm, self.k_norm = ((RMSNorm(hd, qk_norm_eps, param_dtype, rngs, axis="head_dim"),
+                                     RMSNorm(hd, qk_norm_eps, param_dtype, rngs, axis="head_dim"))
+                                    if qk_norm_eps else (None, None))
 
     def __call__(self, x, cache: LayerCache | None, ctx: Context):
         """x [batch, T, embed] -> ([batch, T, embed], cache); see `self_attention` for the cache's three modes."""

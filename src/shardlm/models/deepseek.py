@@ -29,39 +29,28 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlm.kernels.ring import from_zigzag, to_zigzag
-from shardlm.models import remat
+from shardlm.models import llama, remat
 from shardlm.models.config import ModelConfig
-from shardlm.models.layers import PreNormBlock
-from shardlm.models.llama import Llama, SwiGLU
+from shardlm.models.llama import Llama
 from shardlm.models.mla import LATENT_CACHE_AXES, LatentAttention
-from shardlm.models.moe import MoeMLP
 from shardlm.models.norms import RMSNorm
 from shardlm.models.params import param, use
 from shardlm.models.precision import Precision
-from shardlm.models.routing import Routing
 from shardlm.models.stack import LayerCache, run_blocks
 from shardlm.sharding import constrain
 
 
-class Block(PreNormBlock):
-    """A DeepSeek block: latent attention, and a dense SwiGLU or a mixture of experts with a shared one."""
+class Block(llama.Block):
+    """A DeepSeek block: Llama's with latent attention; its mixture (routed by `Routing.of(cfg)`: sigmoid, groups,
+    the shared expert) reports its loads by layer when its bias is balanced."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False, balanced: bool = True):
-        precision = Precision.of(cfg)
-        pd = precision.param
-        self.ln1 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
-        self.attn = LatentAttention(cfg, precision, rngs)
-        self.ln2 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
-        self.sparse = sparse
-        if sparse:
-            self.mlp = MoeMLP(cfg.d_model, cfg.moe_d_ff or cfg.d_mlp, cfg.moe_experts, cfg.moe_top_k,
-                              shared_expert=cfg.moe_shared_expert, n_layers=cfg.n_layers, precision=precision,
-                              rngs=rngs, kernel=cfg.moe_kernel, capacity_factor=cfg.moe_capacity_factor,
-                              exchange=cfg.moe_exchange, dropless=cfg.moe_dropless, routing=Routing.of(cfg))
-        else:
-            self.mlp = SwiGLU(cfg, rngs)
-        self.dropout = nnx.Dropout(cfg.dropout)
+        super().__init__(cfg, rngs, sparse)
         self.layer_loads = cfg.n_layers if sparse and balanced and cfg.moe_bias_rate else 0
+
+    @staticmethod
+    def attention(cfg: ModelConfig, precision: Precision, rngs: nnx.Rngs) -> nnx.Module:
+        return LatentAttention(cfg, precision, rngs)
 
 
 class Mtp(nnx.Module):

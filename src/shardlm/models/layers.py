@@ -23,7 +23,7 @@ from shardlm.kernels.gradients import with_gradient
 from shardlm.kernels.ring import from_zigzag, to_zigzag
 from shardlm.models import remat
 from shardlm.models.attention import STACKED_CACHE_AXES, Context, attention_context
-from shardlm.models.config import head_size
+from shardlm.models.config import head_size, stack_layer_count
 from shardlm.models.head import head_loss
 from shardlm.models.params import use
 from shardlm.models.precision import compute_view
@@ -118,8 +118,8 @@ class CausalLM(nnx.Module):
         those first layers apart, one module each (`prefix`, run before the stack by `run_prefix`), so that the
         sparse layers stack, scan and split over pipeline stages; `n_layers` counts the stack, layer i of it being
         the model's layer `prefix_layers` + i."""
-        k = cfg.moe_first_dense if cfg.moe_experts else 0
-        self.n_layers, self.prefix_layers, self.scan_layers = cfg.n_layers - k, k, cfg.scan_layers
+        self.n_layers, self.scan_layers = stack_layer_count(cfg), cfg.scan_layers
+        self.prefix_layers = k = cfg.n_layers - self.n_layers
         self.kv_heads, self.head_dim = cfg.n_kv_heads or cfg.n_heads, head_size(cfg)
         self.loss_chunks = cfg.loss_chunks
         self.context_attention, self.attention_block = cfg.context_attention, cfg.attention_block

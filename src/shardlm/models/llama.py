@@ -64,9 +64,7 @@ class Block(PreNormBlock):
         pd = precision.param
         # ln1 / ln2 / ln_f: RMSNorms, named as the GPT family's norms (and Hugging Face's "input_layernorm").
         self.ln1 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, precision,
-                              rngs, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
-                              qk_norm_eps=cfg.layer_norm_eps if cfg.qk_norm else 0.0)
+        self.attn = self.attention(cfg, precision, rngs)
         self.ln2 = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.sparse = sparse
         if sparse:
@@ -77,6 +75,14 @@ class Block(PreNormBlock):
         else:
             self.mlp = SwiGLU(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
+
+    @staticmethod
+    def attention(cfg: ModelConfig, precision: Precision, rngs: nnx.Rngs) -> nnx.Module:
+        """The block's attention: grouped-query attention, with Qwen's settings (a family built on this block
+        changes it: DeepSeek's latent attention)."""
+        return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.n_layers, False, precision,
+                         rngs, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                         qk_norm_eps=cfg.layer_norm_eps if cfg.qk_norm else 0.0)
 
 
 def is_sparse(cfg: ModelConfig, layer: int | None) -> bool:

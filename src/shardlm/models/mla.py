@@ -58,11 +58,6 @@ def softmax_scale(m) -> float:
     return scale
 
 
-def latent_cache_bytes_per_token(m, itemsize: int) -> int:
-    """What generation caches per token over the layers: the latent and the rotary key of each layer."""
-    return m.n_layers * (m.mla_kv_rank + m.mla_rope_dim) * itemsize
-
-
 class LatentAttention(nnx.Module):
     def __init__(self, m, precision: Precision, rngs: nnx.Rngs):
         d, h, pd = m.d_model, m.n_heads, precision.param

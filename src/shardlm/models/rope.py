@@ -53,9 +53,10 @@ class Rope:
 
     @classmethod
     def of(cls, m, dim: int) -> "Rope":
-        """The rotary embedding of model config `m` over `dim` features per head."""
-        return cls(m.rope_theta, dim, m.rope_scaling, m.rope_factor, m.rope_original_context, m.rope_low_freq_factor,
-                   m.rope_high_freq_factor, m.rope_beta_fast, m.rope_beta_slow, m.rope_mscale, m.rope_mscale_all_dim)
+        """The rotary embedding of model config `m` over `dim` features per head: each field is the config's
+        `rope_<field>`."""
+        fields = (f.name for f in dataclasses.fields(cls) if f.name != "dim")
+        return cls(dim=dim, **{name: getattr(m, f"rope_{name}") for name in fields})
 
     def frequencies(self) -> np.ndarray:
         """The inverse wavelengths [dim / 2], float32 as transformers computes them."""

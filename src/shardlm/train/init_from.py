@@ -82,7 +82,9 @@ def _changed_architecture(cfg: Config) -> str:
 
 # The model settings that decide which tensors a checkpoint holds and their shapes.
 SHAPING = ("family", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_mlp", "use_bias", "tie_embeddings",
-           "moe_experts", "moe_d_ff")
+           "head_dim", "qkv_bias", "qk_norm", "moe_experts", "moe_d_ff", "moe_every", "moe_first_dense",
+           "moe_shared_expert", "moe_router", "mla_kv_rank", "mla_q_rank", "mla_rope_dim", "mla_nope_dim",
+           "mla_v_dim", "mtp_depth")
 
 
 def import_params(spec: str, cfg: Config, mesh, vocab_size: int, log=None):
