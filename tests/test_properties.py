@@ -2,7 +2,8 @@
 space by `hypothesis`, each run through `shardlm.train.loop.train` as `shardlm train` runs it.
 
 A drawn configuration is a model family and its sizes (odd, prime and tiny lengths, head sizes, vocabularies the
-tensor split does not divide), a batch from 1 up, a mesh of 1 to 8 simulated devices over every axis (pipeline
+tensor split does not divide; Llama 3's and Qwen's settings, DeepSeek's latent attention, dense first layers, MTP
+and routing), a batch from 1 up, a mesh of 1 to 8 simulated devices over every axis (pipeline
 stages, data, FSDP, experts, context, tensor), an attention kernel and block, a remat policy, gradient
 accumulation, a pipeline schedule with repeats and microbatches, experts with their capacity, kernel and exchange,
 FP8, dropout, dtypes, and a data mixture (with, now and then, a source that does not exist). Each must either
@@ -95,35 +96,84 @@ def _multiple(draw, tidy: bool, of: int, wild) -> int:
 def models(draw, mesh: Mesh, tidy: bool) -> list[str]:
     """A family and its sizes. Drawn `tidy`, the sizes are what the mesh splits (heads by tensor, the sequence in
     2 x context chunks, layers by stages); else anything, for the refusals."""
-    family = draw(st.sampled_from(["gpt", "llama", "moe"]))
+    family = draw(st.sampled_from(["gpt", "llama", "moe", "qwen", "deepseek"]))
     tensor, context, stages = mesh.sizes["tensor"], mesh.sizes["context"], mesh.sizes["stage"]
     heads = _multiple(draw, tidy, tensor, st.sampled_from([1, 2, 3, 4, 6, 8]))
     head_dim = draw(st.sampled_from([2, 4, 8, 16]))
     lengths = st.one_of(st.sampled_from(LENGTHS), st.integers(1, 160))
     length = draw(lengths) if not tidy or context == 1 else 2 * context * draw(st.sampled_from([1, 3, 8, 13]))
     layers = draw(st.integers(1, 4)) if not tidy or stages == 1 else stages * draw(st.integers(1, 2))
-    out = [f"model={'tiny' if family == 'gpt' else 'llama-tiny' if family == 'llama' else 'moe-tiny'}",
+    preset = {"gpt": "tiny", "llama": "llama-tiny", "moe": "moe-tiny", "qwen": "qwen3-tiny", "deepseek": "deepseek-tiny"}
+    out = [f"model={preset[family]}",
            f"model.n_layers={layers}", f"model.n_heads={heads}", f"model.d_model={heads * head_dim}",
            f"model.d_mlp={draw(st.sampled_from([4, 8, 24, 64]))}", f"model.seq_len={length}"]
-    if family != "gpt":
+    if family in ("llama", "moe", "qwen"):
         kv = [k for k in (1, 2, 3, 4) if heads % k == 0 and (not tidy or k % tensor == 0)]
         out.append(f"model.n_kv_heads={draw(st.sampled_from([0] + kv))}")
-    if family == "moe":
+        out += draw(llama_settings(family))
+    if family == "deepseek":
+        out += draw(latent_attention(mesh, tidy, layers))
+    if family in ("moe", "deepseek"):
         experts = _multiple(draw, tidy, mesh.sizes["expert"], st.sampled_from([2, 3, 4, 8]))
         experts = max(experts, 2)
-        out += [f"model.moe_experts={experts}", f"model.moe_top_k={draw(st.integers(1, experts))}",
+        top_k = draw(st.integers(1, experts))
+        out += [f"model.moe_experts={experts}", f"model.moe_top_k={top_k}",
                 f"model.moe_d_ff={draw(st.sampled_from([0, 4, 12]))}",
                 f"model.moe_capacity_factor={draw(st.sampled_from([0.0, 0.5, 1.0, 1.25]))}",
                 f"model.moe_shared_expert={draw(st.booleans())}",
                 f"model.moe_kernel={draw(st.sampled_from(['auto', 'xla', 'triton', 'megablox']))}",
                 f"model.moe_exchange={draw(st.sampled_from(['auto', 'all_to_all', 'ragged']))}",
                 f"model.moe_dropless={draw(st.sampled_from(['rounds', 'buffer']))}"]
-        if draw(st.booleans()) and not (tidy and stages > 1):
+        if draw(st.booleans()) and not (tidy and stages > 1) and family == "moe":
             out += ["model.moe_every=2", "model.scan_layers=false", f"model.n_layers={draw(st.sampled_from([2, 4]))}"]
+        out += draw(routing(experts, top_k, tidy))
     if family == "gpt":
         out.append(f"model.use_bias={draw(st.booleans())}")
     out.append(f"model.tie_embeddings={draw(st.booleans())}")
     return out
+
+
+@st.composite
+def llama_settings(draw, family: str) -> list[str]:
+    """The Llama block's settings Llama 3 and Qwen brought: rotary scaling, a head size of its own, q/k norms and
+    q/k/v biases (head_dim 0: d_model / heads; the qwen family's preset sets one)."""
+    out = [f"model.head_dim={draw(st.sampled_from([0, 0, 6, 8, 16]))}", f"model.qk_norm={draw(st.booleans())}",
+           f"model.qkv_bias={draw(st.booleans())}"]
+    scaling = draw(st.sampled_from(["none", "none", "llama3", "yarn"]))
+    out.append(f"model.rope_scaling={scaling}")
+    if scaling != "none":
+        out += [f"model.rope_factor={draw(st.sampled_from([1.0, 4.0, 8.0]))}",
+                f"model.rope_original_context={draw(st.sampled_from([0, 8, 64]))}"]
+    return out
+
+
+@st.composite
+def latent_attention(draw, mesh: Mesh, tidy: bool, layers: int) -> list[str]:
+    """DeepSeek's: latent sizes, the heads' plain, rotary and value widths, dense first layers, MTP (which
+    pipeline stages refuse)."""
+    stages = mesh.sizes["stage"]
+    first = draw(st.integers(0, max(layers - 1, 0)))
+    if tidy and stages > 1:  # the stack (the layers after the dense ones) splits over the stages
+        first = 0
+    return [f"model.mla_kv_rank={draw(st.sampled_from([4, 16, 32]))}",
+            f"model.mla_q_rank={draw(st.sampled_from([0, 8, 24]))}",
+            f"model.mla_rope_dim={draw(st.sampled_from([2, 8, 16] + ([] if tidy else [3])))}",
+            f"model.mla_nope_dim={draw(st.sampled_from([4, 16]))}", f"model.mla_v_dim={draw(st.sampled_from([4, 8]))}",
+            f"model.moe_first_dense={first}",
+            f"model.mtp_depth={0 if tidy and stages > 1 else draw(st.sampled_from([0, 1, 2]))}"]
+
+
+@st.composite
+def routing(draw, experts: int, top_k: int, tidy: bool) -> list[str]:
+    """How tokens choose experts: softmax or sigmoid (DeepSeek's, with its balancing bias), renormalised or not,
+    limited to groups (drawn tidy, enough of them kept for the top k), scaled."""
+    router = draw(st.sampled_from(["softmax", "sigmoid"]))
+    groups = draw(st.sampled_from([g for g in (1, 2, 4) if experts % g == 0]))
+    fewest = -(-top_k * groups // experts) if tidy else 1
+    return [f"model.moe_router={router}", f"model.moe_norm_topk={draw(st.booleans())}",
+            f"model.moe_groups={groups}", f"model.moe_group_top_k={draw(st.integers(fewest, groups))}",
+            f"model.moe_routed_scale={draw(st.sampled_from([1.0, 2.5]))}",
+            f"model.moe_bias_rate={draw(st.sampled_from([0.0, 1e-3])) if router == 'sigmoid' else 0.0}"]
 
 
 @st.composite
