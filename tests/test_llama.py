@@ -110,7 +110,8 @@ def test_bfloat16_compute_tracks_float32_and_keeps_float32_state(llama_trajector
     np.testing.assert_allclose(got, ref, rtol=2e-2)
     assert not np.allclose(got, ref, rtol=1e-6)  # bfloat16 really ran
     assert {x.dtype for x in jax.tree.leaves(ts.state)} <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32),
-                                                             jnp.dtype(jnp.uint32)}
+                                                             jnp.dtype(jnp.uint32), jnp.dtype(bool)}  # (the spike
+    # guard's halt flag: `train.spikes`)
     model = _model(LLAMA + ["model.dtype=bfloat16"])
     tokens = jnp.zeros((2, 16), jnp.int32)
     assert model(tokens).dtype == jnp.float32

@@ -86,6 +86,33 @@ def test_the_gradients_scale_with_any_cotangent(schedule):
     np.testing.assert_allclose(jax.jit(fused)(x, w), plain_loss(x, w, targets, True), rtol=1e-6)
 
 
+@pytest.mark.parametrize("schedule", ["4 blocks in the forward", "2 chunks x 4 blocks"])
+def test_the_z_loss_goes_through_the_fused_head(schedule):
+    """With `z_loss` the fused head returns (cross entropy, mean log^2 Z), each with its own gradient: the
+    objective ce + 0.3 z (train.z_loss=0.3, as the step weights it) has the plain logits' gradients, in both
+    schedules."""
+    (chunks, budget, forward_budget), _ = SCHEDULES[schedule]
+    x, w, targets = inputs(False)
+
+    def fused(x, w):
+        ce, z = head_loss(x, w, targets, tied=False, vocab_size=VOCAB, compute_dtype=jnp.float32, chunks=chunks,
+                          budget=budget, forward_budget=forward_budget, flops_per_byte=0, z_loss=True)
+        return ce + 0.3 * z, (ce, z)
+
+    def plain(x, w):
+        logits = jnp.where(jnp.arange(PADDED) < VOCAB, jnp.einsum("btd,dv->btv", x, w), -jnp.inf)
+        z = (jax.nn.logsumexp(logits, -1) ** 2).mean()
+        ce = plain_loss(x, w, targets, False)
+        return ce + 0.3 * z, (ce, z)
+
+    (_, got), got_grads = jax.value_and_grad(fused, argnums=(0, 1), has_aux=True)(x, w)
+    (_, want), want_grads = jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)(x, w)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert want[1] > 1.0  # the z term is large enough to count
+    for g, r in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
 def head_matmuls(loss, x, w) -> float:
     """A value-and-gradient of `loss`'s matmul FLOPs, in head matmuls (2 x tokens x rows x d each)."""
     jaxpr = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(x, w).jaxpr

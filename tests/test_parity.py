@@ -66,7 +66,8 @@ def plain_run(overrides):
     from shardlm.config import load_config
     from shardlm.losses import cross_entropy
     from shardlm.mesh import make_mesh
-    from shardlm.train.state import create_train_state, make_optimizer
+    from shardlm.train.optimizers import make_optimizer
+    from shardlm.train.state import create_train_state
 
     cfg = load_config(None, overrides)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])

@@ -12,7 +12,7 @@ from shardlm.config import load_config
 from shardlm.models.gpt import padded_vocab_size
 from shardlm.flops import flops_per_token, matmul_params, table_peak
 from shardlm.train.source import model_source
-from shardlm.train.state import effective_warmup, make_optimizer, make_schedule
+from shardlm.train.optimizers import effective_warmup, make_optimizer, make_schedule
 
 
 def test_schedule_warmup_then_cosine_to_the_floor():

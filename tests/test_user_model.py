@@ -68,7 +68,7 @@ def plain_loop_losses(function: str, n: int) -> list[float]:
     from shardlm.data.loader import BatchLoader
     from shardlm.losses import cross_entropy
     from shardlm.train.data import load_data
-    from shardlm.train.state import make_optimizer
+    from shardlm.train.optimizers import make_optimizer
 
     cfg = cfg_for(function)
     one = jax.sharding.NamedSharding(shardlm.make_mesh(devices=jax.devices()[:1]), jax.sharding.PartitionSpec())

@@ -77,6 +77,14 @@ class DataConfig:
     # A mixture: a list of {path, weight, name} read as one stream by the weights (`shardlm.data.mixture`), each
     # source evaluated on its own; empty = the one source data.path names.
     sources: list = dataclasses.field(default_factory=list)
+    # Attention within each document packed in a window, as the separator tokens delimit them
+    # (`shardlm.models.documents`): "auto" = for shardlm's own models off pipeline stages (a model from a py: file
+    # attends as its code says; a pipeline's microbatches carry no documents' ids yet); true asks for it (refused
+    # where it cannot run); false attends across documents.
+    document_mask: bool | str = "auto"
+
+
+OPTIMIZERS = ("adamw", "muon", "lion", "adafactor")  # train.optimizer's values (`shardlm.train.optimizers`)
 
 
 @dataclasses.dataclass
@@ -98,6 +106,17 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    z_loss: float = 0.0  # > 0: this weight times the mean of log^2 Z of the logits joins the loss (PaLM's z-loss)
+    # adamw, muon (optax's, on the hidden matrices; AdamW on the embedding, head, norms, biases and routers), lion
+    # or adafactor: one train.lr and schedule for each (`shardlm.train.optimizers`)
+    optimizer: str = "adamw"
+    # Skip an update whose loss or gradient norm is not finite, or beyond spike_sigmas standard deviations of the
+    # last spike_window applied updates' (once half of them are in); stop after max_skips skips in a row
+    # (`shardlm.train.spikes`)
+    skip_spikes: bool = True
+    spike_sigmas: float = 6.0
+    spike_window: int = 128
+    max_skips: int = 8
     log_interval: int = 10
     eval_interval: int = 100
     eval_batches: int = 8
@@ -464,8 +483,13 @@ def _check_train(t: TrainConfig) -> None:
     if t.batch_size % t.grad_accum:
         raise ShardlmError(f"train.batch_size={t.batch_size} does not split into train.grad_accum={t.grad_accum} "
                            "equal microbatches; use a grad_accum dividing the batch size")
-    for key in ("warmup_steps", "sample_tokens", "weight_decay", "grad_clip"):
+    for key in ("warmup_steps", "sample_tokens", "weight_decay", "grad_clip", "z_loss"):
         check_in_range(f"train.{key}", getattr(t, key), 0, math.inf)
+    check_one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    for key in ("spike_window", "max_skips"):
+        check_positive(f"train.{key}", getattr(t, key))
+    if not t.spike_sigmas > 0:  # nan fails too
+        raise ShardlmError(f"train.spike_sigmas must be positive, got {t.spike_sigmas}")
     check_in_range("train.beta1", t.beta1, 0.0, 1.0)
     check_in_range("train.beta2", t.beta2, 0.0, 1.0)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
@@ -479,6 +503,10 @@ def _check_data(d: DataConfig) -> None:
         from shardlm.data.tokenizer import check_spec
 
         check_spec(d.tokenizer, "data.tokenizer")
+    if isinstance(d.document_mask, str) and d.document_mask.lower() in ("true", "false"):  # as written on a CLI
+        d.document_mask = d.document_mask.lower() == "true"
+    if d.document_mask not in (True, False, "auto"):
+        raise ShardlmError(f"data.document_mask must be true, false or auto, got {d.document_mask!r}")
     if d.invalid_utf8 not in ("error", "replace"):
         raise ShardlmError(f"data.invalid_utf8 must be error or replace, got {d.invalid_utf8!r}")
     if not d.path or not d.text_field:

@@ -43,10 +43,13 @@ def check_import(m, tree: dict, directory: Path) -> None:
 
 
 def exportable(m, where: str) -> None:
-    """A GPT is exported as GPT-2, which has biases."""
+    """A GPT is exported as GPT-2, which has biases and no q/k norms."""
     if not m.use_bias:
         raise ShardlmError(f"{where} trained a GPT without biases (model.use_bias=false), which transformers' "
                            "GPT2LMHeadModel cannot hold; only GPT runs with biases export")
+    if m.qk_norm:
+        raise ShardlmError(f"{where} trained a GPT with q/k norms (model.qk_norm=true), which transformers' "
+                           "GPT2LMHeadModel cannot hold; only GPT runs without them export")
 
 
 def write_config(m, common: dict) -> dict:

@@ -12,6 +12,12 @@ Design choices:
   saves `residual_name` keeps 2 bytes per token x d_model (and 4 per token and head of statistics) and the
   backward pass runs cuDNN's backward kernel alone. The rules are JAX internals (`jax._src.cudnn`); a JAX without
   them gets the public `jax.nn.dot_product_attention`, whose forward then runs again.
+- Documents packed in a row (`data.document_mask`): JAX 0.10's cuDNN attention takes them only in its packed
+  layout, lengths and offsets for a static maximum M of documents per row, and its softmax statistics are then
+  [rows x M, heads, T]: room for the T documents a row can hold is a [T, T] buffer per layer (compiled for H100s,
+  4x what a GPT layer keeps at 1,024 positions), and a smaller M cannot mask a row with more documents exactly.
+  So cuDNN's kernel takes no documents' ids (the registry's `documents=False`): `auto` then keeps it and
+  attends across documents, and a run that asks for document masks on a GPU gets the blockwise kernel.
 - XLA's attention is plain jnp: its backward needs the probabilities, which a policy that saves only named
   tensors recomputes from q and k (one more QK^T per head, as a flash kernel's backward pass does) instead of
   keeping [T, T] per head.
@@ -89,16 +95,18 @@ def cudnn_available() -> bool:
     return _cudnn_rules() is not None
 
 
-def cudnn_chunk_forward(q, k, v, causal: bool):
+def cudnn_chunk_forward(q, k, v, causal: bool, q_seg=None, kv_seg=None):
     """cuDNN's kernel as the ring's per-chunk kernel (`shardlm.kernels.ring`), forward: q [b, tq, heads, d]
     against k, v [b, tk, kv_heads, d], causal or every key visible -> (out float32, lse [b, tq, heads] float32).
-    cuDNN's softmax statistics are the log-sum-exp per query and head ([b, heads, tq])."""
+    cuDNN's softmax statistics are the log-sum-exp per query and head ([b, heads, tq]). No documents' ids
+    (`shardlm.kernels.registry` hands it none)."""
+    assert q_seg is None, "cuDNN's kernel takes no documents' ids here"
     fa, fwd_rule, _ = _cudnn_rules()
     out, res = fwd_rule(q, k, v, *_unused(q.dtype), *_cudnn_static(fa, q, causal))
     return out.astype(jnp.float32), res[-2].transpose(0, 2, 1)
 
 
-def cudnn_chunk_backward(q, k, v, out, lse, d_out, causal: bool):
+def cudnn_chunk_backward(q, k, v, out, lse, d_out, causal: bool, q_seg=None, kv_seg=None):
     """cuDNN's backward kernel given the whole row's output and log-sum-exp (see `kernels.flash.chunk_backward`)
     -> (dq, dk, dv)."""
     fa, _, bwd_rule = _cudnn_rules()

@@ -3,6 +3,10 @@
 inside the context ring until their own kernels take over) and as the ring's per-chunk kernel.
 
 Design choices:
+- Documents packed in one sequence (`model.document_mask`): with each row's document ids (`q_seg`, `kv_seg`, [b,
+  T]) a key is visible only within its query's document too, and a block whose rows' ids do not overlap is
+  skipped like a block above the diagonal (ids only grow along a stretch of the sequence, so a document's blocks
+  are a band around the diagonal).
 - Causality is by position, not by index: `q_pos` [tq] and `kv_pos` [tk] give each row's place in the whole
   sequence, and key j is visible to query i when kv_pos[j] <= q_pos[i]. One kernel then serves a whole sequence
   (positions 0..T-1), a context-parallel device's chunk against another device's chunk, and the zigzag layout
@@ -58,50 +62,58 @@ def blocking(length: int, most: int) -> tuple[int, int]:
 
 
 def blockwise_attention(q, k, v, q_pos, kv_pos, *, block_q: int = BLOCK, block_k: int = BLOCK,
-                        residual_name: str | None = None):
+                        residual_name: str | None = None, q_seg=None, kv_seg=None):
     """q [b, tq, heads, d], k and v [b, tk, kv_heads, d], q_pos [tq] and kv_pos [tk] int32 -> out [b, tq, heads, d]
-    in q's dtype. Causal by position; blocks of at most `block_q` queries and `block_k` keys (`blocking`). The output
-    and log-sum-exp the backward pass keeps are named `residual_name`."""
+    in q's dtype. Causal by position, and with `q_seg` [b, tq] and `kv_seg` [b, tk] (documents' ids) within a
+    document; blocks of at most `block_q` queries and `block_k` keys (`blocking`). The output and log-sum-exp the
+    backward pass keeps are named `residual_name`."""
     # Positions are usually constants (the same for every layer). Under a differentiated loop (the scanned layers)
     # JAX hoists whatever depends on constants alone out of it as residuals: every block's causal mask, and the
     # scores it selects, [T, T] in all (1.5 GiB at 8,192 positions, measured). Tying the positions to q through a
     # barrier makes them a value of the iteration, so nothing of the kernel is hoisted.
-    q, q_pos, kv_pos = jax.lax.optimization_barrier((q, q_pos, kv_pos))
+    q, q_pos, kv_pos, segs = jax.lax.optimization_barrier((q, q_pos, kv_pos, _segments(q_seg, kv_seg)))
 
     @jax.custom_vjp
-    def attend(q, k, v, q_pos, kv_pos):
-        return _forward(q, k, v, q_pos, kv_pos, block_q, block_k)[0].astype(q.dtype)
+    def attend(q, k, v, q_pos, kv_pos, segs):
+        return _forward(q, k, v, q_pos, kv_pos, block_q, block_k, segs)[0].astype(q.dtype)
 
-    def attend_forward(q, k, v, q_pos, kv_pos):
-        out, lse = _forward(q, k, v, q_pos, kv_pos, block_q, block_k)
+    def attend_forward(q, k, v, q_pos, kv_pos, segs):
+        out, lse = _forward(q, k, v, q_pos, kv_pos, block_q, block_k, segs)
         out = out.astype(q.dtype)
         if residual_name:
             out, lse = checkpoint_name(out, residual_name), checkpoint_name(lse, residual_name)
-        return out, (q, k, v, q_pos, kv_pos, out, lse)
+        return out, (q, k, v, q_pos, kv_pos, segs, out, lse)
 
     def attend_backward(saved, d_out):
-        q, k, v, q_pos, kv_pos, out, lse = saved
+        q, k, v, q_pos, kv_pos, segs, out, lse = saved
         d_lse = jnp.zeros(lse.shape, jnp.float32)
-        dq, dk, dv = _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, block_q, block_k)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, block_q, block_k, segs)
+        return dq, dk, dv, None, None, jax.tree.map(lambda _: None, segs)
 
     attend.defvjp(attend_forward, attend_backward)
-    return attend(q, k, v, q_pos, kv_pos)
+    return attend(q, k, v, q_pos, kv_pos, segs)
 
 
-def chunk_forward(q, k, v, causal: bool, *, block: int = BLOCK):
+def chunk_forward(q, k, v, causal: bool, q_seg=None, kv_seg=None, *, block: int = BLOCK):
     """The ring's per-chunk kernel, forward: q [b, tq, heads, d] against k, v [b, tk, kv_heads, d], causal within
-    the chunk (tq == tk) or every key visible -> (out float32, lse [b, tq, heads] float32)."""
+    the chunk (tq == tk) or every key visible, within a document where `q_seg` [b, tq] and `kv_seg` [b, tk] give
+    documents' ids -> (out float32, lse [b, tq, heads] float32)."""
     q, q_pos, kv_pos = _chunk_positions(q, k, causal)
-    return _forward(q, k, v, q_pos, kv_pos, block, block)
+    return _forward(q, k, v, q_pos, kv_pos, block, block, _segments(q_seg, kv_seg))
 
 
-def chunk_backward(q, k, v, out, lse, d_out, causal: bool, *, block: int = BLOCK):
+def _segments(q_seg, kv_seg):
+    """(q_seg, kv_seg), or None without documents."""
+    return None if q_seg is None else (q_seg, kv_seg)
+
+
+def chunk_backward(q, k, v, out, lse, d_out, causal: bool, q_seg=None, kv_seg=None, *, block: int = BLOCK):
     """The ring's per-chunk kernel, backward, given the whole row's output and log-sum-exp (over every chunk of
     keys, not this one's alone: then each chunk's probabilities are already normalised, and dq, dk, dv of the
     chunks add up to the whole attention's) -> (dq, dk, dv) in the inputs' dtype."""
     q, q_pos, kv_pos = _chunk_positions(q, k, causal)
-    return _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, jnp.zeros(lse.shape, jnp.float32), block, block)
+    return _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, jnp.zeros(lse.shape, jnp.float32), block, block,
+                     _segments(q_seg, kv_seg))
 
 
 def _chunk_positions(q, k, causal: bool):
@@ -144,13 +156,25 @@ def _padded(x, rows: int, value=0, axis: int = 1):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _blocked(q, k, v, q_pos, kv_pos, block_q, block_k):
-    """The inputs padded to whole blocks (`blocking`), and the blocks' rows: (q, k, v, q_pos, kv_pos, bq, bk)."""
+def _blocked(q, k, v, q_pos, kv_pos, block_q, block_k, segs=None):
+    """The inputs padded to whole blocks (`blocking`), and the blocks' rows: (q, k, v, q_pos, kv_pos, segs, bq,
+    bk); `segs` (q_seg, kv_seg) or None."""
     bq, nq = blocking(q.shape[1], block_q)
     bk, nk = blocking(k.shape[1], block_k)
     q, q_pos = _padded(q, bq * nq), _padded(q_pos, bq * nq, _NO_KEY, 0)
     k, v, kv_pos = _padded(k, bk * nk), _padded(v, bk * nk), _padded(kv_pos, bk * nk, _NO_QUERY, 0)
-    return q, k, v, q_pos, kv_pos, bq, bk
+    if segs is not None:  # (a padded row is excluded by its position already)
+        segs = (_padded(segs[0], bq * nq), _padded(segs[1], bk * nk))
+    return q, k, v, q_pos, kv_pos, segs, bq, bk
+
+
+def _segment_blocks(segs, bq, bk):
+    """Documents' ids per block, blocks first: ([nq, b, bq], [nk, b, bk]), or (None, None)."""
+    if segs is None:
+        return None, None
+    q_seg, kv_seg = segs
+    b = q_seg.shape[0]
+    return (q_seg.reshape(b, -1, bq).swapaxes(0, 1), kv_seg.reshape(b, -1, bk).swapaxes(0, 1))
 
 
 def _split(q, k, v, bq, bk):
@@ -162,35 +186,44 @@ def _split(q, k, v, bq, bk):
     return qb, kb, vb
 
 
-def _scores(qi, kj, qp, kp):
-    """A block's float32 scores [b, kv_heads, group, bq, bk], -inf where the key is not visible."""
+def _scores(qi, kj, qp, kp, qs=None, ks=None):
+    """A block's float32 scores [b, kv_heads, group, bq, bk], -inf where the key is not visible: after the query,
+    or (with documents' ids `qs` [b, bq], `ks` [b, bk]) in another document."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32) / math.sqrt(qi.shape[-1])
-    return jnp.where(kp[None, :] <= qp[:, None], s, -jnp.inf)
+    visible = (kp[None, :] <= qp[:, None])[None]
+    if qs is not None:
+        visible = visible & (qs[:, :, None] == ks[:, None, :])
+    return jnp.where(visible[:, None, None], s, -jnp.inf)
 
 
-def _visible(qp, kp):
-    """Whether any key of the block is visible to any of its queries."""
-    return kp.min() <= qp.max()
+def _visible(qp, kp, qs=None, ks=None):
+    """Whether any key of the block may be visible to any of its queries: not all after them, and (with documents'
+    ids) in some row, the ranges of the two blocks' ids overlap. A block of another document is skipped."""
+    causal = kp.min() <= qp.max()
+    if qs is None:
+        return causal
+    return causal & jnp.any((ks.max(-1) >= qs.min(-1)) & (ks.min(-1) <= qs.max(-1)))
 
 
-def _forward(q, k, v, q_pos, kv_pos, block_q, block_k):
+def _forward(q, k, v, q_pos, kv_pos, block_q, block_k, segs=None):
     """-> (out [b, tq, heads, d] float32, lse [b, tq, heads] float32), in blocks of at most `block_q` queries and
-    `block_k` keys."""
+    `block_k` keys; `segs` (q_seg [b, tq], kv_seg [b, tk]): documents' ids, or None."""
     b, tq, h, d = q.shape
-    q, k, v, q_pos, kv_pos, bq, bk = _blocked(q, k, v, q_pos, kv_pos, block_q, block_k)
+    q, k, v, q_pos, kv_pos, segs, bq, bk = _blocked(q, k, v, q_pos, kv_pos, block_q, block_k, segs)
     qb, kb, vb = _split(q, k, v, bq, bk)
     qpb, kpb = q_pos.reshape(-1, bq), kv_pos.reshape(-1, bk)
+    qsb, ksb = _segment_blocks(segs, bq, bk)
     stat_shape = (b, k.shape[2], h // k.shape[2], bq)
 
     def query_block(args):
-        qi, qp = args
+        qi, qp, qs = args
 
         def key_block(carry, args):
-            kj, vj, kp = args
+            kj, vj, kp, ks = args
 
             def update(carry):
                 m, l, acc = carry
-                s = _scores(qi, kj, qp, kp)
+                s = _scores(qi, kj, qp, kp, qs, ks)
                 m_new = jnp.maximum(m, s.max(-1))
                 base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - base[..., None])
@@ -198,27 +231,28 @@ def _forward(q, k, v, q_pos, kv_pos, block_q, block_k):
                 pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
                 return m_new, l * correction + p.sum(-1), acc * correction[..., None] + pv
 
-            return jax.lax.cond(_visible(qp, kp), update, lambda c: c, carry), None
+            return jax.lax.cond(_visible(qp, kp, qs, ks), update, lambda c: c, carry), None
 
         init = tuple(_varying_like(t, q, k, v) for t in (
             jnp.full(stat_shape, -jnp.inf), jnp.zeros(stat_shape), jnp.zeros((*stat_shape, d))))
-        (m, l, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpb))
+        (m, l, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpb, ksb))
         seen = l > 0
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         return acc / jnp.where(seen, l, 1.0)[..., None], lse
 
-    out, lse = jax.lax.map(query_block, (qb, qpb))  # [nq, b, kvh, g, bq, (d)]
+    out, lse = jax.lax.map(query_block, (qb, qpb, qsb))  # [nq, b, kvh, g, bq, (d)]
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, -1, h, d)[:, :tq]
     lse = lse.transpose(1, 0, 4, 2, 3).reshape(b, -1, h)[:, :tq]
     return out, lse
 
 
-def _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, block_q, block_k):
+def _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, block_q, block_k, segs=None):
     """-> (dq, dk, dv) in the inputs' dtypes, given the rows' output, log-sum-exp and their cotangents."""
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
-    q, k, v, q_pos, kv_pos, bq, bk = _blocked(q, k, v, q_pos, kv_pos, block_q, block_k)
+    q, k, v, q_pos, kv_pos, segs, bq, bk = _blocked(q, k, v, q_pos, kv_pos, block_q, block_k, segs)
+    qsb, ksb = _segment_blocks(segs, bq, bk)
     rows = q.shape[1]  # padded: the padded queries' output and cotangents are 0, their log-sum-exp -inf
     out, d_out, d_lse = (_padded(t.astype(jnp.float32), rows) for t in (out, d_out, d_lse))
     lse = _padded(lse, rows, -jnp.inf)
@@ -233,14 +267,14 @@ def _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, block_q, block_k):
 
     def query_block(carry, args):
         dk, dv = carry  # [nk, b, bk, kvh, d] float32
-        qi, qp, lse_i, delta_i, do_i = args
+        qi, qp, qs, lse_i, delta_i, do_i = args
 
         def key_block(state, args):
-            j, kj, vj, kp = args
+            j, kj, vj, kp, ks = args
 
             def update(state):
                 dq_i, dk, dv = state
-                p = jnp.exp(_scores(qi, kj, qp, kp) - lse_i[..., None])
+                p = jnp.exp(_scores(qi, kj, qp, kp, qs, ks) - lse_i[..., None])
                 dp = jnp.einsum("bqkgd,bskd->bkgqs", do_i, vj, preferred_element_type=jnp.float32)
                 ds = (p * (dp - delta_i[..., None]) * scale).astype(q.dtype)
                 dq_i = dq_i + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=jnp.float32)
@@ -249,15 +283,15 @@ def _backward(q, k, v, q_pos, kv_pos, out, lse, d_out, d_lse, block_q, block_k):
                                              preferred_element_type=jnp.float32))
                 return dq_i, dk, dv
 
-            return jax.lax.cond(_visible(qp, kp), update, lambda s: s, state), None
+            return jax.lax.cond(_visible(qp, kp, qs, ks), update, lambda s: s, state), None
 
         # the inner loop carries this query block's dq and the keys' running dk, dv
         state = (_varying_like(jnp.zeros(qi.shape, jnp.float32), q, k, v, d_out), dk, dv)
-        (dq_i, dk, dv), _ = jax.lax.scan(key_block, state, (jnp.arange(kb.shape[0]), kb, vb, kpb))
+        (dq_i, dk, dv), _ = jax.lax.scan(key_block, state, (jnp.arange(kb.shape[0]), kb, vb, kpb, ksb))
         return (dk, dv), dq_i
 
     zeros = _varying_like(jnp.zeros((kb.shape[0], b, bk, kvh, d), jnp.float32), q, k, v, d_out)
-    (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), (qb, qpb, lse_b, delta_b, do_b))
+    (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), (qb, qpb, qsb, lse_b, delta_b, do_b))
     dq = dq.swapaxes(0, 1).reshape(b, rows, h, d)[:, :tq].astype(q.dtype)
     dk, dv = (t.swapaxes(0, 1).reshape(b, -1, kvh, d)[:, :tk].astype(k.dtype) for t in (dk, dv))
     return dq, dk, dv

@@ -228,7 +228,9 @@ class PerDevice:
     """One device's loss and its custom VJP: its tokens x [b, t, d], its shard of the head, its targets [b, t].
     (The custom VJP's functions close over no traced value: each derives what it needs from its arguments.)"""
 
-    def __init__(self, schedule: Schedule, *, tied, vocab_size, compute_dtype, reduce_dtype, n_tokens, axes: Axes):
+    def __init__(self, schedule: Schedule, *, tied, vocab_size, compute_dtype, reduce_dtype, n_tokens, axes: Axes,
+                 z_loss: bool = False):
+        self.z_loss = z_loss  # also the mean of log^2 Z (PaLM's z-loss): the loss is then (cross entropy, z)
         self.width, self.blocks, self.in_forward = schedule.tiling
         self.rows = schedule.rows
         self.tied, self.vocab_size, self.compute_dtype, self.n_tokens, self.axes = (
@@ -239,21 +241,26 @@ class PerDevice:
             ("btd,vd->btv", "btv,vd->btd", "btv,btd->vd") if tied else ("btd,dv->btv", "btv,dv->btd", "btv,btd->dv"))
 
     def loss(self, x, w, targets):
+        """The mean cross entropy; with `z_loss`, (it, the mean of log^2 Z)."""
+
         @jax.custom_vjp
         def loss(x, w, targets):
             return self.forward(x, w, targets)[0]
 
         def loss_forward(x, w, targets):
             if self.in_forward:
-                value, dx, dw = self.forward_with_gradients(x, w, targets)
-                return value, (dx, dw, None)
+                value, grads = self.forward_with_gradients(x, w, targets)
+                return value, (grads, None)
             value, lse = self.forward(x, w, targets)
             return value, (x, w, (targets, lse))
 
         def loss_backward(saved, g):
-            if self.in_forward:  # the gradients for a cotangent of 1, scaled
-                dx, dw, _ = saved
-                return (dx * g).astype(dx.dtype), (dw * g).astype(dw.dtype), None
+            if self.in_forward:  # the gradients for a cotangent of 1 (of each term), scaled
+                grads, _ = saved
+                g = g if self.z_loss else (g,)
+                dx = sum(d.astype(jnp.float32) * gi for (d, _), gi in zip(grads, g))
+                dw = sum(d.astype(jnp.float32) * gi for (_, d), gi in zip(grads, g))
+                return dx.astype(grads[0][0].dtype), dw.astype(grads[0][1].dtype), None
             x, w, (targets, lse) = saved
             return (*self.backward(x, w, targets, lse, g), None)
 
@@ -330,6 +337,21 @@ class PerDevice:
             total = jax.lax.psum(total, self.axes.token)
         return total / self.n_tokens
 
+    def value(self, lse, target_logit):
+        """The loss from the per-token log-sum-exp and target logit: the mean cross entropy, and with `z_loss` the
+        mean of log^2 Z beside it."""
+        ce = self.mean(lse - target_logit)
+        return (ce, self.mean(lse * lse)) if self.z_loss else ce
+
+    def dlogits(self, logits, lse, hit, g):
+        """The logits' gradient for the loss's cotangent `g` ((g_ce, g_z) with `z_loss`): softmax minus the
+        one-hot target times g_ce / tokens, plus 2 log Z softmax times g_z / tokens."""
+        p = jnp.exp(logits - lse[..., None])
+        if not self.z_loss:
+            return (p - hit) * (g / self.n_tokens)
+        g_ce, g_z = g
+        return ((p - hit) * g_ce + 2 * lse[..., None] * p * g_z) / self.n_tokens
+
     # --- gradients in the forward pass ------------------------------------------------------------------------
 
     def forward_with_gradients(self, x, w, targets):
@@ -365,18 +387,24 @@ class PerDevice:
                 s, target_logit = jax.lax.psum(s, axes.vocab), jax.lax.psum(target_logit, axes.vocab)
             lse = base + jnp.log(s)
             hit = jnp.arange(real) == local[..., None]
-            dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * (1 / self.n_tokens)).astype(self.compute_dtype)
-            dc = dc + self.weight_share(x, dlogits)
-            return dc, (lse - target_logit, self.input_share(dlogits, c))
+            shares = []
+            for g in ((1.0, 0.0), (0.0, 1.0)) if self.z_loss else (1.0,):  # each term's, for a cotangent of 1
+                dlogits = self.dlogits(logits, lse, hit, g).astype(self.compute_dtype)
+                shares.append((self.weight_share(x, dlogits), self.input_share(dlogits, c)))
+            dc = tuple(d + share for d, (share, _) in zip(dc, shares))
+            return dc, (lse, target_logit, tuple(dx for _, dx in shares))
 
-        dc, (losses, dx) = self.over_blocks(block, self.weight_zeros(x.shape[-1], real),
-                                            (self.in_blocks(x), self.in_blocks(targets)))
-        if axes.vocab:
-            dx = jax.lax.psum(dx, axes.vocab)
-        if real < self.rows:  # the padding rows' gradient: zero
-            dc = jnp.pad(dc, ((0, self.rows - real), (0, 0)) if tied else ((0, 0), (0, self.rows - real)))
-        dw = self.reduced(dc).astype(w.dtype)
-        return self.mean(losses), dx.reshape(x.shape).astype(x.dtype), dw
+        terms = 2 if self.z_loss else 1
+        dc, (lse, target_logit, dx) = self.over_blocks(block, (self.weight_zeros(x.shape[-1], real),) * terms,
+                                                       (self.in_blocks(x), self.in_blocks(targets)))
+        grads = []
+        for dc_i, dx_i in zip(dc, dx):
+            if axes.vocab:
+                dx_i = jax.lax.psum(dx_i, axes.vocab)
+            if real < self.rows:  # the padding rows' gradient: zero
+                dc_i = jnp.pad(dc_i, ((0, self.rows - real), (0, 0)) if tied else ((0, 0), (0, self.rows - real)))
+            grads.append((dx_i.reshape(x.shape).astype(x.dtype), self.reduced(dc_i).astype(w.dtype)))
+        return self.value(lse, target_logit), tuple(grads)
 
     # --- logits recomputed in the backward pass ---------------------------------------------------------------
 
@@ -407,12 +435,11 @@ class PerDevice:
             s = jax.lax.psum(s * jnp.exp(m - top), axes.vocab)
             m, target_logit = top, jax.lax.psum(target_logit, axes.vocab)
         lse = m + jnp.log(s)
-        return self.mean(lse - target_logit), lse
+        return self.value(lse, target_logit), lse
 
     def backward(self, x, w, targets, lse, g):
         """(dx, dw): each chunk's logits again, block by block, turned into softmax minus one-hot times g / tokens."""
         axes, row_axis = self.axes, self.row_axis
-        scale = g / self.n_tokens
 
         def chunk(carry, j):
             dx, dw = carry
@@ -423,7 +450,7 @@ class PerDevice:
                 i, x, targets, lse = xs
                 logits, ids = self.chunk_logits(x, c, j)
                 hit = (ids == targets[..., None]) & jnp.isfinite(logits)
-                dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * scale).astype(self.compute_dtype)
+                dlogits = self.dlogits(logits, lse, hit, g).astype(self.compute_dtype)
                 # block i's rows of the input's gradient, added to in place in the carry (one fusion: XLA:GPU
                 # writes the scatter-add as a dynamic-update-slice of the block it reads). As the inner loop's
                 # output they were a new buffer each chunk, copied into the chunks' carry (compiled for 8 H100s,

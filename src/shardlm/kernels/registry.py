@@ -49,10 +49,11 @@ def _no_refusal(*_args) -> str:
 class AttentionKernel:
     name: str  # `model.attention`'s value
     description: str  # "cuDNN's fused kernel", as reports name it
-    # attend(q, k, v, *, mask, positions, block, interpret, residual_name) -> out: causal attention of q [batch, T,
-    # heads, head_dim] over k and v [batch, T, kv_heads, head_dim], what the backward pass keeps named
-    # `residual_name`; `mask` is the [1, 1, T, T] causal mask (for `needs="mask"`), `positions` each row's place
-    # in the sequence (`needs="positions"`)
+    # attend(q, k, v, *, mask, positions, block, interpret, residual_name, segments) -> out: causal attention of q
+    # [batch, T, heads, head_dim] over k and v [batch, T, kv_heads, head_dim], what the backward pass keeps named
+    # `residual_name`; `mask` is the causal mask ([1, 1, T, T], or [batch, 1, T, T] within documents: for
+    # `needs="mask"`), `positions` each row's place in the sequence (`needs="positions"`), `segments` the rows'
+    # documents' ids [batch, T] or None
     attend: Callable
     # Where `attend` runs: "gathered" (on the whole arrays, keys and values first constrained to every position and
     # named for the remat policies), "global" (on the whole arrays as they are), "per_device" (on each device's rows
@@ -63,8 +64,12 @@ class AttentionKernel:
     # (dtype, head_dim, length, block) -> why it cannot run as asked for by name ("" = it can), a one-line error
     refusal: Callable[..., str] = _no_refusal
     needs: str = ""  # what `attend` reads beyond q, k and v, computed once per pass: "mask", "positions" or ""
+    # Whether `attend` takes documents' ids (`segments` [batch, T]: attention within each document packed in a
+    # row), and whether its chunk kernel does; a kernel that does not is not picked for a pass with them
     # The ring's per-chunk kernel: (block, interpret) -> ChunkKernel; None: it cannot be one
     chunk: Callable[..., ChunkKernel] | None = None
+    documents: bool = True
+    chunk_documents: bool = True
     chunk_available: Callable[[], bool] = _always  # whether this JAX has the internals the chunk kernel calls
     # (dtype, head_dim, chunk, length, seq_split) -> why it cannot run a ring's chunks as asked for by name
     chunk_refusal: Callable[..., str] = _no_refusal
@@ -115,10 +120,11 @@ def check_attention(requested: str, seq_split: int, context: str = "ring") -> No
 
 
 def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, length: int = 0,
-                   block: int = 512, context: str = "ring") -> str:
+                   block: int = 512, context: str = "ring", documents: bool = False) -> str:
     """The kernel for a training or evaluation pass over `length` positions: with the sequence split over devices,
     the ring (`context="ring"`, for a kernel that can run its chunks) or XLA's attention over all-gathered keys
-    and values; else the kernel asked for, after its `refusal`, or `auto`'s (the first registered that fits)."""
+    and values; else the kernel asked for, after its `refusal`, or `auto`'s (the first registered that fits).
+    `documents`: the pass attends within documents (every kernel registered here takes their ids)."""
     check_attention(requested, seq_split, context)
     if seq_split > 1:
         return RING if uses_ring(requested, context) else "xla"
@@ -126,8 +132,12 @@ def attention_impl(requested: str, dtype, head_dim: int, seq_split: int = 1, *, 
         refusal = ATTENTION_KERNELS[requested].refusal(dtype, head_dim, length, block)
         if refusal:
             raise ShardlmError(refusal)
+        if documents and not ATTENTION_KERNELS[requested].documents:
+            raise ShardlmError(f"model.attention={requested} cannot attend within documents; use "
+                               "model.attention=auto, or data.document_mask=false")
         return requested
-    return next(k.name for k in ATTENTION_KERNELS.values() if k.fits(dtype, head_dim, length, block))
+    return next(k.name for k in ATTENTION_KERNELS.values()
+                if k.fits(dtype, head_dim, length, block) and (k.documents or not documents))
 
 
 def prefill_kernel(requested: str, dtype, head_dim: int, length: int) -> str:
@@ -137,16 +147,20 @@ def prefill_kernel(requested: str, dtype, head_dim: int, length: int) -> str:
     return next((k.name for k in asked if k.placement == "gathered" and k.fits(dtype, head_dim, length, 0)), "xla")
 
 
-def ring_chunk(requested: str, dtype, head_dim: int, length: int, seq_split: int) -> str:
+def ring_chunk(requested: str, dtype, head_dim: int, length: int, seq_split: int, documents: bool = False) -> str:
     """The ring's per-chunk kernel for a sequence of `length` split `seq_split` ways: each chunk is length /
-    (2 seq_split) positions. "auto": the first registered chunk kernel that fits a chunk; one asked for by name
-    is that one, after its refusals."""
+    (2 seq_split) positions. "auto": the first registered chunk kernel that fits a chunk (and, with `documents`,
+    takes their ids); one asked for by name is that one, after its refusals."""
     chunk = length // (2 * seq_split)
     if requested != AUTO:
         kernel = ATTENTION_KERNELS[requested]
         refusal = kernel.chunk_refusal(dtype, head_dim, chunk, length, seq_split)
         if refusal:
             raise ShardlmError(refusal)
+        if documents and not kernel.chunk_documents:
+            raise ShardlmError(f"model.attention={requested} cannot run the ring's chunks within documents (its "
+                               "kernel takes no documents' ids there); use model.attention=auto, or "
+                               "data.document_mask=false")
         if not kernel.chunk_available():
             raise ShardlmError(f"model.attention={requested} in the ring needs JAX internals this JAX does not have "
                                f"({kernel.description}'s rules under their 0.10 names); use "
@@ -154,7 +168,8 @@ def ring_chunk(requested: str, dtype, head_dim: int, length: int, seq_split: int
         return requested
     # block 0: a chunk is never too short for a kernel that blocks it (the blockwise kernel always fits)
     return next(k.name for k in ATTENTION_KERNELS.values()
-                if k.chunk is not None and k.fits(dtype, head_dim, chunk, 0) and k.chunk_available())
+                if k.chunk is not None and k.fits(dtype, head_dim, chunk, 0) and k.chunk_available()
+                and (k.chunk_documents or not documents))
 
 
 def chunk_kernel(name: str, *, block: int = 512, interpret: bool = False) -> ChunkKernel:
@@ -167,11 +182,12 @@ def chunk_kernel(name: str, *, block: int = 512, interpret: bool = False) -> Chu
 
 
 def attention_summary(requested: str, dtype, head_dim: int, length: int, block: int, seq_split: int,
-                      context: str) -> str:
+                      context: str, documents: bool = False) -> str:
     """Which kernel a training step compiles with, for the target being compiled for, and why (a report's line)."""
-    impl = attention_impl(requested, dtype, head_dim, seq_split, length=length, block=block, context=context)
+    impl = attention_impl(requested, dtype, head_dim, seq_split, length=length, block=block, context=context,
+                          documents=documents)
     if impl == RING:
-        chunk = ring_chunk(requested, dtype, head_dim, length, seq_split)
+        chunk = ring_chunk(requested, dtype, head_dim, length, seq_split, documents)
         return (f"ring over context={seq_split} (zigzag layout), {ATTENTION_KERNELS[chunk].description} on each "
                 "chunk of keys: never [T, T]")
     if seq_split > 1:
@@ -253,7 +269,7 @@ register_attention(AttentionKernel(
     name="cudnn", description="cuDNN's fused kernel", placement="gathered", fits=_cudnn_fits, refusal=_cudnn_refusal,
     attend=lambda q, k, v, *, residual_name, **_: cudnn_attention(q, k, v, residual_name=residual_name),
     chunk=lambda block, interpret: ChunkKernel(cudnn_chunk_forward, cudnn_chunk_backward),
-    chunk_available=cudnn_available,
+    chunk_available=cudnn_available, documents=False, chunk_documents=False,  # (`kernels.attention`: why)
     chunk_refusal=lambda dtype, head_dim, chunk, length, seq_split: _cudnn_refusal(dtype, head_dim, chunk),
     summary=lambda requested, length, block: "cuDNN's fused kernel (an NVIDIA GPU, 16-bit inputs)",
     primitives={"dot_product_attention_fwd_wrapper": 1, "dot_product_attention_fwd": 1,
@@ -262,8 +278,8 @@ register_attention(AttentionKernel(
 register_attention(AttentionKernel(
     name="splash", description="Pallas splash attention", placement="per_device", fits=_splash_fits,
     refusal=_splash_refusal,
-    attend=lambda q, k, v, *, block, interpret, residual_name, **_: splash_attention(
-        q, k, v, block=block, interpret=interpret, residual_name=residual_name),
+    attend=lambda q, k, v, *, block, interpret, residual_name, segments=None, **_: splash_attention(
+        q, k, v, block=block, interpret=interpret, residual_name=residual_name, segments=segments),
     chunk=lambda block, interpret: ChunkKernel(partial(splash_chunk_forward, block=block, interpret=interpret),
                                                partial(splash_chunk_backward, block=block, interpret=interpret)),
     chunk_available=splash_chunk_available, chunk_refusal=_splash_chunk_refusal,
@@ -273,8 +289,9 @@ register_attention(AttentionKernel(
 register_attention(AttentionKernel(
     name="flash", description="the blockwise kernel", placement="global", needs="positions",
     fits=lambda dtype, head_dim, length, block: length > block,
-    attend=lambda q, k, v, *, positions, block, residual_name, **_: blockwise_attention(
-        q, k, v, positions, positions, block_q=block, block_k=block, residual_name=residual_name),
+    attend=lambda q, k, v, *, positions, block, residual_name, segments=None, **_: blockwise_attention(
+        q, k, v, positions, positions, block_q=block, block_k=block, residual_name=residual_name, q_seg=segments,
+        kv_seg=segments),
     chunk=lambda block, interpret: ChunkKernel(partial(chunk_forward, block=block),
                                                partial(chunk_backward, block=block)),
     summary=_flash_summary, hlo_names=("flash",)))

@@ -70,37 +70,42 @@ def from_zigzag(x: jax.Array, devices: int, axis: int = 1) -> jax.Array:
 
 class ChunkKernel(NamedTuple):
     """Attention of queries [b, tq, heads, d] against one chunk of keys and values [b, tk, kv_heads, d].
-    forward(q, k, v, causal) -> (out float32, lse [b, tq, heads] float32); backward(q, k, v, out, lse, d_out,
-    causal) -> (dq, dk, dv), where out and lse are the whole row's (every chunk's, merged). `causal`: within the
-    chunk (tq == tk, the same positions); else every key is visible to every query."""
+    forward(q, k, v, causal, q_seg, kv_seg) -> (out float32, lse [b, tq, heads] float32); backward(q, k, v, out,
+    lse, d_out, causal, q_seg, kv_seg) -> (dq, dk, dv), where out and lse are the whole row's (every chunk's,
+    merged). `causal`: within the chunk (tq == tk, the same positions); else every key is visible to every query.
+    `q_seg` [b, tq] and `kv_seg` [b, tk]: documents' ids (a key visible only within its query's document), or
+    None."""
 
     forward: Callable
     backward: Callable
 
 
 def ring_attention(q, k, v, *, axis, devices: int, kernel: ChunkKernel,
-                   residual_name: str | None = None):
+                   residual_name: str | None = None, segments=None):
     """One device's part: q [b, t, heads, d], k and v [b, t, kv_heads, d], its rows in the zigzag layout ->
     out [b, t, heads, d] in q's dtype. `axis` names the mesh axes the sequence is split over (`devices` in all),
-    inside `shard_map`. The output and log-sum-exp the backward pass keeps are named `residual_name`."""
+    inside `shard_map`. `segments` [b, t]: the rows' documents' ids (in the same layout), which travel the ring
+    with the keys and values; None: one document. The output and log-sum-exp the backward pass keeps are named
+    `residual_name`."""
     ring = _Ring(axis, devices, kernel, q.shape[1] // 2)
 
     @jax.custom_vjp
-    def attend(q, k, v):
-        return ring.forward(q, k, v)[0].astype(q.dtype)
+    def attend(q, k, v, segments):
+        return ring.forward(q, k, v, segments)[0].astype(q.dtype)
 
-    def attend_forward(q, k, v):
-        out, lse = ring.forward(q, k, v)
+    def attend_forward(q, k, v, segments):
+        out, lse = ring.forward(q, k, v, segments)
         out = out.astype(q.dtype)
         if residual_name:
             out, lse = checkpoint_name(out, residual_name), checkpoint_name(lse, residual_name)
-        return out, (q, k, v, out, lse)
+        return out, (q, k, v, segments, out, lse)
 
     def attend_backward(saved, d_out):
-        return ring.backward(*saved, d_out)
+        q, k, v, segments, out, lse = saved
+        return (*ring.backward(q, k, v, segments, out, lse, d_out), None)
 
     attend.defvjp(attend_forward, attend_backward)
-    return attend(q, k, v)
+    return attend(q, k, v, segments)
 
 
 class _Ring(NamedTuple):
@@ -110,66 +115,68 @@ class _Ring(NamedTuple):
     half: int  # rows per chunk: a device holds two
 
     def _pass(self, *xs):
-        """Each array to the next device of the ring. Keys and values are sent for one step ahead, before the
-        kernel of the step at hand, so that nothing orders the permute after it."""
+        """Each array to the next device of the ring (None stays None). Keys and values are sent for one step
+        ahead, before the kernel of the step at hand, so that nothing orders the permute after it."""
         shift = [(i, (i + 1) % self.devices) for i in range(self.devices)]
-        return tuple(jax.lax.ppermute(x, self.axis, shift) for x in xs)
+        return tuple(None if x is None else jax.lax.ppermute(x, self.axis, shift) for x in xs)
 
     def _earlier(self, step) -> jax.Array:
         """Whether the keys at this step came from a device before this one (else after it)."""
         me = jax.lax.axis_index(self.axis)
         return (me - step) % self.devices < me
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, seg=None):
         c, f32 = self.half, jnp.float32
+        part = lambda x, rows: None if x is None else x[:, rows]  # noqa: E731
 
-        def earlier(q, k, v):  # every query sees the first half of the keys
-            return self.kernel.forward(q, k[:, :c], v[:, :c], False)
+        def earlier(q, k, v, ks):  # every query sees the first half of the keys
+            return self.kernel.forward(q, k[:, :c], v[:, :c], False, seg, part(ks, slice(None, c)))
 
-        def later(q, k, v):  # the second half of the queries sees every key
-            o, s = self.kernel.forward(q[:, c:], k, v, False)
+        def later(q, k, v, ks):  # the second half of the queries sees every key
+            o, s = self.kernel.forward(q[:, c:], k, v, False, part(seg, slice(c, None)), ks)
             return (jnp.concatenate([jnp.zeros_like(o), o], 1),
                     jnp.concatenate([jnp.full(s.shape, -jnp.inf, f32), s], 1))
 
-        def attend(step, k, v, out, lse):
-            o, s = jax.lax.cond(self._earlier(step), earlier, later, q, k, v)
+        def attend(step, k, v, ks, out, lse):
+            o, s = jax.lax.cond(self._earlier(step), earlier, later, q, k, v, ks)
             return merge(out, lse, o.astype(f32), s)
 
         def step(i, carry):  # keys and values received, sent on before the kernel runs, which they do not wait on
-            (k, v), out, lse = carry
-            return self._pass(k, v), *attend(i, k, v, out, lse)
+            (k, v, ks), out, lse = carry
+            return self._pass(k, v, ks), *attend(i, k, v, ks, out, lse)
 
-        incoming = self._pass(k, v)
-        out, lse = self.kernel.forward(q, k, v, True)
+        incoming = self._pass(k, v, seg)
+        out, lse = self.kernel.forward(q, k, v, True, seg, seg)
         if self.devices > 1:
             incoming, out, lse = self._steps(step, (incoming, out, lse))
             out, lse = attend(self.devices - 1, *incoming, out, lse)  # the last: nothing to send on
         return out, lse
 
-    def backward(self, q, k, v, out, lse, d_out):
+    def backward(self, q, k, v, seg, out, lse, d_out):
         c, f32 = self.half, jnp.float32
+        part = lambda x, rows: None if x is None else x[:, rows]  # noqa: E731
 
-        def earlier(q, k, v, out, lse, d_out):
+        def earlier(q, k, v, ks, out, lse, d_out):
             dq, dk, dv = (g.astype(f32) for g in self.kernel.backward(
-                q, k[:, :c], v[:, :c], out, lse, d_out, False))
+                q, k[:, :c], v[:, :c], out, lse, d_out, False, seg, part(ks, slice(None, c))))
             return dq, *(jnp.concatenate([g, jnp.zeros_like(g)], 1) for g in (dk, dv))
 
-        def later(q, k, v, out, lse, d_out):
+        def later(q, k, v, ks, out, lse, d_out):
             dq, dk, dv = (g.astype(f32) for g in self.kernel.backward(
-                q[:, c:], k, v, out[:, c:], lse[:, c:], d_out[:, c:], False))
+                q[:, c:], k, v, out[:, c:], lse[:, c:], d_out[:, c:], False, part(seg, slice(c, None)), ks))
             return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
 
-        def attend(step, k, v, dq, dk, dv):
+        def attend(step, k, v, ks, dq, dk, dv):
             dk, dv = self._pass(dk, dv)  # the received chunk's gradients so far, from the device that had it
-            parts = jax.lax.cond(self._earlier(step), earlier, later, q, k, v, out, lse, d_out)
+            parts = jax.lax.cond(self._earlier(step), earlier, later, q, k, v, ks, out, lse, d_out)
             return dq + parts[0], dk + parts[1], dv + parts[2]
 
         def step(i, carry):
-            (k, v), dq, dk, dv = carry
-            return self._pass(k, v), *attend(i, k, v, dq, dk, dv)
+            (k, v, ks), dq, dk, dv = carry
+            return self._pass(k, v, ks), *attend(i, k, v, ks, dq, dk, dv)
 
-        incoming = self._pass(k, v)
-        grads = self.kernel.backward(q, k, v, out, lse, d_out, True)
+        incoming = self._pass(k, v, seg)
+        grads = self.kernel.backward(q, k, v, out, lse, d_out, True, seg, seg)
         dq, dk, dv = (g.astype(f32) for g in grads)
         if self.devices > 1:
             incoming, dq, dk, dv = self._steps(step, (incoming, dq, dk, dv))

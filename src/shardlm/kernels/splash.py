@@ -15,6 +15,8 @@ Design choices:
   chose, is 320 for T = 640 or 1280, which the kernel refuses.)
 - The kernel's residuals (its output and log-sum-exp) are named `residual_name`, so that a remat policy saving the
   attention output keeps them instead of running the forward kernel again in the backward pass.
+- Documents packed in a sequence: their ids are the kernel's `SegmentIds`, per sequence. Its block skipping is by
+  the static (causal) mask only: a block wholly across documents is computed and masked.
 - Off a TPU (the CPU tests) the same kernel runs in Pallas's interpret mode: the same blocking and code path,
   slowly.
 """
@@ -65,11 +67,19 @@ def _heads_major(x):
     return x.transpose(0, 2, 1, 3)
 
 
-def splash_attention(q, k, v, *, block: int = 512, interpret: bool = False, residual_name: str | None = None):
-    """Causal attention of one device's rows: q [b, T, heads, d], k and v [b, T, kv_heads, d] -> [b, T, heads, d]."""
+def _segment_ids(q_seg, kv_seg):
+    """Documents' ids of a batch ([b, tq], [b, tk]) as the kernel takes them, or None."""
+    return None if q_seg is None else _modules()[0].SegmentIds(q=q_seg, kv=kv_seg)
+
+
+def splash_attention(q, k, v, *, block: int = 512, interpret: bool = False, residual_name: str | None = None,
+                     segments=None):
+    """Causal attention of one device's rows: q [b, T, heads, d], k and v [b, T, kv_heads, d] -> [b, T, heads, d];
+    within documents where `segments` [b, T] gives their ids (the kernel's `SegmentIds`)."""
     _, t, heads, d = q.shape
     kernel = _kernel(t, t, heads, True, block, interpret, residual_checkpoint_name=residual_name)
-    out = jax.vmap(kernel)(_heads_major(q * (1.0 / math.sqrt(d))), _heads_major(k), _heads_major(v))
+    out = jax.vmap(kernel)(_heads_major(q * (1.0 / math.sqrt(d))), _heads_major(k), _heads_major(v),
+                           _segment_ids(segments, segments))
     return _heads_major(out)
 
 
@@ -82,16 +92,19 @@ def splash_chunk_available() -> bool:
         return False
 
 
-def splash_chunk_forward(q, k, v, causal: bool, *, block: int = 512, interpret: bool = False):
+def splash_chunk_forward(q, k, v, causal: bool, q_seg=None, kv_seg=None, *, block: int = 512,
+                         interpret: bool = False):
     """Splash as the ring's per-chunk kernel (`shardlm.kernels.ring`), forward: q [b, tq, heads, d] against k, v
     [b, tk, kv_heads, d] -> (out float32, lse [b, tq, heads] float32), the kernel's own residuals."""
     _, tq, heads, d = q.shape
     kernel = _kernel(tq, k.shape[1], heads, causal, block, interpret, save_residuals=True)
-    out, (lse,) = jax.vmap(kernel)(_heads_major(q * (1.0 / math.sqrt(d))), _heads_major(k), _heads_major(v))
+    out, (lse,) = jax.vmap(kernel)(_heads_major(q * (1.0 / math.sqrt(d))), _heads_major(k), _heads_major(v),
+                                   _segment_ids(q_seg, kv_seg))
     return _heads_major(out).astype(jnp.float32), lse.transpose(0, 2, 1)
 
 
-def splash_chunk_backward(q, k, v, out, lse, d_out, causal: bool, *, block: int = 512, interpret: bool = False):
+def splash_chunk_backward(q, k, v, out, lse, d_out, causal: bool, q_seg=None, kv_seg=None, *, block: int = 512,
+                          interpret: bool = False):
     """Splash's backward kernels given the whole row's output and log-sum-exp (see `kernels.flash.chunk_backward`)
     -> (dq, dk, dv). The kernel's own backward rule (`_splash_attention_bwd`, a JAX internal) called with those
     residuals in place of the chunk's."""
@@ -102,15 +115,16 @@ def splash_chunk_backward(q, k, v, out, lse, d_out, causal: bool, *, block: int 
     options = kernel.kwargs
     infos = [_collapsed(info) for info in (kernel.dq_mask_info, kernel.dkv_mask_info)]
 
-    def one_sequence(q, k, v, out, lse, d_out):
-        saved = (q, k, v, None, None, out, lse, *infos)
+    def one_sequence(q, k, v, segment_ids, out, lse, d_out):
+        saved = (q, k, v, segment_ids, None, out, lse, *infos)
         grads = kernels._splash_attention_bwd(
             False, options["mask_value"], options["is_mqa"], options["block_sizes"], None,
             options["mask_function"], options["attn_logits_soft_cap"], interpret, saved, d_out)
         return grads[3:6]
 
     dq, dk, dv = jax.vmap(one_sequence)(_heads_major(q * scale), _heads_major(k), _heads_major(v),
-                                        _heads_major(out.astype(q.dtype)), lse.transpose(0, 2, 1),
+                                        _segment_ids(q_seg, kv_seg), _heads_major(out.astype(q.dtype)),
+                                        lse.transpose(0, 2, 1),
                                         _heads_major(d_out.astype(q.dtype)))
     return _heads_major(dq) * scale, _heads_major(dk), _heads_major(dv)
 

@@ -66,41 +66,64 @@ class Context(NamedTuple):
     zigzag: int = 0  # ring: the context degree whose zigzag layout the rows are in (dropout draws in order)
     chunk: str = "flash"  # ring: each chunk's kernel (one that can be a chunk kernel)
     layer: jax.Array | int = 0  # the block's index: its slice of the stacked KV cache
+    segments: jax.Array | None = None  # the rows' documents' ids [batch, T] (`models.documents`); None: one each
 
 
 def attention_context(requested: str, dtype, head_dim: int, length: int, *, block: int, context: str,
-                      decoding: bool, rope, pos) -> Context:
+                      decoding: bool, rope, pos, segments=None) -> Context:
     """The attention `Context` of a pass over `length` positions (`decoding`: a prefill or a decode step) with the
-    sequence split as the active rules split it: the kernel, and what it reads that every layer shares. In the
-    ring's zigzag layout (`zigzag` set) the caller moves the residual stream and the rotary tables there."""
-    seq_split = active_degree("seq")
+    sequence split as the active rules split it: the kernel, and what it reads that every layer shares. With
+    `segments` (documents' ids, [batch, T]) every kernel attends within each document. In the ring's zigzag layout
+    (`zigzag` set) the caller moves the residual stream, the rotary tables and the ids there."""
+    seq_split, documents = active_degree("seq"), segments is not None
     if decoding:
         # A prefill writes the cache in the sequence's order, a decode step attends to it: XLA's attention, or
         # the kernel asked for (or auto's) where it runs on whole arrays and fits, so that a model trained on GPUs
         # generates anywhere. A decode step attends to the cache by its own einsums whatever this says.
         impl = prefill_kernel(requested, dtype, head_dim, length) if seq_split == 1 else "xla"
     else:
-        impl = attention_impl(requested, dtype, head_dim, seq_split, length=length, block=block, context=context)
+        impl = attention_impl(requested, dtype, head_dim, seq_split, length=length, block=block, context=context,
+                              documents=documents)
     needs = "" if impl == RING else kernel_named(impl).needs
-    mask = causal_mask(length) if pos is None and needs == "mask" else None  # once, for every layer
+    mask = causal_mask(length, segments) if pos is None and needs == "mask" else None  # once, for every layer
     positions = jnp.arange(length, dtype=jnp.int32) if needs == "positions" else None
     zigzag, chunk = 0, "flash"
     if impl == RING:
-        zigzag, chunk = seq_split, ring_chunk(requested, dtype, head_dim, length, seq_split)
-    return Context(impl, mask, rope, pos, positions, block, zigzag, chunk)
+        zigzag, chunk = seq_split, ring_chunk(requested, dtype, head_dim, length, seq_split, documents)
+    if documents:
+        segments = constrain(segments, "batch", "seq")
+    return Context(impl, mask, rope, pos, positions, block, zigzag, chunk, segments=segments)
 
 
-def attention_summary(m, seq_split: int) -> str:
+def attention_summary(m, seq_split: int, documents: bool = False) -> str:
     """Which kernel a training step of model config `m` compiles with, for the target being compiled for, and why
-    (a report's line)."""
+    (a report's line); `documents`: within documents."""
     return kernel_summary(m.attention, compute_dtype(m.dtype), head_size(m), m.seq_len,
-                          m.attention_block, seq_split, m.context_attention)
+                          m.attention_block, seq_split, m.context_attention, documents)
 
 
-def causal_mask(t: int) -> jax.Array:
-    """[1, 1, T, T]: query position i sees key positions 0..i. Split by query rows like the queries, so under
-    context parallelism each device's rows mask its block by global position."""
-    return constrain(jnp.tril(jnp.ones((t, t), jnp.bool_))[None, None], None, None, "seq", "kv_seq")
+def kernel_takes_documents(m, seq_split: int) -> bool:
+    """Whether the kernel a training step of model config `m` runs with the sequence split `seq_split` ways, on
+    the target being compiled for, takes documents' ids (in the ring: its chunk kernel): what `data.document_mask=
+    auto` asks before masking, so that it never trades the target's fastest kernel for the mask (cuDNN's takes
+    none: `shardlm.kernels.attention`)."""
+    dtype, hd = compute_dtype(m.dtype), head_size(m)
+    impl = attention_impl(m.attention, dtype, hd, seq_split, length=m.seq_len, block=m.attention_block,
+                          context=m.context_attention)
+    if impl == RING:
+        return kernel_named(ring_chunk(m.attention, dtype, hd, m.seq_len, seq_split)).chunk_documents
+    return kernel_named(impl).documents
+
+
+def causal_mask(t: int, segments=None) -> jax.Array:
+    """[1, 1, T, T]: query position i sees key positions 0..i; with `segments` [batch, T] (documents' ids),
+    [batch, 1, T, T], within its document too. Split by query rows like the queries, so under context parallelism
+    each device's rows mask its block by global position."""
+    mask = jnp.tril(jnp.ones((t, t), jnp.bool_))[None, None]
+    if segments is None:
+        return constrain(mask, None, None, "seq", "kv_seq")
+    mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
+    return constrain(mask, "batch", None, "seq", "kv_seq")
 
 
 def _attend_to_cache(q, cache: LayerCache, pos):
@@ -150,7 +173,9 @@ def _attend(q, k, v, ctx: Context) -> jax.Array:
     attend = partial(kernel.attend, mask=ctx.mask, positions=ctx.positions, block=ctx.block,
                      interpret=current().platform != "tpu", residual_name=remat.ATTENTION)
     if kernel.placement == "per_device":
-        return _per_device(attend, q, k, v)
+        return _per_device(attend, q, k, v, ctx.segments)
+    if ctx.segments is not None:
+        attend = partial(attend, segments=ctx.segments)
     if kernel.placement == "gathered":
         # Every key and value position, as each query block needs: an all-gather over context when the sequence
         # is split (and a reduce-scatter of their gradients), nothing otherwise. Named once gathered: a policy
@@ -177,23 +202,30 @@ def _context_ring(q, k, v, ctx: Context) -> jax.Array:
     q_spec, kv_spec = _per_device_specs(mesh, q, k)
     axes = tuple(a for a in as_axes(active_spec("seq")[0]) if mesh.shape[a] > 1)
     kernel = chunk_kernel(ctx.chunk, block=ctx.block, interpret=current().platform != "tpu")
-    run = lambda q, k, v: ring_attention(q, k, v, axis=axes, devices=active_degree("seq"),  # noqa: E731
-                                         kernel=kernel, residual_name=remat.ATTENTION)
+    run = lambda q, k, v, seg: ring_attention(q, k, v, axis=axes, devices=active_degree("seq"),  # noqa: E731
+                                              kernel=kernel, residual_name=remat.ATTENTION, segments=seg)
     # check_vma=False: under the pipeline's vmap the rows vary over the stages, which the check refuses to combine
     # with the ring's unvarying constants; the ring's only collective is a permute, the same either way
-    return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v)
+    return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, _rows_spec(q_spec, ctx.segments)),
+                         out_specs=q_spec, check_vma=False)(q, k, v, ctx.segments)
 
 
-def _per_device(attend, q, k, v) -> jax.Array:
+def _rows_spec(q_spec: P, segments) -> P | None:
+    """The `shard_map` spec of the documents' ids [batch, T] beside queries split by `q_spec`, or None."""
+    return None if segments is None else P(*q_spec[:2])
+
+
+def _per_device(attend, q, k, v, segments=None) -> jax.Array:
     """A kernel XLA does not partition (a Pallas kernel: splash) on each device's rows and heads, inside a
-    `shard_map` over the whole mesh; interpreted off a TPU, as in the CPU tests."""
+    `shard_map` over the whole mesh; interpreted off a TPU, as in the CPU tests. `segments`: the rows' documents'
+    ids, split as the queries' rows."""
     mesh = active_mesh()
+    run = lambda q, k, v, seg: attend(q, k, v, segments=seg)  # noqa: E731
     if mesh is None:
-        return attend(q, k, v)
+        return run(q, k, v, segments)
     q_spec, kv_spec = _per_device_specs(mesh, q, k)
-    return jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v)
+    return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, _rows_spec(q_spec, segments)),
+                         out_specs=q_spec, check_vma=False)(q, k, v, segments)
 
 
 class Attention(nnx.Module):

@@ -57,7 +57,7 @@ class ModelConfig:
     rope_mscale_all_dim: float = 0.0
     # The attention heads' size (0 = d_model / n_heads; Qwen3's is 128 whatever its width), biases on q, k and v
     # only (Qwen2's; model.use_bias is GPT's, on every projection and norm), and a per-head RMSNorm on q and k
-    # before the rotation (QK-norm: Qwen3's, OLMo 2's). Llama family.
+    # before the rotation (QK-norm: Qwen3's, OLMo 2's; qk_norm in the GPT family too, after its projections).
     head_dim: int = 0
     qkv_bias: bool = False
     qk_norm: bool = False

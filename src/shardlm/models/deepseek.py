@@ -97,17 +97,17 @@ class DeepSeek(Llama):
         dtype = self.precision.compute
         return LayerCache(jnp.zeros((*shape, self.kv_rank), dtype), jnp.zeros((*shape, self.rope_dim), dtype))
 
-    def loss(self, tokens, targets, rngs=None):
+    def loss(self, tokens, targets, rngs=None, segments=None, z_loss: bool = False):
         """The main model's cross entropy, and the blocks' statistics with the multi-token prediction's mean loss
-        (`mtp_loss`) when the model has it."""
+        (`mtp_loss`) when the model has it; `segments` as `CausalLM.loss` takes them."""
         view = self.compute_view()
-        x, ctx, key = view.enter(tokens, rngs)
+        x, ctx, key = view.enter(tokens, rngs, segments=segments)
         x, _ = view.run_prefix(x, ctx, key)
         policy = remat.policy(self.remat, self.remat_offload)
         h, _, stats = run_blocks(view.blocks, self.n_layers, self.scan_layers, view.block_step(ctx), x,
                                  dropout_key=key, policy=policy, stats=view.stats_zeros())
-        loss = view.head_loss(view.finish(h, ctx, None, head=False), targets)
-        stats = view.mean_aux(stats)
+        loss, stats = self.with_z_loss(view.head_loss(view.finish(h, ctx, None, head=False), targets, z_loss=z_loss),
+                                       view.mean_aux(stats), z_loss)
         if len(self.mtp):
             stats = {**stats, "mtp_loss": view.mtp_loss(h, ctx, key, targets, policy)}
         return loss, stats

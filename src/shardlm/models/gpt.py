@@ -73,7 +73,8 @@ class Block(PreNormBlock):
         precision = Precision.of(cfg)
         pd = precision.param
         self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.n_layers, cfg.use_bias, precision, rngs)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.n_layers, cfg.use_bias, precision, rngs,
+                              qk_norm_eps=cfg.layer_norm_eps if cfg.qk_norm else 0.0)  # OLMo 2's QK-norm
         self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, cfg.use_bias, pd, rngs)
         self.mlp = MLP(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)

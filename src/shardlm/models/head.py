@@ -30,23 +30,25 @@ from shardlm.sharding.rules import as_axes
 
 def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool, vocab_size: int, compute_dtype,
               reduce_dtype=None, chunks: int = 0, budget: int = CHUNK_BYTES, forward_budget: int = FORWARD_BYTES,
-              flops_per_byte: float | None = None, token_copies: bool = False) -> jax.Array:
+              flops_per_byte: float | None = None, token_copies: bool = False, z_loss: bool = False):
     """The mean cross entropy of `targets` [batch, T] under logits x @ head: x [batch, T, embed] (the final norm's
     output, in the compute dtype), `w` the head as stored ([vocab, embed] tied, [embed, vocab] untied). See the
     module docstring. With `token_copies`, `w` is instead one copy per device of the tokens' mesh axes
     ([copies, ...], `sharding.copies_over(w, names, token_axes(x.shape))`), whole over the embedding dimension,
     and each device's gradient stays its copy's own: nothing is gathered or reduced for the weight. The budgets
-    and `flops_per_byte` (default: the platform's) choose the schedule (`tiling`)."""
+    and `flops_per_byte` (default: the platform's) choose the schedule (`tiling`). With `z_loss`: (the mean cross
+    entropy, the mean of log^2 Z), each differentiable."""
     layout = _layout(x.shape, w.shape, tied=tied, token_copies=token_copies)
     schedule = _schedule(layout, compute_dtype, chunks, budget, forward_budget, flops_per_byte)
     for record in _RECORDS:
         record.append(schedule)
     head = PerDevice(schedule, tied=tied, vocab_size=vocab_size, compute_dtype=compute_dtype,
-                      reduce_dtype=reduce_dtype, n_tokens=targets.size, axes=layout.axes)
+                      reduce_dtype=reduce_dtype, n_tokens=targets.size, axes=layout.axes, z_loss=z_loss)
     run = lambda x, w, t: head.loss(x, w[0] if token_copies else w, t)  # noqa: E731
     if layout.mesh is None:
         return run(x, w, targets)
-    return jax.shard_map(run, mesh=layout.mesh, in_specs=layout.specs, out_specs=P())(x, w, targets)
+    return jax.shard_map(run, mesh=layout.mesh, in_specs=layout.specs, out_specs=(P(), P()) if z_loss else P())(
+        x, w, targets)
 
 
 def plan(x_shape: tuple, w_shape: tuple, *, tied: bool, compute_dtype, chunks: int = 0, budget: int = CHUNK_BYTES,

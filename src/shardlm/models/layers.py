@@ -183,32 +183,44 @@ class CausalLM(nnx.Module):
         """The model on its weights' compute copies (`shardlm.models.precision.compute_view`): what a pass runs on."""
         return compute_view(self, self.precision.compute, self.precision.reduce)
 
-    def _forward(self, tokens, rngs, cache=None, pos=None, at=None, head=True):
+    def _forward(self, tokens, rngs, cache=None, pos=None, at=None, head=True, segments=None):
         """(logits, cache, stats); with `head=False`, the final norm's output [batch, T, d_model] instead of the
         logits (what `loss` multiplies out chunk by chunk). The modules run on their weights' compute copies
         (`shardlm.models.precision`)."""
-        return self.compute_view()._run(tokens, rngs, cache, pos, at, head)
+        return self.compute_view()._run(tokens, rngs, cache, pos, at, head, segments)
 
-    def loss(self, tokens: jax.Array, targets: jax.Array, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
+    def loss(self, tokens: jax.Array, targets: jax.Array, rngs: nnx.Rngs | None = None, segments=None,
+             z_loss: bool = False) -> tuple[jax.Array, dict]:
         """(mean cross entropy of `targets` [batch, T] after `tokens` [batch, T], the blocks' statistics as
         `with_stats` gives them): the head and the loss fused and chunked over the vocabulary
         (`shardlm.models.head`), float32 logits never held for the whole vocabulary. What a training step
-        minimises (on pipeline stages, through a schedule: `shardlm.schedules`)."""
-        x, _, stats = self._forward(tokens, rngs, head=False)
-        return self.head_loss(x, targets), self.mean_aux(stats)
+        minimises (on pipeline stages, through a schedule: `shardlm.schedules`). `segments` [batch, T]: each
+        token's document's id (`shardlm.models.documents`), attention staying within documents; None: none. With
+        `z_loss`, the statistics hold the mean of log^2 Z of the logits too (`z_loss`, PaLM's)."""
+        x, _, stats = self._forward(tokens, rngs, head=False, segments=segments)
+        return self.with_z_loss(self.head_loss(x, targets, z_loss=z_loss), self.mean_aux(stats), z_loss)
+
+    @staticmethod
+    def with_z_loss(loss, stats: dict, z_loss: bool) -> tuple:
+        """(the cross entropy, the statistics) from what `head_loss` returned: with `z_loss`, the mean of log^2 Z
+        joins the statistics."""
+        if not z_loss:
+            return loss, stats
+        return loss[0], {**stats, "z_loss": loss[1]}
 
     def head_weight(self) -> jax.Array:
         """The output head as stored: the token table [vocab, embed] when tied, else `lm_head` [embed, vocab]."""
         return (self.wte if self.lm_head is None else self.lm_head)[...]
 
-    def head_loss(self, x, targets, head_weight=None, token_copies: bool = False) -> jax.Array:
+    def head_loss(self, x, targets, head_weight=None, token_copies: bool = False, z_loss: bool = False):
         """The fused head and loss of the final norm's output `x` (`models.head.head_loss`), on `head_weight`
-        (default: the stored head; with `token_copies`, one copy per device of the tokens' axes)."""
+        (default: the stored head; with `token_copies`, one copy per device of the tokens' axes); with `z_loss`,
+        (it, the mean of log^2 Z)."""
         head_weight = self.head_weight() if head_weight is None else head_weight
         with jax.named_scope("loss"):  # the output head's matmuls with it
             return head_loss(x, head_weight, targets, tied=self.lm_head is None, vocab_size=self.vocab_size,
                              compute_dtype=self.precision.compute, reduce_dtype=self.precision.reduce,
-                             chunks=self.loss_chunks, token_copies=token_copies)
+                             chunks=self.loss_chunks, token_copies=token_copies, z_loss=z_loss)
 
     def mean_aux(self, stats: dict) -> dict:
         """The blocks' statistics with the load-balancing loss a mean over the sparse layers (balanced reads 1.0)."""
@@ -227,9 +239,9 @@ class CausalLM(nnx.Module):
         return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]),
                               self.precision.compute)
 
-    def enter(self, tokens, rngs, cache=None, pos=None):
+    def enter(self, tokens, rngs, cache=None, pos=None, segments=None):
         """(the embedding's output in the blocks' layout, the blocks' attention `Context`, the pass's dropout key):
-        what every pass does before the blocks."""
+        what every pass does before the blocks. `segments`: documents' ids, for attention within them."""
         # One dropout key for the pass: layer i draws from it folded with i, the embedding with n_layers
         # (`stack.layer_rngs`), whichever layout the blocks are in.
         key = rngs.dropout() if rngs is not None else None
@@ -238,10 +250,13 @@ class CausalLM(nnx.Module):
             x = constrain(x, "batch", "seq", "act_embed")
         ctx = attention_context(self.attention, self.precision.compute, self.head_dim, tokens.shape[1],
                                 block=self.attention_block, context=self.context_attention,
-                                decoding=cache is not None or pos is not None, rope=rope, pos=pos)
+                                decoding=cache is not None or pos is not None, rope=rope, pos=pos,
+                                segments=segments)
         if ctx.zigzag:  # the blocks run in the ring's zigzag layout (`shardlm.kernels.ring`), the rest in order
             x = constrain(to_zigzag(x, ctx.zigzag), "batch", "seq", "act_embed")
-            ctx = ctx._replace(rope=None if rope is None else tuple(to_zigzag(t, ctx.zigzag) for t in rope))
+            ctx = ctx._replace(rope=None if rope is None else tuple(to_zigzag(t, ctx.zigzag) for t in rope),
+                               segments=None if segments is None else constrain(
+                                   to_zigzag(ctx.segments, ctx.zigzag), "batch", "seq"))
         return x, ctx, key
 
     def block_step(self, ctx: Context):
@@ -263,8 +278,8 @@ class CausalLM(nnx.Module):
                                  policy=policy)
         return x, cache
 
-    def _run(self, tokens, rngs, cache, pos, at, head):
-        x, ctx, key = self.enter(tokens, rngs, cache, pos)
+    def _run(self, tokens, rngs, cache, pos, at, head, segments=None):
+        x, ctx, key = self.enter(tokens, rngs, cache, pos, segments)
         x, cache = self.run_prefix(x, ctx, key, cache)
         policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
         x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, self.block_step(ctx), x,

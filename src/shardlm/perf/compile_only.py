@@ -32,7 +32,7 @@ from shardlm.perf.planner import shard_bytes
 from shardlm.perf.targets import Target, topology, tracing_for
 from shardlm.perf.timeline import step_estimate
 from shardlm.train.data import tokenizer_vocab
-from shardlm.train.source import model_flops_per_step
+from shardlm.train.source import model_flops_per_step, within_documents
 from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable
 from shardlm.train.step import batch_struct, step_compiler_options, train_step_for
 from shardlm.units import fmt_bytes
@@ -118,7 +118,8 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
             traced = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).trace(
                 abstract, batch_struct(cfg, mesh))
         lowered = traced.lower()
-        attention = "" if is_py(cfg.model.preset) else attention_summary(cfg.model, mesh.shape["context"])
+        attention = "" if is_py(cfg.model.preset) else attention_summary(
+            cfg.model, mesh.shape["context"], within_documents(cfg, mesh.shape.get("stage", 1), mesh.shape["context"]))
         options = step_compiler_options(cfg)
     n = mesh.devices.size
     platform = target.platform if target else devices[0].platform

@@ -715,13 +715,16 @@ def attention_lines(p: Plan) -> list[str]:
     from shardlm.accelerator import compiling_for
     from shardlm.foreign.modules import is_py
     from shardlm.models.attention import attention_summary
+    from shardlm.train.source import within_documents
 
     if is_py(p.cfg.model.preset):
         return []
     kernels: dict[str, list[str]] = {}
     with compiling_for(p.target.accelerator) if p.target else contextlib.nullcontext():
         for r in p.strategies:
-            kernels.setdefault(attention_summary(p.cfg.model, r.strategy.context), []).append(r.strategy.name)
+            documents = within_documents(p.cfg, r.strategy.stage, r.strategy.context)
+            kernels.setdefault(attention_summary(p.cfg.model, r.strategy.context, documents), []).append(
+                r.strategy.name)
     return [f"attention ({', '.join(dict.fromkeys(names))}): {what}" for what, names in kernels.items()]
 
 

@@ -539,5 +539,25 @@ def generation_rules(rules: Rules | None = None) -> Rules:
                  for name, axes in (LOGICAL_AXIS_RULES if rules is None else rules))
 
 
+def owner_spec(names: tuple, shape: tuple, mesh, batch_names: tuple[str, ...]) -> P:
+    """A layout of whole matrices, each on the devices that own it: the dimensions named in `batch_names` (a
+    stack's layers, a mixture's experts) split over as many of the mesh's axes as divide them, the largest axes
+    first, and every other dimension whole. Where the batch dimensions cannot take every axis, the matrices are
+    copied over the rest (all of them, for a weight with no batch dimension). What an optimizer that needs whole
+    matrices (Muon's Newton-Schulz iterations) computes in, with no collective inside."""
+    free = sorted((a for a in mesh.axis_names if mesh.shape[a] > 1), key=lambda a: -mesh.shape[a])
+    spec = []
+    for name, size in zip(names, shape):
+        taken = []
+        if name in batch_names:
+            for axis in list(free):
+                if size % mesh.shape[axis] == 0:
+                    taken.append(axis)
+                    free.remove(axis)
+                    size //= mesh.shape[axis]
+        spec.append(tuple(taken) if len(taken) > 1 else taken[0] if taken else None)
+    return P(*spec)
+
+
 def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, P())

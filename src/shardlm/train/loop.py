@@ -71,13 +71,14 @@ from shardlm.train.state import (
     check_batch,
     check_shardable,
     create_train_state,
-    effective_warmup,
     split_notes,
     train_state_with,
     vocab_sizes,
 )
 from shardlm.train import stored
+from shardlm.train.optimizers import effective_warmup
 from shardlm.train.source import model_source
+from shardlm.train.spikes import skipped_updates
 from shardlm.train.step import eval_step_for, train_step_for
 from shardlm.units import fmt_bytes
 
@@ -329,7 +330,8 @@ class Training:
         cfg, ts, mesh = self.cfg, self.ts, self.mesh
         t0 = time.perf_counter()
         self.first = next(self.batches)
-        self.step_fn = train_step_for(cfg, ts, mesh).lower(ts.state, self.first).compile()
+        self.step_fn = train_step_for(cfg, ts, mesh, separator=self.tokenizer.eot_id).lower(
+            ts.state, self.first).compile()
         eval_step = eval_step_for(cfg, ts, mesh, self.tokenizer.token_bytes())
         compiled = {size: eval_step.lower(ts.state, jax.ShapeDtypeStruct((size, *self.first.shape[1:]),
                                                                           self.first.dtype,
@@ -393,6 +395,7 @@ class Training:
         bsz, seq, n_dev = cfg.train.batch_size, cfg.model.seq_len, self.mesh.devices.size
         bar = tqdm(total=steps, initial=self.resumed, disable=not self.progress, unit="step", dynamic_ncols=True)
         self.last_eval, self.last_row = self.first_eval, {}
+        self.skipped = int(jax.device_get(skipped_updates(self.state)))  # the spike guard's count, when resumed
         t_mark, steps_since, stopped, every = time.perf_counter(), 0, None, cfg.checkpoint.every
         try:
             for step in range(self.resumed + 1, steps + 1):
@@ -412,6 +415,7 @@ class Training:
                     self.log_step(step, metrics, tokens_per_s, n_dev, is_eval, bar)
                     t_mark, steps_since = time.perf_counter(), 0
                 if is_last or stopped or (every and step % every == 0):
+                    self.check_skips(step, metrics)  # never a checkpoint of a run the guard has halted
                     self.save(step, "end" if is_last else stopped or "interval")
                 if stopped:
                     _log(f"{stopped}: stopping after step {step}; finishing the checkpoint (press Ctrl-C again "
@@ -442,16 +446,25 @@ class Training:
                "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
                "tflops_per_device": flops_per_dev / 1e12, "mfu": flops_per_dev / self.peak}
         # a mixture of experts', multi-token prediction's (`step.model_metrics`)
-        for key in ("aux_loss", "expert_load_max", "expert_load_min", "moe_dropped", "moe_overflow", "mtp_loss"):
+        for key in ("aux_loss", "expert_load_max", "expert_load_min", "moe_dropped", "moe_overflow", "mtp_loss",
+                    "z_loss"):
             if key in metrics:
                 row[key] = float(metrics[key])
-        if not np.isfinite(row["loss"]):
+        if "skipped" in metrics:
+            row["skipped"] = int(metrics["skipped"])
+            if row["skipped"] > self.skipped:
+                _log(f"step {step}: {row['skipped'] - self.skipped} update(s) skipped since the last log (loss or "
+                     f"gradient norm not finite, or beyond train.spike_sigmas={self.cfg.train.spike_sigmas} standard "
+                     f"deviations of the last updates'); {row['skipped']} in all")
+            self.skipped = row["skipped"]
+        elif not np.isfinite(row["loss"]):
             raise ShardlmError(f"loss became {row['loss']} at step {step}; lower train.lr or raise warmup_steps")
         if is_eval:  # after the step's time was read: eval time is not step time. Also when stopping on an eval
             self.last_eval = self.evaluate(self.state, step)  # step, so that the resumed run's metrics miss nothing
             row.update(self.last_eval)
         self.logger.log(row)
         self.last_row = row
+        self.check_skips(step, metrics)
         if not self.progress:
             _log(f"step {step} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm {row['grad_norm']:.3f} | "
                  f"{tokens_per_s:,.0f} tok/s | MFU {row['mfu']:.1%}"
@@ -463,6 +476,16 @@ class Training:
                  + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb{per_source(row)}"
                     if "eval_loss" in row else ""))
         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{row['mfu']:.1%}")
+
+    def check_skips(self, step: int, metrics: dict) -> None:
+        """Stop the run, in one line, once the spike guard has skipped `train.max_skips` updates in a row
+        (`shardlm.train.spikes`): it then skips every update, and no checkpoint is written of it."""
+        if "skip_halted" in metrics and bool(jax.device_get(metrics["skip_halted"])):
+            k = self.cfg.train.max_skips
+            raise ShardlmError(f"{k} updates in a row were skipped by step {step} (train.max_skips={k}): the loss or "
+                               "gradient norm kept spiking or was not finite; the last checkpoint holds the state "
+                               "before them: resume from it with a lower train.lr, more train.warmup_steps or a "
+                               "larger train.spike_sigmas")
 
     def write_samples(self) -> None:
         """Two unconditional samples (the prompt is the document separator) in samples.txt, the first logged. A

@@ -54,7 +54,13 @@ CHANGEABLE_MODEL_KEYS = ("dropout", "dtype", "remat", "remat_offload", "grad_red
                          # bias for the last 500B tokens of its pretraining
                          "moe_aux_loss_weight", "moe_bias_rate", "mtp_loss_weight")
 FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
-                   if f.name not in CHANGEABLE_MODEL_KEYS) + ("seed", "train.batch_size")
+                   if f.name not in CHANGEABLE_MODEL_KEYS) + (
+    "seed", "train.batch_size",
+    # the optimizer's state is in the checkpoint, in its shape: another optimizer (or none of the spike guard's
+    # window) cannot read it
+    "train.optimizer", "train.skip_spikes", "train.spike_window")
+# Settings whose default changed: a run saved before they existed resumes with what it trained with.
+EARLIER_DEFAULTS = {"train": {"skip_spikes": False}}
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -94,6 +100,7 @@ def run_config(config_file: str | None, overrides: list[str], run_dir: str | Non
     base = distributed.broadcast("resume-config", lambda: read_config_file(run_dir / CONFIG_FILE)
                                  if holds_run(run_dir) and not overwrite else None)
     if base is not None:
+        base = with_earlier_defaults(base)
         # mesh.* overrides describe the whole new mesh; a new plan without them brings its own (its mesh:, or the
         # preset's), as for a new run
         keys = [o.split("=", 1)[0].strip() for o in overrides]
@@ -102,6 +109,14 @@ def run_config(config_file: str | None, overrides: list[str], run_dir: str | Non
         cfg = _keep_resolved(load_config(config_file, overrides, base=base, base_origin=str(run_dir / CONFIG_FILE)),
                              base)
     return cfg or load_config(config_file, overrides), run_dir
+
+
+def with_earlier_defaults(saved: dict) -> dict:
+    """A run's saved config (a dict) with `EARLIER_DEFAULTS` where it has none of those keys."""
+    saved = {**saved}
+    for section, defaults in EARLIER_DEFAULTS.items():
+        saved[section] = {**defaults, **saved.get(section, {})}
+    return saved
 
 
 def _keep_resolved(cfg: Config, saved: dict) -> Config:
@@ -141,8 +156,9 @@ def config_changes(cfg: Config, saved: Config, step: int) -> list[str]:
     for key in FIXED_KEYS:  # a model from a py: file has no architecture fields: absent on both sides
         if new.get(key) != old.get(key):
             raise ShardlmError(
-                f"{key}={new[key]} differs from the run's {old[key]} (checkpoint step {step}); a run's model, seed "
-                f"and batch size cannot change when it resumes: drop that override, or pass another --run-dir"
+                f"{key}={new[key]} differs from the run's {old[key]} (checkpoint step {step}); a run's model, seed, "
+                f"batch size and optimizer cannot change when it resumes: drop that override, or pass another "
+                "--run-dir"
             )
     skip = {"data.tokenizer"} if cfg.data.tokenizer == "auto" else set()  # resolved only once the data is read
     return [f"{k} {old[k]} -> {new[k]}" for k in new if k not in skip and new[k] != old.get(k)]
@@ -203,7 +219,7 @@ def plan_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
             raise unreadable(run_dir, e, [s for s in steps if s < step], reader) from None
     finally:
         reader.close()
-    changes = config_changes(cfg, config_from_dict(meta["config"]), step)
+    changes = config_changes(cfg, config_from_dict(with_earlier_defaults(meta["config"])), step)
     if step >= cfg.train.steps:
         log(f"{run_dir} has already trained to step {step} (train.steps={cfg.train.steps}): nothing to do; raise "
             "train.steps to train it further")

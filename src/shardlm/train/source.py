@@ -56,7 +56,9 @@ from shardlm.foreign.plan import Plan
 from shardlm.generate import Generator
 from shardlm.kernels.registry import check_attention, uses_ring
 from shardlm.losses import cross_entropy
+from shardlm.models.attention import kernel_takes_documents
 from shardlm.models.config import head_size, sparse_layer_count, stack_layer_count
+from shardlm.models.documents import document_ids
 from shardlm.models.head import plan as head_plan
 from shardlm.models.moe import exchange_capacity, round_sizes
 from shardlm.models.params import padded_vocab_size
@@ -102,6 +104,26 @@ _PLANNED: dict[tuple, "PlannedModel"] = {}
 _FORWARD_FLOPS: dict[tuple, float] = {}  # a file's model's forward FLOPs per token, by what they depend on
 
 
+def within_documents(cfg: Config, stages: int = 1, seq_split: int = 1) -> bool:
+    """Whether a training step of shardlm's own model over `stages` pipeline stages, its sequence split
+    `seq_split` ways, attends within documents (`data.document_mask`): asked for; or auto, off pipeline stages,
+    where the kernel the step runs takes documents' ids (`models.attention.kernel_takes_documents`: on GPUs cuDNN's
+    does not, and auto keeps it)."""
+    asked = cfg.data.document_mask
+    return asked is True or (asked == "auto" and stages == 1 and kernel_takes_documents(cfg.model, seq_split))
+
+
+def train_state_shardings(abstract_state, model, mesh):
+    """The shardings of a training state {"model", "optimizer"} whose model is placed by `model` (a tree of
+    NamedShardings): each optimizer-state leaf that mirrors a parameter (same path suffix, same shape) as that
+    parameter, the rest replicated (`foreign.placement.opt_state_shardings`), whichever optimizer it is."""
+    params = nnx.filter_state(abstract_state["model"], nnx.Param)
+    optimizer = opt_state_shardings(abstract_state["optimizer"], params, nnx.filter_state(model, nnx.Param), mesh)
+    by_path = {f"{part}/{path_str(p)}": s for part, tree in (("model", model), ("optimizer", optimizer))
+               for p, s in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return jax.tree_util.tree_map_with_path(lambda p, _: by_path[path_str(p)], abstract_state)
+
+
 class OwnModel:
     """GPT or Llama, from `cfg.model`: logical axis names placed by the rule table (`shardlm.sharding`)."""
 
@@ -125,9 +147,11 @@ class OwnModel:
         return lambda: build_model(m, real, padded, nnx.Rngs(params=seed))
 
     def state_shardings(self, abstract_state, mesh):
-        """The training state's: weights and AdamW moments split over `data` too where the state is sharded over
-        the data-parallel replicas (`storage_rules`)."""
-        return state_shardings(abstract_state, mesh, self.storage_rules(mesh))
+        """The training state's: the weights by the rule table, split over `data` too where the state is sharded
+        over the data-parallel replicas (`storage_rules`); the optimizer's state mirroring a weight (a moment, a
+        momentum) as that weight, the rest (Adafactor's row and column statistics, counters) replicated."""
+        model = state_shardings(abstract_state["model"], mesh, self.storage_rules(mesh))
+        return train_state_shardings(abstract_state, model, mesh)
 
     def model_shardings(self, abstract_state, mesh):
         """A reader's (the model alone, no optimizer): the rule table's, never split over `data`."""
@@ -159,7 +183,7 @@ class OwnModel:
         multi-token prediction's loss."""
         m = self.cfg.model
         return {"aux_loss": m.moe_aux_loss_weight if m.moe_experts else 0.0,
-                "mtp_loss": m.mtp_loss_weight if m.mtp_depth else 0.0}
+                "mtp_loss": m.mtp_loss_weight if m.mtp_depth else 0.0, "z_loss": self.cfg.train.z_loss}
 
     @property
     def bias_rate(self) -> float:
@@ -175,14 +199,20 @@ class OwnModel:
     def logits(self, model, tokens, mesh, *, train: bool, key=None):
         return self.forward(model, tokens, mesh, train=train, key=key)[0]
 
-    def loss(self, model, batch, mesh, *, key=None):
+    def loss(self, model, batch, mesh, *, key=None, separator: int | None = None):
         """(the training loss of `batch` [rows, seq_len + 1], the blocks' statistics): the head and the cross
         entropy fused (`CausalLM.loss`; on pipeline stages, through the schedule: `shardlm.schedules`), under the
-        training state's storage rules."""
+        training state's storage rules. With the documents' `separator` token, attention stays within each
+        document of a row (`models.documents`)."""
         dropout = key is not None and self.cfg.model.dropout > 0
+        tokens = batch[:, :-1]
+        segments = None if separator is None else document_ids(tokens, separator)
         with use_mesh_rules(mesh, self.rules(), storage=self.storage_rules(mesh)):
-            return schedules.loss(model, batch[:, :-1], batch[:, 1:], nnx.Rngs(dropout=key) if dropout else None,
-                                  self.cfg.model)
+            return schedules.loss(model, tokens, batch[:, 1:], nnx.Rngs(dropout=key) if dropout else None,
+                                  self.cfg.model, segments, self.cfg.train.z_loss > 0)
+
+    def documents(self, mesh) -> bool:
+        return within_documents(self.cfg, mesh.shape.get("stage", 1), mesh.shape.get("context", 1))
 
     def cast_once(self, model, params):
         """`params` (`model`'s) as a loop over microbatches differentiates them: cast once to the dtype the forward
@@ -208,6 +238,13 @@ class OwnModel:
         check_attention(m.attention, cp, m.context_attention)
         stages = mesh.shape.get("stage", 1)
         if stages > 1:
+            if self.cfg.train.z_loss:
+                raise ShardlmError(f"train.z_loss={self.cfg.train.z_loss}: a pipeline's head (mesh.stage={stages}) "
+                                   "returns no log-sum-exp yet; set train.z_loss=0 or drop the stages")
+            if self.cfg.data.document_mask is True:
+                raise ShardlmError(f"data.document_mask=true: a pipeline's microbatches (mesh.stage={stages}) carry "
+                                   "no documents' ids yet; set data.document_mask=auto (off on stages) or false, or "
+                                   "drop the stages")
             if not m.scan_layers:
                 raise ShardlmError(f"mesh.stage={stages} splits the stacked blocks over pipeline stages: set "
                                    "model.scan_layers=true (the default)")
@@ -344,6 +381,7 @@ class PlannedModel:
         self.built_vocab = None  # the vocabulary of the last model `factory` made (for error messages)
         self.forward_checked = False
         self.stacked_axes = 0  # its structure is its own
+        self.document_mask = cfg.data.document_mask
 
     # --- building ----------------------------------------------------------------------------------------------
     def vocab_sizes(self, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
@@ -383,13 +421,7 @@ class PlannedModel:
                                                 abstract_model_state)
 
     def state_shardings(self, abstract_state, mesh):
-        model = self.model_shardings(abstract_state["model"], mesh)
-        params = nnx.filter_state(abstract_state["model"], nnx.Param)
-        param_shardings = nnx.filter_state(model, nnx.Param)
-        optimizer = opt_state_shardings(abstract_state["optimizer"], params, param_shardings, mesh)
-        by_path = {f"{part}/{path_str(p)}": s for part, tree in (("model", model), ("optimizer", optimizer))
-                   for p, s in jax.tree_util.tree_flatten_with_path(tree)[0]}
-        return jax.tree_util.tree_map_with_path(lambda p, _: by_path[path_str(p)], abstract_state)
+        return train_state_shardings(abstract_state, self.model_shardings(abstract_state["model"], mesh), mesh)
 
     def batch_sharding(self, mesh) -> NamedSharding:
         """Rows split as the plan's `inputs` spec splits the batch dimension (default: data x fsdp), each row whole."""
@@ -415,6 +447,10 @@ class PlannedModel:
     def loss(self, model, batch, mesh, *, key=None):
         """(the mean next-token cross entropy of `batch` under the model's logits, {})."""
         return cross_entropy(self.logits(model, batch[:, :-1], mesh, train=True, key=key), batch[:, 1:]), {}
+
+    def documents(self, mesh) -> bool:
+        """Its attention is its own: never within documents (`check` refuses data.document_mask=true)."""
+        return False
 
     def _run(self, model, tokens, train: bool, key):
         """The model on `tokens` in training or evaluation mode, through the call adapter, without constraints."""
@@ -448,6 +484,9 @@ class PlannedModel:
     def check(self, mesh, vocab_size: int | None = None) -> None:
         """The model runs on tokens and returns logits, and every activation rule of the plan matches a module (an
         NNX model's are known before it runs): shapes only, once per process."""
+        if self.document_mask is True:
+            raise ShardlmError("data.document_mask=true: a model from a py: file attends as its own code says, and "
+                               "shardlm cannot hand it documents' ids; set data.document_mask=auto or false")
         for axis in ("stage", "expert"):
             if mesh.shape.get(axis, 1) > 1:
                 raise ShardlmError(f"mesh.{axis}={mesh.shape[axis]} applies to shardlm's own models (stacked blocks, "

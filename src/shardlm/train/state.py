@@ -1,10 +1,10 @@
-"""Sharded creation of the training state (model + AdamW), never materialised whole on one device.
+"""Sharded creation of the training state (model + optimizer), never materialised whole on one device.
 
 The recipe (Flax lm1b / MaxText): trace the constructor with `nnx.eval_shape` to get shapes and logical axis
 names, map the names through the rule table to NamedShardings (checking divisibility), then run the constructor
 inside `jax.jit(out_shardings=...)`, so each device computes only its own shard. The optimizer is built inside the
-same jit: its moment buffers inherit each parameter's logical names, so AdamW state is sharded exactly like the
-parameter it belongs to. Flax's eager sharding is switched off during construction: the rule table, not Flax's
+same jit: its moment buffers inherit each parameter's logical names, so an optimizer's state is sharded exactly like
+the parameter it belongs to (`shardlm.train.optimizers` builds the optimizer `train.optimizer` names). Flax's eager sharding is switched off during construction: the rule table, not Flax's
 global context, is the one place that decides placement.
 """
 
@@ -13,60 +13,18 @@ import math
 from typing import Any
 
 import jax
-import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from shardlm.config import Config
 from shardlm.errors import ShardlmError
+from shardlm.foreign.modules import is_py
 from shardlm.schedules.gpipe import microbatch_count
-from shardlm.models.stack import is_stacked_block
+from shardlm.sharding import state_partition_specs
 from shardlm.sharding.rules import as_axes, axis_degree
-from shardlm.train.source import model_source
 from shardlm.trees import path_str
-
-
-def effective_warmup(cfg: Config) -> int:
-    """`train.warmup_steps`, unless it would leave no decay: then a tenth of the run (short test runs)."""
-    t = cfg.train
-    return t.warmup_steps if t.warmup_steps < t.steps else t.steps // 10
-
-
-def decays(path, param, stacked_axes: int = 0) -> bool:
-    """nanoGPT's rule: weight decay on matrices and embeddings (ndim >= 2), never on biases or norm scales.
-    Attention biases are [heads, head_dim], so biases are recognised by name (every one ends in 'bias'). A
-    scanned model's blocks carry `stacked_axes` leading axes over the layers, which are not the weight's own."""
-    name = path_str(path)
-    own = param.ndim - (stacked_axes if is_stacked_block(name) else 0)
-    return own >= 2 and not name.endswith("bias")
-
-
-def make_schedule(cfg: Config) -> optax.Schedule:
-    """Linear warmup then cosine decay to lr * min_lr_ratio at the last step.
-
-    Indexed by the optimizer's update count, which is 0 for step 1; shifting by one makes step 1 use
-    lr / warmup_steps (not 0, a wasted step) and the last step end exactly at the floor.
-    """
-    t = cfg.train
-    warmup = effective_warmup(cfg)
-    base = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=t.lr,
-        warmup_steps=warmup,
-        decay_steps=max(t.steps, warmup + 1),
-        end_value=t.lr * t.min_lr_ratio,
-    )
-    return lambda count: base(count + 1)
-
-
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    t = cfg.train
-    stacked = model_source(cfg).stacked_axes
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda path, p: decays(path, p, stacked), params)
-    return optax.chain(
-        optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
-        optax.adamw(make_schedule(cfg), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=decay_mask),
-    )
+from shardlm.train.optimizers import make_optimizer
+from shardlm.train.source import model_source
 
 
 @dataclasses.dataclass
@@ -84,16 +42,27 @@ def vocab_sizes(cfg: Config, tokenizer_vocab: int, tensor_degree: int) -> tuple[
     return model_source(cfg).vocab_sizes(tokenizer_vocab, tensor_degree)
 
 
+def _param_specs(cfg: Config, model, mesh) -> dict:
+    """Each parameter's path -> its spec as the training state stores it, for an optimizer that runs per device
+    (Muon's: `optimizers.per_owner`); {} for the others."""
+    if cfg.train.optimizer != "muon" or is_py(cfg.model.preset):
+        return {}
+    specs = state_partition_specs(nnx.state(model, nnx.Param), mesh, model_source(cfg).storage_rules(mesh))
+    return {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, P))[0]}
+
+
 def _builder(cfg: Config, mesh, vocab_size: int):
-    """build(params=None): model + AdamW; with `params` (the model's nnx.State) the model holds those values (the
-    random initialisation is traced, and dead code for XLA)."""
-    build_model = model_source(cfg).factory(vocab_size, mesh.shape["tensor"])
-    tx = make_optimizer(cfg)
+    """build(params=None): model + optimizer; with `params` (the model's nnx.State) the model holds those values
+    (the random initialisation is traced, and dead code for XLA)."""
+    source = model_source(cfg)
+    build_model = source.factory(vocab_size, mesh.shape["tensor"])
 
     def build(params=None):
         model = build_model()
         if params is not None:
             nnx.update(model, params)
+        tx = make_optimizer(cfg, model, mesh, _param_specs(cfg, model, mesh))
         return {"model": model, "optimizer": nnx.Optimizer(model, tx, wrt=nnx.Param)}
 
     return build

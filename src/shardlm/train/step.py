@@ -10,6 +10,8 @@ load-balancing loss joins the objective (times `model.moe_aux_loss_weight`); the
 entropy, and the step also logs `aux_loss` and the experts' loads.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,11 +25,17 @@ from shardlm.models.precision import add_gradients, gradient_zeros
 from shardlm.sharding import replicated, use_mesh_rules
 from shardlm.train.balance import balance_experts
 from shardlm.train.source import model_source
+from shardlm.train.spikes import guard_metrics
+
+
+# The tests' hook: a function of the optimizer's step index (0 for step 1) giving a factor for that step's loss
+# (a spike on demand, `shardlm.train.spikes`), set before a step is built; None in every run.
+LOSS_HOOK = None
 
 
 def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss_of, grad_accum: int = 1,
                     loss_weights: dict | None = None, name: str = "step", compiler_options: dict | None = None,
-                    cast_once=None, bias_rate: float = 0.0):
+                    cast_once=None, bias_rate: float = 0.0, separator: int | None = None):
     """The jitted train step. `loss_of(model, batch, mesh, key=...) -> (loss, stats)` is the model's training loss
     as its source computes it (`train.source`): the forward pass with its dropout and activation constraints, the
     next-token cross entropy (shardlm's models fuse it with the head), and a mixture of experts' statistics
@@ -39,15 +47,19 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
     logs about an instruction says which step it is in (`shardlm.perf.xla_log`). `compiler_options`: XLA options
     this step compiles with, over the process's (`step_compiler_options`). `cast_once(model, params)`: the
     parameters as the microbatches of `grad_accum` differentiate them (the source's, `train.source`; default:
-    as they are)."""
+    as they are). `separator`: the documents' separator token, for attention within each document of a row
+    (`loss_of` takes it; None: across them)."""
     graphdef = train_state.graphdef
+    documents = {} if separator is None else {"separator": separator}
     param_shardings = nnx.filter_state(train_state.shardings["model"], nnx.Param)  # what gradients are taken of
     base_key = jax.random.key(seed)
 
-    def loss_fn(model, tokens, key):
+    def loss_fn(model, tokens, key, scale=None):
         # Keys and RNG streams are made inside the differentiated function: NNX refuses RNG state created at
         # another trace level.
-        loss, stats = loss_of(model, tokens, mesh, key=key)
+        loss, stats = loss_of(model, tokens, mesh, key=key, **documents)
+        if scale is not None:  # the tests' spike (`LOSS_HOOK`)
+            loss = loss * scale
         with jax.named_scope("loss"):
             objective = loss + sum(w * stats[k] for k, w in (loss_weights or {}).items() if k in stats)
         loads = {LAYER_LOADS: stats[LAYER_LOADS]} if bias_rate and LAYER_LOADS in stats else {}
@@ -59,11 +71,12 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
         step_index = optimizer.step[...]
         dropout_key = jax.random.fold_in(base_key, step_index)
 
+        hooked = partial(loss_fn, scale=LOSS_HOOK(step_index)) if LOSS_HOOK else loss_fn
         with use_mesh_rules(mesh):
             if grad_accum == 1:
-                (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch, dropout_key)
+                (_, metrics), grads = nnx.value_and_grad(hooked, has_aux=True)(model, batch, dropout_key)
             else:
-                metrics, grads = accumulated_grads(loss_fn, model, batch, dropout_key, grad_accum, param_shardings,
+                metrics, grads = accumulated_grads(hooked, model, batch, dropout_key, grad_accum, param_shardings,
                                                    batch_sharding, cast_once)
         # Each gradient sharded like its parameter, before anything reads it: left to propagation, XLA all-reduced
         # FSDP's full gradients (to take the norm of the whole tensor on every device) and sliced them afterwards,
@@ -71,7 +84,9 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         with jax.named_scope("optimizer"):
             metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(step_index)}
-            optimizer.update(model, grads)
+            # the spike guard (`shardlm.train.spikes`) reads the loss and the norm before clipping
+            optimizer.update(model, grads, loss=metrics["loss"], grad_norm=metrics["grad_norm"])
+            metrics.update(guard_metrics(nnx.as_pure(optimizer.opt_state)))
         if LAYER_LOADS in metrics:
             with jax.named_scope("balance"):
                 balance_experts(model, metrics.pop(LAYER_LOADS), bias_rate)
@@ -101,7 +116,7 @@ def model_metrics(stats: dict) -> dict:
     when balanced; summed over the sparse layers), the share of its assignments dropped past the exchange's
     capacity (`model.moe_capacity_factor`; 0 when dropless), and the share a dropless exchange sent in rounds
     after its first (`model.moe_dropless=rounds`); nothing for a dense model."""
-    extra = {"mtp_loss": stats["mtp_loss"]} if "mtp_loss" in stats else {}
+    extra = {k: stats[k] for k in ("mtp_loss", "z_loss") if k in stats}
     if "expert_tokens" not in stats:
         return extra
     tokens = stats["expert_tokens"]
@@ -184,15 +199,18 @@ def make_eval_step(train_state, mesh, batch_sharding, token_bytes, forward):
     return jax.jit(step, in_shardings=(train_state.shardings, batch_sharding), out_shardings=replicated(mesh))
 
 
-def train_step_for(cfg, train_state, mesh, name: str = "step"):
+def train_step_for(cfg, train_state, mesh, name: str = "step", separator: int | None = None):
     """The jitted train step exactly as `shardlm train` builds it for `cfg` (plan, bench and profile use it), its
-    function called `name` (`make_train_step`)."""
-    from shardlm.train.state import make_schedule
+    function called `name` (`make_train_step`). `separator`: the tokenizer's document separator, where the step
+    attends within documents (`data.document_mask`); a step compiled without data (a plan) takes id 0 in its place,
+    the same program."""
+    from shardlm.train.optimizers import make_schedule
 
     source = model_source(cfg)
+    separator = (separator or 0) if source.documents(mesh) else None
     return make_train_step(train_state, mesh, source.batch_sharding(mesh), make_schedule(cfg), cfg.seed,
                            source.loss, cfg.train.grad_accum, source.loss_weights, name,
-                           step_compiler_options(cfg), source.cast_once, source.bias_rate)
+                           step_compiler_options(cfg), source.cast_once, source.bias_rate, separator)
 
 
 def eval_step_for(cfg, train_state, mesh, token_bytes):

@@ -1,0 +1,148 @@
+"""The optimizers by name and the spike guard (`shardlm.train.optimizers`, `shardlm.train.spikes`).
+
+Muon orthogonalises each matrix on the devices that own it whole; on fsdp 2 x tensor 2 it trains as on one device
+(float32, step 5, the weights too). Each optimizer's state is what it keeps per parameter, read back from the
+sharded arrays. An update whose loss spikes is skipped, and the run ends bit for bit as the run that never saw
+that batch; a run whose updates keep spiking stops in one line, with no checkpoint of the halted state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import MICRO, run_steps, structured_tokens
+from shardlm.config import load_config
+from shardlm.data.loader import BatchLoader
+from shardlm.errors import ShardlmError
+from shardlm.mesh import make_mesh
+from shardlm.perf.compile_only import shard_bytes
+from shardlm.sharding import batch_sharding
+from shardlm.train import step as step_module
+from shardlm.train.optimizers import muon_plan
+from shardlm.train.state import abstract_train_state, create_train_state
+from shardlm.train.step import train_step_for
+from shardlm.trees import path_str
+
+LLAMA = MICRO + ["model.family=llama", "model.use_bias=false", "model.n_kv_heads=2"]
+
+
+def _params(ts) -> dict:
+    return {path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(
+        nnx.to_pure_dict(nnx.filter_state(ts.state["model"], nnx.Param)))[0]}
+
+
+def test_muon_on_fsdp_and_tensor_matches_one_device():
+    cfg = LLAMA + ["train.optimizer=muon"]
+    ref_losses, ref, _ = run_steps(cfg, (1, 1, 1), steps=5)
+    losses, got, mesh = run_steps(cfg, {"fsdp": 2, "tensor": 2}, steps=5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert ref_losses[-1] < ref_losses[0] - 0.2  # it learns
+    # every matrix Muon orthogonalised on its owners is the one device's (the embedding, on AdamW, normalises
+    # its rare rows' tiny gradients, whose float sums differ by the mesh's order: those move within 2e-5)
+    want, have = _params(ref), _params(got)
+    matrices = {name for name, (dims, _, _) in muon_plan(got.state["model"]).items() if dims is not None}
+    assert matrices and matrices <= set(want)
+    for name in want:
+        np.testing.assert_allclose(have[name], want[name], rtol=1e-4, atol=1e-6 if name in matrices else 2e-5,
+                                   err_msg=name)
+    # the momentum is stored as its weight is (fsdp x tensor), and moves to its owners inside the update alone
+    mu = got.state["optimizer"]["opt_state"]["inner"][1]["inner_states"]["muon"]["inner_state"][0]["mu"]
+    weight = got.state["model"]["blocks"]["attn"]["wq"][...]
+    assert mu["blocks"]["attn"]["wq"][...].sharding.is_equivalent_to(weight.sharding, 4)
+    assert {s.data.shape for s in weight.addressable_shards} == {(2, 32, 2, 16)}
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    gpt = dict((k, d) for k, (d, _, _) in muon_plan(_model(MICRO)).items())
+    assert {k for k, d in gpt.items() if d is not None} == {
+        "blocks/attn/wq", "blocks/attn/wk", "blocks/attn/wv", "blocks/attn/wo", "blocks/mlp/w_in", "blocks/mlp/w_out"}
+    assert gpt["blocks/attn/wq"].reduction_axis == (1,) and gpt["blocks/attn/wq"].output_axis == (2, 3)
+    assert gpt["blocks/attn/wo"].reduction_axis == (1, 2) and gpt["blocks/attn/wo"].output_axis == (3,)
+    deepseek = dict((k, d) for k, (d, _, _) in muon_plan(_model(MICRO + [
+        "model=deepseek-tiny", "model.n_layers=2", "model.mtp_depth=0", "model.tie_embeddings=false"])).items())
+    for adamw in ("wte", "lm_head", "blocks/mlp/router", "blocks/mlp/router_bias", "blocks/ln1/scale",
+                  "blocks/attn/kv_norm/scale"):
+        assert deepseek.get(adamw, "absent") is None, adamw
+    experts = deepseek["blocks/mlp/w_gate"]  # [layers, experts, embed, mlp]: a matrix per layer and expert
+    assert experts.reduction_axis == (2,) and experts.output_axis == (3,)
+
+
+def _model(overrides):
+    cfg = load_config(None, overrides)
+    with nnx.use_eager_sharding(False):
+        from shardlm.train.source import model_source
+        return nnx.eval_shape(model_source(cfg).factory(500, 1))
+
+
+# Adafactor factors a weight whose two largest dimensions are at least 128 (optax's default): none of this model's,
+# so it keeps one full second moment each
+@pytest.mark.parametrize("optimizer, moments", [("adamw", 2.0), ("lion", 1.0), ("adafactor", 1.0), ("muon", None)])
+def test_each_optimizer_keeps_its_own_state(optimizer, moments):
+    cfg = load_config(None, LLAMA + [f"train.optimizer={optimizer}"])
+    mesh = make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4])
+    _, _, abstract, _ = abstract_train_state(cfg, mesh, 500)
+    params, state = shard_bytes(abstract["model"]), shard_bytes(abstract["optimizer"])
+    guard = 2 * cfg.train.spike_window * 4 + 5 * 4  # the spike guard's window and counters, on every device
+    if moments is not None:
+        assert state - guard == pytest.approx(moments * params, rel=1e-3)
+    else:  # muon: one momentum per matrix, AdamW's two on the embedding and norms
+        plan = muon_plan(_model(LLAMA))
+        matrices = sum(np.prod(shape) for d, _, shape in plan.values() if d is not None) * 4 / 4  # f32, 4 devices
+        rest = sum(np.prod(shape) for d, _, shape in plan.values() if d is None) * 4 / 4
+        assert state - guard == pytest.approx(matrices + 2 * rest, rel=2e-2)
+
+
+def _spiky_run(cfg, degrees, batches, spike_at=None):
+    """The real state and step over `batches`, the loss of step `spike_at` (1-based) scaled by 1000."""
+    mesh = make_mesh(**degrees, devices=jax.devices()[:int(np.prod(list(degrees.values())))])
+    ts = create_train_state(cfg, mesh, 500)
+    step_module.LOSS_HOOK = None if spike_at is None else (  # read when the step is traced, at its first call
+        lambda index: jnp.where(index == spike_at - 1, 1000.0, 1.0))
+    metrics = []
+    try:
+        step = train_step_for(cfg, ts, mesh)
+        for batch in batches:
+            ts.state, m = step(ts.state, jax.device_put(batch, batch_sharding(mesh)))
+            metrics.append(jax.device_get(m))
+    finally:
+        step_module.LOSS_HOOK = None
+    return ts, metrics
+
+
+def test_a_spike_is_skipped_and_the_run_ends_as_if_it_never_saw_the_batch():
+    cfg = load_config(None, LLAMA + ["train.spike_window=8", "train.steps=12"])
+    loader = BatchLoader(structured_tokens(40_000, 500), cfg.model.seq_len, cfg.train.batch_size, None, seed=0,
+                         shuffle=True, rows=range(cfg.train.batch_size))
+    batches = [np.asarray(loader.local[i]) for i in range(11)]
+    degrees = {"data": 2, "fsdp": 2}
+    spiked, metrics = _spiky_run(cfg, degrees, batches, spike_at=7)
+    assert [int(m["skipped"]) for m in metrics] == [0] * 6 + [1] * 5
+    assert metrics[6]["loss"] > 100 * metrics[5]["loss"]
+    # the same program (its hook at a step it never reaches), without batch 7
+    never, _ = _spiky_run(cfg, degrees, batches[:6] + batches[7:], spike_at=10**6)
+    want, have = _params(never), _params(spiked)
+    for name in want:
+        np.testing.assert_array_equal(have[name], want[name], err_msg=name)
+
+
+def test_a_run_whose_updates_keep_spiking_stops_in_one_line_with_its_skips_logged(tmp_path, capsys):
+    import json
+
+    from shardlm.checkpoint import local_steps
+    from shardlm.train.loop import train
+
+    cfg = load_config(None, MICRO + ["model.n_layers=1", "train.batch_size=4", "train.steps=12",
+                                     "train.log_interval=1", "train.eval_interval=12", "train.eval_batches=1",
+                                     "train.sample_tokens=0", "train.max_skips=3", "checkpoint.every=4",
+                                     "data.tokenizer=bytes"])
+    step_module.LOSS_HOOK = lambda index: jnp.where(index >= 5, jnp.nan, 1.0)  # step 6 on: a non-finite loss
+    try:
+        with pytest.raises(ShardlmError, match=r"^3 updates in a row were skipped by step 8 \(train.max_skips=3\)"):
+            train(cfg, tmp_path / "run", progress=False, devices=jax.devices()[:1])
+    finally:
+        step_module.LOSS_HOOK = None
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows if "skipped" in r] == [0, 0, 0, 0, 0, 1, 2, 3]
+    assert "step 6: 1 update(s) skipped since the last log" in capsys.readouterr().out
+    assert local_steps(tmp_path / "run") == [4]  # step 8's checkpoint would hold the halted guard: not written
