@@ -13,7 +13,7 @@ from conftest import MICRO, run_steps
 from shardlm.config import load_config
 from shardlm.errors import ShardlmError
 from shardlm.mesh import make_mesh
-from shardlm.models.documents import document_ids
+from shardlm.models.documents import document_ids, document_positions
 from shardlm.sharding import use_mesh_rules
 from shardlm.train.source import model_source
 
@@ -29,23 +29,32 @@ def documents_stream(n: int, vocab: int, seed: int = 0) -> np.ndarray:
     return np.concatenate(parts)[:n].astype(np.int32)
 
 
-def test_document_ids_open_at_each_separator():
+def test_document_ids_open_at_each_separator_and_positions_restart_there():
     ids = document_ids(jnp.array([[5, 0, 7, 7, 0, 0, 3]]), SEPARATOR)
     assert ids.tolist() == [[0, 1, 1, 1, 2, 3, 3]]
+    assert document_positions(ids).tolist() == [[0, 0, 1, 2, 0, 0, 1]]
 
 
 def test_masked_losses_differ_and_the_ring_over_fsdp_and_context_trains_as_one_device():
+    """(With positions restarting at each document too: the rotary tables per token, moved to the ring's zigzag
+    layout with the residual stream.)"""
     tokens = documents_stream(40_000, 500)
     llama = MICRO + ["model.family=llama", "model.use_bias=false", "model.n_kv_heads=2"]
     unmasked = run_steps(llama + ["data.document_mask=false"], (1, 1, 1), steps=1, tokens=tokens)[0]
-    one = run_steps(llama + ["data.document_mask=true"], (1, 1, 1), steps=4, tokens=tokens)[0]
-    ring = run_steps(llama + ["data.document_mask=true"], {"fsdp": 2, "context": 2}, steps=4, tokens=tokens)[0]
+    masked = llama + ["data.document_mask=true", "data.document_positions=true"]
+    one = run_steps(masked, (1, 1, 1), steps=4, tokens=tokens)[0]
+    ring = run_steps(masked, {"fsdp": 2, "context": 2}, steps=4, tokens=tokens)[0]
     assert abs(one[0] - unmasked[0]) > 1e-4
+    # Rotary embeddings are relative: within a document, restarting its positions changes nothing (up to
+    # rounding). A GPT's learned positions are absolute: there they are other rows of the table.
+    gpt = [run_steps(MICRO + ["data.document_mask=true", f"data.document_positions={restart}"], (1, 1, 1), steps=1,
+                     tokens=tokens)[0][0] for restart in (True, False)]
+    assert abs(gpt[0] - gpt[1]) > 1e-4
     np.testing.assert_allclose(ring[0], one[0], rtol=1e-5)
     np.testing.assert_allclose(ring, one, rtol=2e-3)
 
 
-def _logits(overrides, degrees, tokens, documents: bool):
+def _logits(overrides, degrees, tokens, documents: bool, restart: bool = False):
     """The model's logits for `tokens` [rows, T], attending within documents or not, on a mesh of `degrees`."""
     cfg = load_config(None, MICRO + overrides)
     mesh = make_mesh(**degrees, devices=jax.devices()[:int(np.prod(list(degrees.values())))])
@@ -57,13 +66,16 @@ def _logits(overrides, degrees, tokens, documents: bool):
     def run(tokens):
         with use_mesh_rules(mesh, source.rules()):
             segments = document_ids(tokens, SEPARATOR) if documents else None
-            return model._forward(tokens, None, segments=segments)[0]
+            positions = document_positions(segments) if restart else None
+            return model._forward(tokens, None, segments=segments, positions=positions)[0]
 
     return np.asarray(run(jnp.asarray(tokens)))[..., :500]  # (the padded rows are -inf)
 
 
 KERNELS = {  # name: (overrides, mesh, length)
     "xla": (["model.attention=xla"], {"fsdp": 1}, 32),
+    "xla, a GPT's positions restarting": (["model.attention=xla", "model.family=gpt", "model.use_bias=true"],
+                                          {"fsdp": 1}, 32),
     "flash": (["model.attention=flash", "model.attention_block=8"], {"fsdp": 1}, 32),
     "splash (interpreted)": (["model.attention=splash", "model.d_model=128", "model.n_heads=2"], {"fsdp": 1}, 128),
     "ring, fsdp 2 x context 2": (["model.attention_block=8"], {"fsdp": 2, "context": 2}, 32),
@@ -73,14 +85,15 @@ KERNELS = {  # name: (overrides, mesh, length)
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_no_tokens_logits_change_when_an_earlier_document_in_its_window_changes(kernel):
     overrides, degrees, length = KERNELS[kernel]
-    overrides = overrides + ["model.family=llama", "model.use_bias=false", f"model.seq_len={length}"]
+    overrides = ["model.family=llama", "model.use_bias=false", *overrides, f"model.seq_len={length}"]
+    restart = "restarting" in kernel
     rng = np.random.default_rng(1)
     rows = rng.integers(1, 500, (4, length)).astype(np.int32)
     cut = length // 2 + 3  # a second document opens here, a row's first ends before it
     rows[:, 0], rows[:, cut] = SEPARATOR, SEPARATOR
     changed = rows.copy()
     changed[:, 1:cut] = rng.integers(1, 500, (4, cut - 1))
-    before, after = (_logits(overrides, degrees, t, documents=True) for t in (rows, changed))
+    before, after = (_logits(overrides, degrees, t, documents=True, restart=restart) for t in (rows, changed))
     np.testing.assert_allclose(after[:, cut:], before[:, cut:], rtol=0, atol=2e-6)
     assert np.abs(after[:, 1:cut] - before[:, 1:cut]).max() > 1e-2  # the changed document's own logits move
     # across documents, the later one's logits do move: what the mask stops

@@ -146,3 +146,21 @@ def test_a_run_whose_updates_keep_spiking_stops_in_one_line_with_its_skips_logge
     assert [r["skipped"] for r in rows if "skipped" in r] == [0, 0, 0, 0, 0, 1, 2, 3]
     assert "step 6: 1 update(s) skipped since the last log" in capsys.readouterr().out
     assert local_steps(tmp_path / "run") == [4]  # step 8's checkpoint would hold the halted guard: not written
+
+
+def test_qk_norm_and_z_loss_train_a_gpt_alike_on_a_mesh():
+    """The stability options: QK-norm in a GPT (its q and k norms are parameters) and the z-loss through the fused
+    head (logged beside the cross entropy, joining the objective) train the same on fsdp 2 x tensor 2 as on one
+    device."""
+    cfg = load_config(None, MICRO + ["model.qk_norm=true", "train.z_loss=1e-2"])
+    loader = BatchLoader(structured_tokens(40_000, 500), cfg.model.seq_len, cfg.train.batch_size, None, seed=0,
+                         shuffle=True, rows=range(cfg.train.batch_size))
+    batches = [np.asarray(loader.local[i]) for i in range(3)]
+    one, one_metrics = _spiky_run(cfg, {"fsdp": 1}, batches)
+    _, metrics = _spiky_run(cfg, {"fsdp": 2, "tensor": 2}, batches)
+    assert "q_norm" in one.state["model"]["blocks"]["attn"]
+    z = [float(m["z_loss"]) for m in metrics]
+    assert all(v > 1.0 for v in z)  # log^2 Z of a 500-token vocabulary's logits: about ln(500)^2 at the start
+    np.testing.assert_allclose(z, [float(m["z_loss"]) for m in one_metrics], rtol=1e-5)
+    np.testing.assert_allclose([float(m["loss"]) for m in metrics], [float(m["loss"]) for m in one_metrics],
+                               rtol=1e-5)

@@ -128,7 +128,7 @@ def models(draw, mesh: Mesh, tidy: bool) -> list[str]:
             out += ["model.moe_every=2", "model.scan_layers=false", f"model.n_layers={draw(st.sampled_from([2, 4]))}"]
         out += draw(routing(experts, top_k, tidy))
     if family == "gpt":
-        out.append(f"model.use_bias={draw(st.booleans())}")
+        out += [f"model.use_bias={draw(st.booleans())}", f"model.qk_norm={draw(st.booleans())}"]
     out.append(f"model.tie_embeddings={draw(st.booleans())}")
     return out
 
@@ -225,6 +225,15 @@ def _setting(overrides: list[str], key: str, default):
 
 
 @st.composite
+def recipe(draw) -> list[str]:
+    """The training recipe's settings: the optimizer, the spike guard, z-loss and document masks."""
+    return [f"train.optimizer={draw(st.sampled_from(['adamw', 'adamw', 'muon', 'lion', 'adafactor']))}",
+            f"train.skip_spikes={draw(st.booleans())}", f"train.spike_window={draw(st.sampled_from([2, 128]))}",
+            f"train.z_loss={draw(st.sampled_from([0.0, 0.0, 1e-4]))}",
+            f"data.document_mask={draw(st.sampled_from(['auto', 'auto', 'true', 'false']))}"]
+
+
+@st.composite
 def configurations(draw, notes: str) -> Drawn:
     """A whole configuration. Seven in ten are drawn tidy (sizes the mesh splits), so that most reach training;
     the rest anywhere."""
@@ -236,7 +245,7 @@ def configurations(draw, notes: str) -> Drawn:
     micro = (_setting(maths, "model.pipeline_microbatches", 0) or stages) if stages > 1 else 1
     split = mesh.sizes["data"] * mesh.sizes["fsdp"] * mesh.sizes["expert"] * grad_accum * micro
     batch = _multiple(draw, tidy, split, st.one_of(st.integers(1, 4), st.integers(1, 16)))
-    out = [*model, *maths, *draw(data(notes, tidy)),
+    out = [*model, *maths, *draw(data(notes, tidy)), *draw(recipe()),
            *(f"mesh.{axis}={degree}" for axis, degree in mesh.degrees.items()),
            f"mesh.sequence_parallel={draw(st.booleans())}",
            f"train.batch_size={batch}", f"train.grad_accum={grad_accum}",

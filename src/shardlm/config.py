@@ -82,6 +82,8 @@ class DataConfig:
     # attends as its code says; a pipeline's microbatches carry no documents' ids yet); true asks for it (refused
     # where it cannot run); false attends across documents.
     document_mask: bool | str = "auto"
+    # With document masks: positions restart at each document (each token's offset in its document), not 0..T-1
+    document_positions: bool = False
 
 
 OPTIMIZERS = ("adamw", "muon", "lion", "adafactor")  # train.optimizer's values (`shardlm.train.optimizers`)
@@ -507,6 +509,9 @@ def _check_data(d: DataConfig) -> None:
         d.document_mask = d.document_mask.lower() == "true"
     if d.document_mask not in (True, False, "auto"):
         raise ShardlmError(f"data.document_mask must be true, false or auto, got {d.document_mask!r}")
+    if d.document_positions and d.document_mask is False:
+        raise ShardlmError("data.document_positions=true restarts positions at the documents the mask keeps apart; "
+                           "set data.document_mask=auto or true, or drop document_positions")
     if d.invalid_utf8 not in ("error", "replace"):
         raise ShardlmError(f"data.invalid_utf8 must be error or replace, got {d.invalid_utf8!r}")
     if not d.path or not d.text_field:

@@ -97,11 +97,11 @@ class DeepSeek(Llama):
         dtype = self.precision.compute
         return LayerCache(jnp.zeros((*shape, self.kv_rank), dtype), jnp.zeros((*shape, self.rope_dim), dtype))
 
-    def loss(self, tokens, targets, rngs=None, segments=None, z_loss: bool = False):
+    def loss(self, tokens, targets, rngs=None, segments=None, z_loss: bool = False, positions=None):
         """The main model's cross entropy, and the blocks' statistics with the multi-token prediction's mean loss
         (`mtp_loss`) when the model has it; `segments` as `CausalLM.loss` takes them."""
         view = self.compute_view()
-        x, ctx, key = view.enter(tokens, rngs, segments=segments)
+        x, ctx, key = view.enter(tokens, rngs, segments=segments, positions=positions)
         x, _ = view.run_prefix(x, ctx, key)
         policy = remat.policy(self.remat, self.remat_offload)
         h, _, stats = run_blocks(view.blocks, self.n_layers, self.scan_layers, view.block_step(ctx), x,

@@ -98,10 +98,12 @@ class GPT(CausalLM):
                                                              ("embed", "vocab"), pd, cast_where_read=True)
 
     def _embed(self, tokens, rngs, pos):
+        """`pos`: None (positions 0..T-1), each row's decode position [batch], or every token's [batch, T]."""
         if pos is None:
             positions = self.wpe[...][: tokens.shape[1]]
-        else:  # a lookup per row: gather FSDP shards of the table first
-            positions = constrain(self.wpe[...], "pos", "act_embed")[pos][:, None]
+        else:  # a lookup per row (per token): gather FSDP shards of the table first
+            positions = constrain(self.wpe[...], "pos", "act_embed")[pos]
+            positions = positions[:, None] if pos.ndim == 1 else positions
         # added in float32, then cast: the positions' gradient is a float32 sum over the batch
         x = (self._token_rows(tokens).astype(jnp.float32) + positions).astype(self.precision.compute)
         return self.dropout(x, deterministic=rngs is None, rngs=rngs), None

@@ -183,21 +183,22 @@ class CausalLM(nnx.Module):
         """The model on its weights' compute copies (`shardlm.models.precision.compute_view`): what a pass runs on."""
         return compute_view(self, self.precision.compute, self.precision.reduce)
 
-    def _forward(self, tokens, rngs, cache=None, pos=None, at=None, head=True, segments=None):
+    def _forward(self, tokens, rngs, cache=None, pos=None, at=None, head=True, segments=None, positions=None):
         """(logits, cache, stats); with `head=False`, the final norm's output [batch, T, d_model] instead of the
         logits (what `loss` multiplies out chunk by chunk). The modules run on their weights' compute copies
         (`shardlm.models.precision`)."""
-        return self.compute_view()._run(tokens, rngs, cache, pos, at, head, segments)
+        return self.compute_view()._run(tokens, rngs, cache, pos, at, head, segments, positions)
 
     def loss(self, tokens: jax.Array, targets: jax.Array, rngs: nnx.Rngs | None = None, segments=None,
-             z_loss: bool = False) -> tuple[jax.Array, dict]:
+             z_loss: bool = False, positions=None) -> tuple[jax.Array, dict]:
         """(mean cross entropy of `targets` [batch, T] after `tokens` [batch, T], the blocks' statistics as
         `with_stats` gives them): the head and the loss fused and chunked over the vocabulary
         (`shardlm.models.head`), float32 logits never held for the whole vocabulary. What a training step
         minimises (on pipeline stages, through a schedule: `shardlm.schedules`). `segments` [batch, T]: each
         token's document's id (`shardlm.models.documents`), attention staying within documents; None: none. With
-        `z_loss`, the statistics hold the mean of log^2 Z of the logits too (`z_loss`, PaLM's)."""
-        x, _, stats = self._forward(tokens, rngs, head=False, segments=segments)
+        `z_loss`, the statistics hold the mean of log^2 Z of the logits too (`z_loss`, PaLM's). `positions`
+        [batch, T]: each token's position (restarting at each document), else 0..T-1."""
+        x, _, stats = self._forward(tokens, rngs, head=False, segments=segments, positions=positions)
         return self.with_z_loss(self.head_loss(x, targets, z_loss=z_loss), self.mean_aux(stats), z_loss)
 
     @staticmethod
@@ -239,14 +240,15 @@ class CausalLM(nnx.Module):
         return sharded_lookup(self.wte[...], tokens, tuple(self.wte.get_metadata()["out_sharding"]),
                               self.precision.compute)
 
-    def enter(self, tokens, rngs, cache=None, pos=None, segments=None):
+    def enter(self, tokens, rngs, cache=None, pos=None, segments=None, positions=None):
         """(the embedding's output in the blocks' layout, the blocks' attention `Context`, the pass's dropout key):
-        what every pass does before the blocks. `segments`: documents' ids, for attention within them."""
+        what every pass does before the blocks. `segments`: documents' ids, for attention within them;
+        `positions` [batch, T]: every token's position, in place of 0..T-1."""
         # One dropout key for the pass: layer i draws from it folded with i, the embedding with n_layers
         # (`stack.layer_rngs`), whichever layout the blocks are in.
         key = rngs.dropout() if rngs is not None else None
         with jax.named_scope("embed"):
-            x, rope = self._embed(tokens, layer_rngs(key, self.n_layers), pos)
+            x, rope = self._embed(tokens, layer_rngs(key, self.n_layers), pos if positions is None else positions)
             x = constrain(x, "batch", "seq", "act_embed")
         ctx = attention_context(self.attention, self.precision.compute, self.head_dim, tokens.shape[1],
                                 block=self.attention_block, context=self.context_attention,
@@ -278,8 +280,8 @@ class CausalLM(nnx.Module):
                                  policy=policy)
         return x, cache
 
-    def _run(self, tokens, rngs, cache, pos, at, head, segments=None):
-        x, ctx, key = self.enter(tokens, rngs, cache, pos, segments)
+    def _run(self, tokens, rngs, cache, pos, at, head, segments=None, positions=None):
+        x, ctx, key = self.enter(tokens, rngs, cache, pos, segments, positions)
         x, cache = self.run_prefix(x, ctx, key, cache)
         policy = remat.policy(self.remat, self.remat_offload) if cache is None else None
         x, cache, stats = run_blocks(self.blocks, self.n_layers, self.scan_layers, self.block_step(ctx), x,

@@ -117,6 +117,7 @@ class Llama(CausalLM):
                                                              ("embed", "vocab"), pd, cast_where_read=True)
 
     def _embed(self, tokens, rngs, pos):
-        positions = jnp.arange(tokens.shape[1])[None] if pos is None else pos[:, None]
+        """`pos`: None (positions 0..T-1), each row's decode position [batch], or every token's [batch, T]."""
+        positions = jnp.arange(tokens.shape[1])[None] if pos is None else pos[:, None] if pos.ndim == 1 else pos
         x = self.dropout(self._token_rows(tokens), deterministic=rngs is None, rngs=rngs)
         return x, self.rope.tables(positions)

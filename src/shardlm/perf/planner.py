@@ -636,6 +636,8 @@ def format_rows(p: Plan, limit: int | None = None) -> list[str]:
 
 
 def format_plan(p: Plan) -> str:
+    from shardlm.train.optimizers import optimizer_summary
+
     m, t = p.cfg.model, p.cfg.train
     hosts = p.hosts > 1
     target = p.target
@@ -643,7 +645,7 @@ def format_plan(p: Plan) -> str:
         f"plan for {p.n_devices} {target.label + ' ' if target else ''}devices"
         + (f" on {p.hosts} hosts of {p.hardware.devices_per_node}" if hosts else "")
         + f": {p.param_count / 1e6:.1f}M parameters, {describe(p.cfg)}; global batch {t.batch_size} x {m.seq_len} "
-        f"tokens, AdamW",
+        f"tokens, {optimizer_summary(p.cfg)}",
         f"cost model ({p.hardware.describe()}); memory {p.hardware.memory_bytes / 1e9:g} GB "
         f"({fmt_bytes(p.hardware.memory_bytes)}) per device",
         "",

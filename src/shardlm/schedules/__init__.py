@@ -23,14 +23,15 @@ from shardlm.sharding import active_degree
 from shardlm.schedules import gpipe, one_f_one_b  # noqa: F401 - the built-in schedules register themselves
 
 
-def loss(model, tokens, targets, rngs, m, segments=None, z_loss: bool = False) -> tuple:
+def loss(model, tokens, targets, rngs, m, segments=None, z_loss: bool = False, positions=None) -> tuple:
     """(the training loss, the blocks' statistics) of `model` (config `m`) under the active mesh rules: through its
     pipeline schedule when the rules split the stack's layers over stages, else the model's own pass. `segments`:
     documents' ids, which the model's own pass attends within (a pipeline takes none: `train.source` refuses or
-    leaves them off). `z_loss`: the statistics hold the mean of log^2 Z too (not on stages: refused there)."""
+    leaves them off). `z_loss`: the statistics hold the mean of log^2 Z too (not on stages: refused there). `positions`: each
+    token's, restarting at each document (with the ids)."""
     stages = active_degree(LAYERS)
     if stages <= 1:
-        return model.loss(tokens, targets, rngs, segments=segments, z_loss=z_loss)
+        return model.loss(tokens, targets, rngs, segments=segments, z_loss=z_loss, positions=positions)
     return schedule_named(m.pipeline_schedule).loss(model, tokens, targets, rngs, PipelineSettings.of(m, stages))
 
 

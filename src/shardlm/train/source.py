@@ -58,7 +58,7 @@ from shardlm.kernels.registry import check_attention, uses_ring
 from shardlm.losses import cross_entropy
 from shardlm.models.attention import kernel_takes_documents
 from shardlm.models.config import head_size, sparse_layer_count, stack_layer_count
-from shardlm.models.documents import document_ids
+from shardlm.models.documents import document_ids, document_positions
 from shardlm.models.head import plan as head_plan
 from shardlm.models.moe import exchange_capacity, round_sizes
 from shardlm.models.params import padded_vocab_size
@@ -106,11 +106,13 @@ _FORWARD_FLOPS: dict[tuple, float] = {}  # a file's model's forward FLOPs per to
 
 def within_documents(cfg: Config, stages: int = 1, seq_split: int = 1) -> bool:
     """Whether a training step of shardlm's own model over `stages` pipeline stages, its sequence split
-    `seq_split` ways, attends within documents (`data.document_mask`): asked for; or auto, off pipeline stages,
+    `seq_split` ways, attends within documents (`data.document_mask`): asked for (or positions restarting at
+    documents: `data.document_positions`); or auto, off pipeline stages,
     where the kernel the step runs takes documents' ids (`models.attention.kernel_takes_documents`: on GPUs cuDNN's
     does not, and auto keeps it)."""
-    asked = cfg.data.document_mask
-    return asked is True or (asked == "auto" and stages == 1 and kernel_takes_documents(cfg.model, seq_split))
+    asked = cfg.data.document_mask is True or cfg.data.document_positions  # (positions restart at documents)
+    auto = cfg.data.document_mask == "auto" and stages == 1
+    return asked or (auto and kernel_takes_documents(cfg.model, seq_split))
 
 
 def train_state_shardings(abstract_state, model, mesh):
@@ -203,13 +205,15 @@ class OwnModel:
         """(the training loss of `batch` [rows, seq_len + 1], the blocks' statistics): the head and the cross
         entropy fused (`CausalLM.loss`; on pipeline stages, through the schedule: `shardlm.schedules`), under the
         training state's storage rules. With the documents' `separator` token, attention stays within each
-        document of a row (`models.documents`)."""
+        document of a row (`models.documents`), and with `data.document_positions` positions restart at each."""
         dropout = key is not None and self.cfg.model.dropout > 0
         tokens = batch[:, :-1]
         segments = None if separator is None else document_ids(tokens, separator)
+        positions = document_positions(segments) if segments is not None and self.cfg.data.document_positions \
+            else None
         with use_mesh_rules(mesh, self.rules(), storage=self.storage_rules(mesh)):
             return schedules.loss(model, tokens, batch[:, 1:], nnx.Rngs(dropout=key) if dropout else None,
-                                  self.cfg.model, segments, self.cfg.train.z_loss > 0)
+                                  self.cfg.model, segments, self.cfg.train.z_loss > 0, positions)
 
     def documents(self, mesh) -> bool:
         return within_documents(self.cfg, mesh.shape.get("stage", 1), mesh.shape.get("context", 1))
@@ -241,8 +245,8 @@ class OwnModel:
             if self.cfg.train.z_loss:
                 raise ShardlmError(f"train.z_loss={self.cfg.train.z_loss}: a pipeline's head (mesh.stage={stages}) "
                                    "returns no log-sum-exp yet; set train.z_loss=0 or drop the stages")
-            if self.cfg.data.document_mask is True:
-                raise ShardlmError(f"data.document_mask=true: a pipeline's microbatches (mesh.stage={stages}) carry "
+            if self.cfg.data.document_mask is True or self.cfg.data.document_positions:
+                raise ShardlmError(f"data.document_mask=true (or document_positions): a pipeline's microbatches (mesh.stage={stages}) carry "
                                    "no documents' ids yet; set data.document_mask=auto (off on stages) or false, or "
                                    "drop the stages")
             if not m.scan_layers:
@@ -381,7 +385,7 @@ class PlannedModel:
         self.built_vocab = None  # the vocabulary of the last model `factory` made (for error messages)
         self.forward_checked = False
         self.stacked_axes = 0  # its structure is its own
-        self.document_mask = cfg.data.document_mask
+        self.document_mask = cfg.data.document_mask is True or cfg.data.document_positions
 
     # --- building ----------------------------------------------------------------------------------------------
     def vocab_sizes(self, tokenizer_vocab: int, tensor_degree: int) -> tuple[int, int]:
@@ -485,7 +489,7 @@ class PlannedModel:
         """The model runs on tokens and returns logits, and every activation rule of the plan matches a module (an
         NNX model's are known before it runs): shapes only, once per process."""
         if self.document_mask is True:
-            raise ShardlmError("data.document_mask=true: a model from a py: file attends as its own code says, and "
+            raise ShardlmError("data.document_mask=true (or document_positions): a model from a py: file attends as its own code says, and "
                                "shardlm cannot hand it documents' ids; set data.document_mask=auto or false")
         for axis in ("stage", "expert"):
             if mesh.shape.get(axis, 1) > 1:
