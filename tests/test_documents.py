@@ -73,7 +73,6 @@ def _logits(overrides, degrees, tokens, documents: bool, restart: bool = False):
 
 
 KERNELS = {  # name: (overrides, mesh, length)
-    "xla": (["model.attention=xla"], {"fsdp": 1}, 32),
     "xla, a GPT's positions restarting": (["model.attention=xla", "model.family=gpt", "model.use_bias=true"],
                                           {"fsdp": 1}, 32),
     "flash": (["model.attention=flash", "model.attention_block=8"], {"fsdp": 1}, 32),

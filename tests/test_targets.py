@@ -163,11 +163,12 @@ def permutes_across_attention(hlo_text: str) -> int:
 
 # (context 2, the smallest ring, on the CPU: test_context's test_the_ring_passes_keys_and_values_around_context_
 # and_never_holds_t_by_t)
-# Splash takes documents' ids (document masks on, as `auto` leaves them on TPUs); cuDNN's does not (`auto` leaves
-# them off on GPUs), and asked for on H100s they run the blockwise kernel in the ring
+# Splash takes documents' ids (in the ring too); cuDNN's does not, and document masks asked for on H100s run the
+# blockwise kernel in the ring
 RING_CASES = {"h100 context 8": (H100, 8, 2048, "__cudnn$fmhaSoftmax", []),
               "h100 context 2, document masks": (H100, 2, 2048, None, ["data.document_mask=true"]),
-              "tpu-v5p context 4": (targets.get("tpu-v5p"), 4, 1024, "tpu_custom_call", [])}
+              "tpu-v5p context 4, document masks": (targets.get("tpu-v5p"), 4, 1024, "tpu_custom_call",
+                                                     ["data.document_mask=true"])}
 KERNEL_NAMES = {"__cudnn$fmhaSoftmax": "cuDNN's fused kernel", "tpu_custom_call": "Pallas splash attention",
                 None: "the blockwise kernel"}
 

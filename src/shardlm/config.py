@@ -78,10 +78,10 @@ class DataConfig:
     # source evaluated on its own; empty = the one source data.path names.
     sources: list = dataclasses.field(default_factory=list)
     # Attention within each document packed in a window, as the separator tokens delimit them
-    # (`shardlm.models.documents`): "auto" = for shardlm's own models off pipeline stages (a model from a py: file
-    # attends as its code says; a pipeline's microbatches carry no documents' ids yet); true asks for it (refused
-    # where it cannot run); false attends across documents.
-    document_mask: bool | str = "auto"
+    # (`shardlm.models.documents`): true asks for it (refused where it cannot run: pipeline stages, a model from a
+    # py: file); "auto" = wherever the kernel the step runs takes documents' ids (not cuDNN's: off on GPUs) and off
+    # pipeline stages; false (the default) attends across documents.
+    document_mask: bool | str = False
     # With document masks: positions restart at each document (each token's offset in its document), not 0..T-1
     document_positions: bool = False
 

@@ -119,6 +119,15 @@ def with_earlier_defaults(saved: dict) -> dict:
     return saved
 
 
+def adopt_earlier_defaults(cfg: Config, saved: dict) -> None:
+    """`cfg` resuming a run whose saved config has none of `EARLIER_DEFAULTS`' keys takes their earlier values:
+    the run resumes as it trained (its checkpoint's optimizer state has no spike guard), however `cfg` was made."""
+    for section, defaults in EARLIER_DEFAULTS.items():
+        for key, value in defaults.items():
+            if key not in saved.get(section, {}):
+                setattr(getattr(cfg, section), key, value)
+
+
 def _keep_resolved(cfg: Config, saved: dict) -> Config:
     """`cfg` with what mesh=auto and model.remat=auto chose when the run started (its saved config) in place of
     another plan: a resume keeps the choice."""
@@ -219,6 +228,7 @@ def plan_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
             raise unreadable(run_dir, e, [s for s in steps if s < step], reader) from None
     finally:
         reader.close()
+    adopt_earlier_defaults(cfg, meta["config"])
     changes = config_changes(cfg, config_from_dict(with_earlier_defaults(meta["config"])), step)
     if step >= cfg.train.steps:
         log(f"{run_dir} has already trained to step {step} (train.steps={cfg.train.steps}): nothing to do; raise "

@@ -152,8 +152,9 @@ class OwnModel:
         """The training state's: the weights by the rule table, split over `data` too where the state is sharded
         over the data-parallel replicas (`storage_rules`); the optimizer's state mirroring a weight (a moment, a
         momentum) as that weight, the rest (Adafactor's row and column statistics, counters) replicated."""
-        model = state_shardings(abstract_state["model"], mesh, self.storage_rules(mesh))
-        return train_state_shardings(abstract_state, model, mesh)
+        # (under its "model" key, so that an indivisible weight is named by its path in the state)
+        model = state_shardings(nnx.State({"model": abstract_state["model"]}), mesh, self.storage_rules(mesh))
+        return train_state_shardings(abstract_state, model["model"], mesh)
 
     def model_shardings(self, abstract_state, mesh):
         """A reader's (the model alone, no optimizer): the rule table's, never split over `data`."""
