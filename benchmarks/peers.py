@@ -149,20 +149,22 @@ def serve(kind: str, shape: str, model_py: str | None) -> None:
 
 
 class Worker:
-    def __init__(self, kind: str, shape: str, model_py: Path):
-        self.kind = kind
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--shape", shape,
-                                      "--nanogpt", str(model_py)], stdin=subprocess.PIPE,
+    """A worker process: `script --worker KIND ARGS...`, which prints a JSON line once set up (`about`), then one
+    per request of N steps (`run`). benchmarks/time_to_loss.py's trainers are workers too."""
+
+    def __init__(self, kind: str, args: list[str], script: str = __file__):
+        self.kind, self.script = kind, Path(script).name
+        self.proc = subprocess.Popen([sys.executable, script, "--worker", kind, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         self.about = self._read()
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            sys.exit(f"peers.py: the {self.kind} worker stopped (its stderr is above)")
+            sys.exit(f"{self.script}: the {self.kind} worker stopped (its stderr is above)")
         return json.loads(line)
 
-    def time(self, steps: int) -> dict:
+    def run(self, steps: int) -> dict:
         self.proc.stdin.write(f"{steps}\n")
         self.proc.stdin.flush()
         return self._read()
@@ -176,13 +178,13 @@ def compare(shape: str, model_py: Path, rounds: int, steps: int) -> dict:
     layers, heads, d, vocab = SHAPES[shape]
     print(f"\n{shape}: {layers} layers, {heads} heads, d_model {d}, MLP {4 * d}, vocabulary {vocab:,}, "
           f"batch {BATCH} x {SEQ}, float32", flush=True)
-    workers = [Worker("shardlm", shape, model_py), Worker("nanoGPT", shape, model_py)]
+    workers = [Worker(kind, ["--shape", shape, "--nanogpt", str(model_py)]) for kind in ("shardlm", "nanoGPT")]
     print(f"  shardlm's head and loss: {workers[0].about['head']}")
     print(f"  nanoGPT: PyTorch {workers[1].about['torch']} eager, {workers[1].about['threads']} threads")
     rates: dict[str, list[float]] = {"shardlm": [], "nanoGPT": []}
     for r in range(rounds):
         for w in workers:
-            result = w.time(steps)
+            result = w.run(steps)
             rates[w.kind].append(result["tokens_per_s"])
             print(f"  round {r + 1} {w.kind:<8} {result['tokens_per_s']:>9,.0f} tokens/s  (loss {result['loss']:.3f})",
                   flush=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import nanogpt_model  # noqa: E402
+from peers import Worker, nanogpt_model  # noqa: E402
 
 LAYERS, HEADS, D, SEQ, BATCH = 4, 4, 256, 128, 16
 LR, WARMUP, MIN_RATIO, WEIGHT_DECAY, BETAS, CLIP = 3e-3, 30, 0.1, 0.1, (0.9, 0.95), 1.0
@@ -159,25 +158,15 @@ def serve(kind: str, work: Path, vocab: int, model_py: str | None) -> None:
         print(json.dumps({"step": step, "seconds": seconds, "eval_loss": eval_loss()}), flush=True)
 
 
-class Worker:
-    def __init__(self, kind: str, work: Path, vocab: int, model_py: Path):
-        self.kind, self.curve, self.seconds = kind, [], 0.0
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--work", str(work),
-                                      "--vocab", str(vocab), "--nanogpt", str(model_py)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        self.about = self._read()
-        self.curve.append((0.0, 0, self.about["eval_loss"]))
+class Trainer(Worker):
+    """A trainer's worker process (`peers.Worker`) and its curve: (training seconds, step, eval loss)."""
 
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            sys.exit(f"time_to_loss.py: the {self.kind} worker stopped (its stderr is above)")
-        return json.loads(line)
+    def __init__(self, kind: str, work: Path, vocab: int, model_py: Path):
+        super().__init__(kind, ["--work", str(work), "--vocab", str(vocab), "--nanogpt", str(model_py)], __file__)
+        self.curve, self.seconds = [(0.0, 0, self.about["eval_loss"])], 0.0
 
     def train(self, steps: int) -> dict:
-        self.proc.stdin.write(f"{steps}\n")
-        self.proc.stdin.flush()
-        result = self._read()
+        result = self.run(steps)
         self.seconds += result["seconds"]
         self.curve.append((self.seconds, result["step"], result["eval_loss"]))
         return result
@@ -185,11 +174,6 @@ class Worker:
     def reached(self, target: float):
         """(step, seconds) of the first evaluation at or below `target`, or None."""
         return next(((step, s) for s, step, loss in self.curve if loss <= target), None)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
-
 
 def plot(workers, target: float, path: str) -> None:
     import matplotlib
@@ -233,7 +217,7 @@ def main() -> None:
         print(f"GPT {LAYERS} layers x d_model {D}, {HEADS} heads, batch {BATCH} x {SEQ}, vocabulary {about['vocab']:,} "
               f"({about['corpus']}), float32; lr {LR} (warmup {WARMUP}, cosine to {MIN_RATIO:g}x at "
               f"{args.max_steps}); target eval loss {args.target}", flush=True)
-        workers = [Worker(kind, work, about["vocab"], model_py) for kind in args.trainers]
+        workers = [Trainer(kind, work, about["vocab"], model_py) for kind in args.trainers]
         for w in workers:
             print(f"  {w.kind}: {json.dumps(w.about)}", flush=True)
         active = list(workers)

@@ -32,7 +32,6 @@ from typing import Callable
 import jax
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlm.config import OPTIMIZERS as OPTIMIZER_NAMES
@@ -115,8 +114,8 @@ def muon_plan(params) -> dict[str, tuple]:
     return plan
 
 
-def muon_owners(params, mesh) -> dict[str, NamedSharding]:
-    """Each Muon-trained weight's path -> the layout its momentum is kept and orthogonalised in
+def muon_owners(params, mesh) -> dict[str, P]:
+    """Each Muon-trained weight's path -> the layout (a spec over `mesh`) it is orthogonalised in
     (`sharding.owner_spec`): whole matrices, each layer's (each expert's) on the devices that own it.
 
     Why: Newton-Schulz multiplies whole matrices (X X^T, five times). Left to XLA on the weights' FSDP x TP
@@ -128,7 +127,7 @@ def muon_owners(params, mesh) -> dict[str, NamedSharding]:
     copy computing the same matrix. Between steps the momentum is stored as its weight is (1/N of it per device),
     so Muon holds half AdamW's state. The result is the one device's, up to the order of float sums
     (tests/test_optimizers.py)."""
-    return {path: NamedSharding(mesh, owner_spec(names, shape, mesh, BATCH_AXES))
+    return {path: owner_spec(names, shape, mesh, BATCH_AXES)
             for path, (dims, names, shape) in muon_plan(params).items() if dims is not None}
 
 
@@ -170,8 +169,7 @@ def _muon(cfg: Config, schedule, decay_mask, model, mesh, param_specs) -> optax.
                               consistent_rms=MUON_RMS)
     if mesh is None:
         return muon
-    owners = {path: sharding.spec for path, sharding in muon_owners(model, mesh).items()}
-    return per_owner(muon, {**param_specs, **owners}, mesh)
+    return per_owner(muon, {**param_specs, **muon_owners(model, mesh)}, mesh)
 
 
 # --- the table ---------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ Design choices:
   before anything is written or removed.
 """
 
+import copy
 import dataclasses
 import os
 import re
@@ -100,7 +101,6 @@ def run_config(config_file: str | None, overrides: list[str], run_dir: str | Non
     base = distributed.broadcast("resume-config", lambda: read_config_file(run_dir / CONFIG_FILE)
                                  if holds_run(run_dir) and not overwrite else None)
     if base is not None:
-        base = with_earlier_defaults(base)
         # mesh.* overrides describe the whole new mesh; a new plan without them brings its own (its mesh:, or the
         # preset's), as for a new run
         keys = [o.split("=", 1)[0].strip() for o in overrides]
@@ -119,13 +119,15 @@ def with_earlier_defaults(saved: dict) -> dict:
     return saved
 
 
-def adopt_earlier_defaults(cfg: Config, saved: dict) -> None:
-    """`cfg` resuming a run whose saved config has none of `EARLIER_DEFAULTS`' keys takes their earlier values:
-    the run resumes as it trained (its checkpoint's optimizer state has no spike guard), however `cfg` was made."""
+def adopt_earlier_defaults(cfg: Config, saved: dict) -> Config:
+    """`cfg` (changed in place, and returned) resuming a run whose saved config has none of `EARLIER_DEFAULTS`'
+    keys takes their earlier values: the run resumes as it trained (its checkpoint's optimizer state has no spike
+    guard), however `cfg` was made."""
     for section, defaults in EARLIER_DEFAULTS.items():
         for key, value in defaults.items():
             if key not in saved.get(section, {}):
                 setattr(getattr(cfg, section), key, value)
+    return cfg
 
 
 def _keep_resolved(cfg: Config, saved: dict) -> Config:
@@ -228,8 +230,9 @@ def plan_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
             raise unreadable(run_dir, e, [s for s in steps if s < step], reader) from None
     finally:
         reader.close()
-    adopt_earlier_defaults(cfg, meta["config"])
-    changes = config_changes(cfg, config_from_dict(with_earlier_defaults(meta["config"])), step)
+    # (compared as `decide_start` will make it on every process; process 0 alone may be deciding here)
+    resumed = adopt_earlier_defaults(copy.deepcopy(cfg), meta["config"])
+    changes = config_changes(resumed, config_from_dict(with_earlier_defaults(meta["config"])), step)
     if step >= cfg.train.steps:
         log(f"{run_dir} has already trained to step {step} (train.steps={cfg.train.steps}): nothing to do; raise "
             "train.steps to train it further")
@@ -244,7 +247,15 @@ PROBE_PREFIX = ".shardlm-shared-"
 
 def decide_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
     """`plan_start`, decided by process 0 alone and shared with every process; in a run of several processes,
-    also checks that they all see the same run directory (a shared filesystem) before anything is written."""
+    also checks that they all see the same run directory (a shared filesystem) before anything is written. A
+    resumed run's settings from before `EARLIER_DEFAULTS` are adopted into `cfg` on every process."""
+    start = _shared_start(run_dir, cfg, overwrite, log)
+    if start.meta is not None:
+        adopt_earlier_defaults(cfg, start.meta["config"])
+    return start
+
+
+def _shared_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
     if not distributed.is_multiprocess():
         return plan_start(run_dir, cfg, overwrite, log)
 
