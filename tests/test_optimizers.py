@@ -8,6 +8,7 @@ that batch; a run whose updates keep spiking stops in one line, with no checkpoi
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -47,7 +48,8 @@ def test_muon_on_fsdp_and_tensor_matches_one_device():
         np.testing.assert_allclose(have[name], want[name], rtol=1e-4, atol=1e-6 if name in matrices else 2e-5,
                                    err_msg=name)
     # the momentum is stored as its weight is (fsdp x tensor), and moves to its owners inside the update alone
-    mu = got.state["optimizer"]["opt_state"]["inner"][1]["inner_states"]["muon"]["inner_state"][0]["mu"]
+    muon = got.state["optimizer"]["opt_state"]["inner"][1]["inner_states"]["muon"]["inner_state"]  # Muon's half
+    mu = muon["inner_states"]["muon"]["inner_state"][0]["mu"]
     weight = got.state["model"]["blocks"]["attn"]["wq"][...]
     assert mu["blocks"]["attn"]["wq"][...].sharding.is_equivalent_to(weight.sharding, 4)
     assert {s.data.shape for s in weight.addressable_shards} == {(2, 32, 2, 16)}
@@ -164,3 +166,50 @@ def test_qk_norm_and_z_loss_train_a_gpt_alike_on_a_mesh():
     np.testing.assert_allclose(z, [float(m["z_loss"]) for m in one_metrics], rtol=1e-5)
     np.testing.assert_allclose([float(m["loss"]) for m in metrics], [float(m["loss"]) for m in one_metrics],
                                rtol=1e-5)
+
+
+def test_muons_adamw_half_is_the_projects_adamw_and_leaves_norms_and_biases_undecayed():
+    """Muon's other half is `train.optimizer=adamw`'s AdamW: optax.adamw (plain, not Nesterov) with the decay mask
+    (`decays`). With a zero gradient no norm scale, bias or router bias moves (0.0); with gradients, every weight
+    outside Muon's matrices moves as optax.adamw on those weights alone moves it."""
+    from shardlm.train.optimizers import decays, make_optimizer, make_schedule
+
+    cfg = load_config(None, MICRO + ["model=deepseek-tiny", "model.n_layers=2", "model.mtp_depth=0",
+                                     "model.moe_bias_rate=0.01", "train.optimizer=muon", "train.weight_decay=0.1",
+                                     "train.grad_clip=0", "train.skip_spikes=false"])
+    model = _model_concrete(cfg)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    plan = muon_plan(model)
+    rest = {name for name, (dims, _, _) in plan.items() if dims is None}
+    undecayed = {name for name in rest if name.endswith(("scale", "bias"))}
+    assert "blocks/mlp/router_bias" in undecayed and "ln_f/scale" in undecayed and "wte" in rest
+    tx = make_optimizer(cfg, model)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    moved = {path_str(p): float(jnp.abs(u).max()) for p, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+    assert {name: moved[name] for name in undecayed} == dict.fromkeys(undecayed, 0.0)
+
+    def flat(tree) -> dict:
+        return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    reference = optax.adamw(make_schedule(cfg), b1=cfg.train.beta1, b2=cfg.train.beta2,
+                            weight_decay=cfg.train.weight_decay,
+                            mask=lambda tree: {k: decays((jax.tree_util.DictKey(k),), v, 1) for k, v in tree.items()})
+    theirs = {k: v for k, v in flat(params).items() if k in rest}
+    ref_state, state, ours = reference.init(theirs), tx.init(params), params
+    for i in range(3):
+        grads = jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i), p.shape, p.dtype), params)
+        updates, state = tx.update(grads, state, ours)
+        ref_updates, ref_state = reference.update({k: v for k, v in flat(grads).items() if k in rest},
+                                                  ref_state, theirs)
+        ours, theirs = optax.apply_updates(ours, updates), optax.apply_updates(theirs, ref_updates)
+        got = flat(ours)
+        for name in rest:
+            np.testing.assert_allclose(got[name], theirs[name], rtol=1e-6, atol=1e-7, err_msg=f"{name}, step {i + 1}")
+
+
+def _model_concrete(cfg):
+    with nnx.use_eager_sharding(False):
+        from shardlm.train.source import model_source
+        return model_source(cfg).factory(500, 1)()

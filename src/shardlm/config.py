@@ -112,6 +112,10 @@ class TrainConfig:
     # adamw, muon (optax's, on the hidden matrices; AdamW on the embedding, head, norms, biases and routers), lion
     # or adafactor: one train.lr and schedule for each (`shardlm.train.optimizers`)
     optimizer: str = "adamw"
+    # Muon's own momentum is Nesterov, as in Keller Jordan's Muon and Moonlight's (their reference runs and the
+    # rate they tuned assume it); false: plain heavy-ball momentum. The AdamW half of train.optimizer=muon is
+    # plain AdamW whatever this says, the same as train.optimizer=adamw.
+    muon_nesterov: bool = True
     # Skip an update whose loss or gradient norm is not finite, or beyond spike_sigmas standard deviations of the
     # last spike_window applied updates' (once half of them are in); stop after max_skips skips in a row
     # (`shardlm.train.spikes`)

@@ -18,6 +18,10 @@ Design choices:
   [everything else, embed], any other [first axis, everything else] (q/k/v as [embed, heads x head_dim], the
   latent up-projections as [latent, heads x head_dim]). A model from a py: file has no axis names: Muon refuses
   it, in one line.
+- The rest takes exactly the AdamW `train.optimizer=adamw` runs (plain, the same decay mask): the two halves are
+  partitioned here (`muon_and_adamw`), not left to `optax.contrib.muon`'s own AdamW branch, which takes no decay
+  mask and shares Muon's Nesterov setting. Muon's own momentum is Nesterov by default, as in the recipes whose
+  rates it borrows (`train.muon_nesterov`).
 - Muon under FSDP and tensor parallelism: Newton-Schulz needs whole matrices, so each matrix is orthogonalised
   by the devices that own it whole (`muon_owners`), as torchtitan's and Megatron's layer-wise Muon do.
 - The weight decay rule is nanoGPT's (`decays`): matrices and embeddings decay, biases and norm scales do not,
@@ -43,7 +47,7 @@ from shardlm.train.source import model_source
 from shardlm.train.spikes import guard_spikes
 from shardlm.trees import path_str
 
-MUON_MOMENTUM = 0.95  # Muon's (Nesterov) momentum, every recipe's
+MUON_MOMENTUM = 0.95  # Muon's momentum, every recipe's (Nesterov unless train.muon_nesterov=false)
 MUON_RMS = 0.2  # Muon's updates scaled to AdamW's root-mean-square (Moonlight's `consistent_rms`)
 BATCH_AXES = (REPEATS, LAYERS, "experts")  # a weight's axes that hold separate matrices
 ADAMW_AXES = ("vocab", "pos")  # a weight with one of these is an embedding or the output head: AdamW under Muon
@@ -161,15 +165,40 @@ def _muon(cfg: Config, schedule, decay_mask, model, mesh, param_specs) -> optax.
         raise ShardlmError("train.optimizer=muon found no matrix it can orthogonalise: a model from a py: file has "
                            "no logical axis names to tell its hidden matrices from its embedding and head; use "
                            "train.optimizer=adamw, lion or adafactor")
-    t = cfg.train
-    dims = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: plan[path_str(p)][0], params)  # noqa: E731
-    muon = optax.contrib.muon(schedule, beta=MUON_MOMENTUM, weight_decay=t.weight_decay,
-                              weight_decay_mask=decay_mask, adam_b1=t.beta1, adam_b2=t.beta2,
-                              adam_weight_decay=t.weight_decay, muon_weight_dimension_numbers=dims,
-                              consistent_rms=MUON_RMS)
+    tx = muon_and_adamw(cfg, schedule, decay_mask, lambda path: plan[path][0])
     if mesh is None:
-        return muon
-    return per_owner(muon, {**param_specs, **muon_owners(model, mesh)}, mesh)
+        return tx
+    return per_owner(tx, {**param_specs, **muon_owners(model, mesh)}, mesh)
+
+
+def muon_and_adamw(cfg: Config, schedule, decay_mask, dimensions) -> optax.GradientTransformation:
+    """Muon on the weights `dimensions(path)` reads as matrices, and on every other weight the AdamW that
+    `train.optimizer=adamw` runs: plain (not Nesterov), with the same decay mask.
+
+    Why not `optax.contrib.muon` alone: its AdamW half takes no decay mask (every norm scale, bias and router
+    bias would decay) and shares Muon's `nesterov`. So the two halves are partitioned here, each optax's own:
+    `optax.contrib.muon` on the matrices (its AdamW branch then holds nothing) and `optax.adamw` on the rest."""
+    t = cfg.train
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: "adamw" if dimensions(path_str(p)) is None else "muon", params)
+
+    def dims(params):  # the Muon half's weights (the rest are optax's MaskedNode here, with no leaves)
+        return jax.tree_util.tree_map_with_path(lambda p, _: dimensions(path_str(p)), params)
+
+    return optax.partition({
+        "muon": optax.contrib.muon(schedule, beta=MUON_MOMENTUM, nesterov=t.muon_nesterov,
+                                   weight_decay=t.weight_decay, weight_decay_mask=decay_mask,
+                                   muon_weight_dimension_numbers=dims, consistent_rms=MUON_RMS),
+        "adamw": adamw(cfg, schedule, decay_mask),
+    }, labels)
+
+
+def adamw(cfg: Config, schedule, decay_mask) -> optax.GradientTransformation:
+    """`train.optimizer=adamw`: optax's AdamW with the train config's betas and decay, decay masked by `decays`."""
+    t = cfg.train
+    return optax.adamw(schedule, b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=decay_mask)
 
 
 # --- the table ---------------------------------------------------------------------------------------------------
@@ -184,8 +213,7 @@ class Optimizer:
 
 
 OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
-    Optimizer("adamw", lambda cfg, schedule, mask, model, mesh, specs: optax.adamw(
-        schedule, b1=cfg.train.beta1, b2=cfg.train.beta2, weight_decay=cfg.train.weight_decay, mask=mask),
+    Optimizer("adamw", lambda cfg, schedule, mask, model, mesh, specs: adamw(cfg, schedule, mask),
         "AdamW (two moments per parameter)"),
     Optimizer("muon", _muon, "Muon on the hidden matrices (one momentum each), AdamW on the rest"),
     Optimizer("lion", lambda cfg, schedule, mask, model, mesh, specs: optax.lion(
