@@ -9,6 +9,10 @@ busiest expert's load over the mean load (`expert_load_max` in metrics.jsonl, th
 over the sparse layers; 1.0 is perfect balance) in both runs, and the evaluation loss of each at its end.
 
     python benchmarks/balance.py                # about 2.5 minutes on a 2-core VM
+    python benchmarks/balance.py --model qwen3-moe-tiny   # a Llama-family mixture routed by sigmoid, the same bias
+
+Any block with a sigmoid router and a bias rate balances so: `--model` takes another preset (a Llama-family one is
+given `model.moe_router=sigmoid`, Qwen3-MoE-style aux-free balancing).
 """
 
 import argparse
@@ -25,13 +29,15 @@ simulate_cpu_devices(4)  # before JAX starts
 from shardlm.config import load_config  # noqa: E402
 from shardlm.train.loop import train  # noqa: E402
 
-BASE = ["model=deepseek-tiny", "data.tokenizer=bytes", "model.seq_len=64", "train.batch_size=16",
+BASE = ["data.tokenizer=bytes", "model.seq_len=64", "train.batch_size=16",
         "train.lr=3e-3", "train.warmup_steps=10", "train.log_interval=1", "train.sample_tokens=0",
         "train.eval_batches=4", "model.moe_aux_loss_weight=0", "mesh.expert=2", "mesh.fsdp=2"]
 
 
-def run(run_dir: Path, steps: int, rate: float, eval_every: int) -> list[dict]:
-    cfg = load_config(None, [*BASE, f"train.steps={steps}", f"model.moe_bias_rate={rate}",
+def run(run_dir: Path, model: str, steps: int, rate: float, eval_every: int) -> list[dict]:
+    router = [] if model.startswith("deepseek") else ["model.moe_router=sigmoid"]
+    cfg = load_config(None, [f"model={model}", *router, *BASE, f"train.steps={steps}",
+                             f"model.moe_bias_rate={rate}",
                              f"train.eval_interval={eval_every}", f"checkpoint.every={eval_every}"])
     train(cfg, run_dir, progress=False)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -43,17 +49,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rate", type=float, default=1e-2, help="the bias's step (DeepSeek-V3 pretrained with 1e-3)")
     p.add_argument("--every", type=int, default=20)
+    p.add_argument("--model", default="deepseek-tiny", help="a mixture-of-experts preset")
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="shardlm-balance-"))
     try:
         total = a.skew_steps + a.steps
         skewed = root / "skewed"
-        run(skewed, a.skew_steps, 0.0, a.skew_steps)
+        run(skewed, a.model, a.skew_steps, 0.0, a.skew_steps)
         rows = {}
         for name, rate in (("balanced", a.rate), ("control", 0.0)):
             shutil.copytree(skewed, root / name)
-            rows[name] = {r["step"]: r for r in run(root / name, total, rate, a.steps) if "loss" in r}
-        print(f"deepseek-tiny, expert 2 x fsdp 2 on 4 CPU devices, no auxiliary loss: busiest expert's load over the "
+            rows[name] = {r["step"]: r for r in run(root / name, a.model, total, rate, a.steps) if "loss" in r}
+        print(f"{a.model}, expert 2 x fsdp 2 on 4 CPU devices, no auxiliary loss: busiest expert's load over the "
               f"mean, bias held for steps 1-{a.skew_steps}, then moving {a.rate:g} a step (balanced) or held "
               "(control)")
         print(f"{'step':>6} {'balanced':>9} {'control':>9}")

@@ -173,21 +173,30 @@ def test_moe_tiny_trains_on_the_default_corpus_and_generates_on_an_expert_mesh(t
 def test_dense_and_sparse_layers_mixed_checkpoint_per_layer_and_resume(tmp_path):
     """`model.moe_every=2`: its layers differ (every other one a mixture), so they cannot stack into the stored
     layout. The checkpoint keeps them per layer, as held (saving once crashed stacking them, after the run directory
-    was written), and the run resumes from it."""
+    was written), and the run resumes from it. Routed by sigmoid with a bias rate (Qwen3-MoE-style aux-free
+    balancing in a Llama block), the sparse layer's bias moves from its own loads: after 2 steps each expert's is
+    a sum of two steps of +-rate or 0, and not all zero (benchmarks/balance.py --model qwen3-moe-tiny: toward
+    balance over 200 steps)."""
     from shardlm.checkpoint import RunCheckpoints
     from shardlm.config import load_config
     from shardlm.train.loop import train
 
     run_dir = tmp_path / "run"
+    rate = 1e-2
     overrides = MOE[:5] + ["model.moe_every=2", "model.scan_layers=false", "model.n_layers=2", "train.batch_size=4",
                            "train.sample_tokens=0", "train.eval_batches=1", "checkpoint.every=1",
-                           "data.tokenizer=bytes"]
+                           "data.tokenizer=bytes", "model.moe_router=sigmoid", f"model.moe_bias_rate={rate}"]
     one = jax.devices()[:1]
     first = train(load_config(None, overrides + ["train.steps=2"]), run_dir, progress=False, devices=one)
     reader = RunCheckpoints(run_dir, read_only=True)
-    stored = reader.stored_tree(2)["blocks"]
+    one_device = jax.sharding.SingleDeviceSharding(one[0])
+    stored = reader.restore_trees(2, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                                                                 sharding=one_device),
+                                                  reader.stored_tree(2)))[0]["blocks"]
     reader.close()
     assert sorted(map(str, stored)) == ["0", "1"] and "router" in stored["1"]["mlp"] and "router" not in \
         stored["0"]["mlp"]
+    bias = np.asarray(stored["1"]["mlp"]["router_bias"]) / rate
+    assert np.abs(bias).max() > 0 and np.allclose(bias, np.round(bias), atol=1e-4) and np.abs(bias).max() <= 2
     resumed = train(load_config(None, overrides + ["train.steps=3"]), run_dir, progress=False, devices=one)
     assert first["finished"] and resumed["resumed_from"] == 2 and np.isfinite(resumed["final_loss"])

@@ -41,12 +41,8 @@ from shardlm.sharding import constrain
 
 
 class Block(llama.Block):
-    """A DeepSeek block: Llama's with latent attention; its mixture (routed by `Routing.of(cfg)`: sigmoid, groups,
-    the shared expert) reports its loads by layer when its bias is balanced."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False, balanced: bool = True):
-        super().__init__(cfg, rngs, sparse)
-        self.layer_loads = cfg.n_layers if sparse and balanced and cfg.moe_bias_rate else 0
+    """A DeepSeek block: Llama's with latent attention (its mixture routed by `Routing.of(cfg)`: sigmoid, groups,
+    the shared expert)."""
 
     @staticmethod
     def attention(cfg: ModelConfig, precision: Precision, rngs: nnx.Rngs) -> nnx.Module:
@@ -84,7 +80,6 @@ class DeepSeek(Llama):
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab: int, rngs: nnx.Rngs):
         super().__init__(cfg, vocab_size, padded_vocab, rngs)
         self.kv_rank, self.rope_dim = cfg.mla_kv_rank, cfg.mla_rope_dim
-        self.balanced_layers = cfg.n_layers if cfg.moe_experts and cfg.moe_bias_rate else 0  # every layer's row
         self.mtp = nnx.List([Mtp(cfg, rngs) for _ in range(cfg.mtp_depth)])
 
     def cache_kind(self) -> str:

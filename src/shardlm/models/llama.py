@@ -57,9 +57,12 @@ class SwiGLU(nnx.Module):
 
 
 class Block(PreNormBlock):
-    """A Llama block; with `sparse`, its MLP is a mixture of experts (`shardlm.models.moe`)."""
+    """A Llama block; with `sparse`, its MLP is a mixture of experts (`shardlm.models.moe`). A sparse block whose
+    router's bias is balanced (`model.moe_bias_rate` > 0, a sigmoid router: DeepSeek-V3's and Qwen3-MoE-style
+    auxiliary-loss-free balancing) reports its loads by layer, which the trainer moves the bias from
+    (`shardlm.train.balance`); `balanced=False` for a block outside the stack's layers (DeepSeek's MTP)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False, balanced: bool = True):
         precision = Precision.of(cfg)
         pd = precision.param
         # ln1 / ln2 / ln_f: RMSNorms, named as the GPT family's norms (and Hugging Face's "input_layernorm").
@@ -74,6 +77,7 @@ class Block(PreNormBlock):
                               exchange=cfg.moe_exchange, dropless=cfg.moe_dropless, routing=Routing.of(cfg))
         else:
             self.mlp = SwiGLU(cfg, rngs)
+        self.layer_loads = cfg.n_layers if sparse and balanced and cfg.moe_bias_rate else 0
         self.dropout = nnx.Dropout(cfg.dropout)
 
     @staticmethod
@@ -111,6 +115,7 @@ class Llama(CausalLM):
         self.wte = param(rngs, init, (padded_vocab, cfg.d_model), ("vocab", "embed"), pd, cast_where_read=True)
         self.dropout = nnx.Dropout(cfg.dropout)
         self.moe_experts, self.sparse_count = cfg.moe_experts, sparse_layer_count(cfg)
+        self.balanced_layers = cfg.n_layers if cfg.moe_experts and cfg.moe_bias_rate else 0  # every layer's row
         self._stack_blocks(cfg, lambda r, i=None: self.block_class(cfg, r, sparse=is_sparse(cfg, i)), rngs)
         self.ln_f = RMSNorm(cfg.d_model, cfg.layer_norm_eps, pd, rngs)
         self.lm_head = None if cfg.tie_embeddings else param(rngs, init, (cfg.d_model, padded_vocab),
