@@ -95,35 +95,56 @@ def test_each_optimizer_keeps_its_own_state(optimizer, moments):
         assert state - guard == pytest.approx(matrices + 2 * rest, rel=2e-2)
 
 
-def _spiky_run(cfg, degrees, batches, spike_at=None):
-    """The real state and step over `batches`, the loss of step `spike_at` (1-based) scaled by 1000."""
+def _spiky_run(cfg, degrees, batches, spikes=None):
+    """The real state and step over `batches`, the loss of each step in `spikes` (1-based step -> factor: 1000 for a
+    spike, NaN for a non-finite loss) scaled by its factor. -> (state, each step's metrics with the routers'
+    balancing biases after it, as "router_bias", where the model has them)."""
     mesh = make_mesh(**degrees, devices=jax.devices()[:int(np.prod(list(degrees.values())))])
     ts = create_train_state(cfg, mesh, 500)
-    step_module.LOSS_HOOK = None if spike_at is None else (  # read when the step is traced, at its first call
-        lambda index: jnp.where(index == spike_at - 1, 1000.0, 1.0))
+
+    def hook(index):  # read when the step is traced, at its first call
+        factor = jnp.float32(1.0)
+        for step, f in (spikes or {}).items():
+            factor = jnp.where(index == step - 1, jnp.float32(f), factor)
+        return factor
+
+    step_module.LOSS_HOOK = None if spikes is None else hook
     metrics = []
     try:
         step = train_step_for(cfg, ts, mesh)
         for batch in batches:
             ts.state, m = step(ts.state, jax.device_put(batch, batch_sharding(mesh)))
-            metrics.append(jax.device_get(m))
+            mlp = ts.state["model"]["blocks"]["mlp"]
+            bias = {"router_bias": np.asarray(mlp["router_bias"][...])} if "router_bias" in mlp else {}
+            metrics.append({**jax.device_get(m), **bias})
     finally:
         step_module.LOSS_HOOK = None
     return ts, metrics
 
 
 def test_a_spike_is_skipped_and_the_run_ends_as_if_it_never_saw_the_batch():
-    cfg = load_config(None, LLAMA + ["train.spike_window=8", "train.steps=12"])
+    """DeepSeek with a balancing bias on data 2 x fsdp 2: a 1000x loss at step 7 and a NaN loss at step 9 are both
+    skipped, the routers' biases do not move on either step (their loads count nowhere), and the run ends bit for
+    bit as the run that never saw those two batches."""
+    cfg = load_config(None, MICRO + ["model=deepseek-tiny", "model.n_layers=2", "model.mtp_depth=0",
+                                     "model.moe_bias_rate=1e-2", "train.spike_window=8", "train.spike_sigmas=100",
+                                     "train.steps=12"])
     loader = BatchLoader(structured_tokens(40_000, 500), cfg.model.seq_len, cfg.train.batch_size, None, seed=0,
                          shuffle=True, rows=range(cfg.train.batch_size))
     batches = [np.asarray(loader.local[i]) for i in range(11)]
     degrees = {"data": 2, "fsdp": 2}
-    spiked, metrics = _spiky_run(cfg, degrees, batches, spike_at=7)
-    assert [int(m["skipped"]) for m in metrics] == [0] * 6 + [1] * 5
-    assert metrics[6]["loss"] > 100 * metrics[5]["loss"]
-    # the same program (its hook at a step it never reaches), without batch 7
-    never, _ = _spiky_run(cfg, degrees, batches[:6] + batches[7:], spike_at=10**6)
+    spiked, metrics = _spiky_run(cfg, degrees, batches, spikes={7: 1000.0, 9: float("nan")})
+    assert [int(m["skipped"]) for m in metrics] == [0] * 6 + [1, 1, 2, 2, 2]
+    assert metrics[6]["loss"] > 100 * metrics[5]["loss"] and np.isnan(metrics[8]["loss"])
+    bias = [m["router_bias"] for m in metrics]
+    for skipped in (7, 9):  # the bias after a skipped step is the bias before it, exactly
+        assert np.abs(bias[skipped - 1] - bias[skipped - 2]).max() == 0.0, skipped
+    assert all(np.abs(bias[i] - bias[i - 1]).max() > 0 for i in (1, 5, 7, 9))  # applied steps move it
+    # the same program (its hook at steps it never reaches), without batches 7 and 9
+    never, _ = _spiky_run(cfg, degrees, batches[:6] + batches[7:8] + batches[9:], spikes={10**6: 1000.0,
+                                                                                          10**6 + 1: float("nan")})
     want, have = _params(never), _params(spiked)
+    assert "blocks/mlp/router_bias" in want
     for name in want:
         np.testing.assert_array_equal(have[name], want[name], err_msg=name)
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlm.accelerator import SEQUENCE_PARALLEL_GPU_OPTIONS, current
+from shardlm.errors import ShardlmError
 from shardlm.models.layers import LAYER_LOADS
 from shardlm.models.precision import add_gradients, gradient_zeros
 from shardlm.sharding import replicated, use_mesh_rules
@@ -85,11 +86,15 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
         with jax.named_scope("optimizer"):
             metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(step_index)}
             # the spike guard (`shardlm.train.spikes`) reads the loss and the norm before clipping
+            skipped_before = guard_metrics(nnx.as_pure(optimizer.opt_state)).get("skipped")
             optimizer.update(model, grads, loss=metrics["loss"], grad_norm=metrics["grad_norm"])
             metrics.update(guard_metrics(nnx.as_pure(optimizer.opt_state)))
         if LAYER_LOADS in metrics:
+            # Only an applied update moves the balancing biases: a step the guard skipped leaves the run as the
+            # run that never saw its batch, the biases (and so the next routing) included.
+            applied = True if skipped_before is None else metrics["skipped"] == skipped_before
             with jax.named_scope("balance"):
-                balance_experts(model, metrics.pop(LAYER_LOADS), bias_rate)
+                balance_experts(model, metrics.pop(LAYER_LOADS), bias_rate, applied)
         return nnx.state(objects), metrics
 
     step.__name__ = step.__qualname__ = name
@@ -179,18 +184,21 @@ def accumulated_grads(loss_fn, model, batch, key, k: int, param_shardings, batch
                                                                   stored)
 
 
-def make_eval_step(train_state, mesh, batch_sharding, token_bytes, forward):
+def make_eval_step(train_state, mesh, batch_sharding, token_bytes, forward, separator: int | None = None):
     """Per batch: the mean loss, and for bits per byte the summed loss (nats) over tokens that spell text and the
     UTF-8 bytes they spell (`token_bytes[id]`, 0 for `<|endoftext|>`): bpb = sum(nats) / (ln 2 * sum(bytes)).
-    `forward` as for `make_train_step`, run in evaluation mode."""
+    `forward(model, tokens, mesh, train=False[, separator=])` -> (logits, statistics), the model's forward pass
+    in evaluation mode. `separator`: as for `make_train_step`: a step that trains within documents is evaluated
+    within them (and with positions restarting at each, where they do), over the same tokens."""
     graphdef = train_state.graphdef
     token_bytes = jnp.asarray(token_bytes, jnp.int32)
+    documents = {} if separator is None else {"separator": separator}
 
     def step(state, batch):
         model = nnx.merge(graphdef, state)["model"]
         targets = batch[:, 1:]
         with use_mesh_rules(mesh):
-            out = forward(model, batch[:, :-1], mesh, train=False)[0]
+            out = forward(model, batch[:, :-1], mesh, train=False, **documents)[0]
         losses = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), targets)
         nbytes = token_bytes[targets]
         return {"loss": losses.mean(), "nats": jnp.sum(jnp.where(nbytes > 0, losses, 0.0)),
@@ -199,24 +207,43 @@ def make_eval_step(train_state, mesh, batch_sharding, token_bytes, forward):
     return jax.jit(step, in_shardings=(train_state.shardings, batch_sharding), out_shardings=replicated(mesh))
 
 
+# The separator a step compiled for its cost alone (a plan, a benchmark on synthetic tokens) is given where it
+# attends within documents: any id compiles the same program.
+COST_ONLY_SEPARATOR = 0
+
+
+def documents_separator(cfg, mesh, separator: int | None) -> int | None:
+    """The separator `cfg`'s steps on `mesh` attend within documents by: `separator` where they do
+    (`train.source.within_documents`), None where they do not. A step that masks documents and is given no
+    separator is an error, not token 0 taken silently for one."""
+    if not model_source(cfg).documents(mesh):
+        return None
+    if separator is None:
+        raise ShardlmError("this step attends within documents (data.document_mask, or document_positions) and was "
+                           "given no separator: pass the tokenizer's (separator=tokenizer.eot_id), or "
+                           "COST_ONLY_SEPARATOR for a step compiled for its cost alone")
+    return separator
+
+
 def train_step_for(cfg, train_state, mesh, name: str = "step", separator: int | None = None):
     """The jitted train step exactly as `shardlm train` builds it for `cfg` (plan, bench and profile use it), its
-    function called `name` (`make_train_step`). `separator`: the tokenizer's document separator, where the step
-    attends within documents (`data.document_mask`); a step compiled without data (a plan) takes id 0 in its place,
-    the same program."""
+    function called `name` (`make_train_step`). `separator`: the tokenizer's document separator, required where the
+    step attends within documents (`documents_separator`)."""
     from shardlm.train.optimizers import make_schedule
 
     source = model_source(cfg)
-    separator = (separator or 0) if source.documents(mesh) else None
     return make_train_step(train_state, mesh, source.batch_sharding(mesh), make_schedule(cfg), cfg.seed,
                            source.loss, cfg.train.grad_accum, source.loss_weights, name,
-                           step_compiler_options(cfg), source.cast_once, source.bias_rate, separator)
+                           step_compiler_options(cfg), source.cast_once, source.bias_rate,
+                           documents_separator(cfg, mesh, separator))
 
 
-def eval_step_for(cfg, train_state, mesh, token_bytes):
-    """The jitted evaluation step exactly as `shardlm train` builds it for `cfg`."""
+def eval_step_for(cfg, train_state, mesh, token_bytes, separator: int | None = None):
+    """The jitted evaluation step exactly as `shardlm train` builds it for `cfg`: within documents where its train
+    step is (`separator` as for `train_step_for`)."""
     source = model_source(cfg)
-    return make_eval_step(train_state, mesh, source.batch_sharding(mesh), token_bytes, source.forward)
+    return make_eval_step(train_state, mesh, source.batch_sharding(mesh), token_bytes, source.forward,
+                          documents_separator(cfg, mesh, separator))
 
 
 def batch_struct(cfg, mesh) -> jax.ShapeDtypeStruct:
