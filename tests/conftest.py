@@ -98,9 +98,11 @@ def structured_tokens(n: int, vocab: int, seed: int = 0) -> np.ndarray:
     return np.concatenate(out)[:n].astype(np.int32)
 
 
-def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None, grad_norms: list | None = None):
+def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None, grad_norms: list | None = None,
+              separator: int | None = None):
     """Train with the real state/step/loader code on a synthetic stream; returns (losses, final TrainState, mesh).
-    Each step's gradient norm is appended to `grad_norms` if given."""
+    Each step's gradient norm is appended to `grad_norms` if given. `separator`: the documents' separator token,
+    for a step that attends within documents."""
     import jax
 
     from shardlm.config import load_config
@@ -118,7 +120,7 @@ def run_steps(overrides, degrees, steps=None, vocab=500, tokens=None, grad_norms
     bsh = batch_sharding(mesh)
     tokens = structured_tokens(40_000, vocab) if tokens is None else tokens
     loader = BatchLoader(tokens, cfg.model.seq_len, cfg.train.batch_size, bsh, seed=cfg.seed, shuffle=True)
-    step = train_step_for(cfg, ts, mesh)
+    step = train_step_for(cfg, ts, mesh, separator=separator)
     losses = []
     for i in range(steps or cfg.train.steps):
         ts.state, metrics = step(ts.state, loader.get(i))

@@ -42,13 +42,13 @@ def test_masked_losses_differ_and_the_ring_over_fsdp_and_context_trains_as_one_d
     llama = MICRO + ["model.family=llama", "model.use_bias=false", "model.n_kv_heads=2"]
     unmasked = run_steps(llama + ["data.document_mask=false"], (1, 1, 1), steps=1, tokens=tokens)[0]
     masked = llama + ["data.document_mask=true", "data.document_positions=true"]
-    one = run_steps(masked, (1, 1, 1), steps=4, tokens=tokens)[0]
-    ring = run_steps(masked, {"fsdp": 2, "context": 2}, steps=4, tokens=tokens)[0]
+    one = run_steps(masked, (1, 1, 1), steps=4, tokens=tokens, separator=SEPARATOR)[0]
+    ring = run_steps(masked, {"fsdp": 2, "context": 2}, steps=4, tokens=tokens, separator=SEPARATOR)[0]
     assert abs(one[0] - unmasked[0]) > 1e-4
     # Rotary embeddings are relative: within a document, restarting its positions changes nothing (up to
     # rounding). A GPT's learned positions are absolute: there they are other rows of the table.
     gpt = [run_steps(MICRO + ["data.document_mask=true", f"data.document_positions={restart}"], (1, 1, 1), steps=1,
-                     tokens=tokens)[0][0] for restart in (True, False)]
+                     tokens=tokens, separator=SEPARATOR)[0][0] for restart in (True, False)]
     assert abs(gpt[0] - gpt[1]) > 1e-4
     np.testing.assert_allclose(ring[0], one[0], rtol=1e-5)
     np.testing.assert_allclose(ring, one, rtol=2e-3)
@@ -109,3 +109,39 @@ def test_where_document_masks_cannot_run_is_one_line():
     assert "\n" not in str(e.value)
     assert model_source(load_config(None, MICRO + ["model.n_layers=2"])).documents(
         make_mesh(stage=2, devices=jax.devices()[:2])) is False  # auto: off on stages
+
+
+def test_evaluation_attends_within_documents_as_training_does():
+    """The eval step of a run that trains within documents (positions restarting too) masks within them: its loss on
+    a batch is the masked training loss on it; on a batch with no separator, the unmasked model's. A step that
+    masks documents and is given no separator is refused, not handed token 0."""
+    from shardlm.data.loader import BatchLoader
+    from shardlm.sharding import batch_sharding
+    from shardlm.train.state import create_train_state
+    from shardlm.train.step import eval_step_for, train_step_for
+
+    llama = MICRO + ["model.family=llama", "model.use_bias=false", "model.n_kv_heads=2"]
+    mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
+    bytes_ = np.ones(500, np.int32)
+    masked, unmasked = (load_config(None, llama + o) for o in (
+        ["data.document_mask=true", "data.document_positions=true"], ["data.document_mask=false"]))
+    ts = create_train_state(masked, mesh, 500)
+    with pytest.raises(ShardlmError, match="given no separator"):
+        train_step_for(masked, ts, mesh)
+    with pytest.raises(ShardlmError, match="given no separator"):
+        eval_step_for(masked, ts, mesh, bytes_)
+    rows = masked.train.batch_size
+    with_documents = BatchLoader(documents_stream(4_000, 500), masked.model.seq_len, rows, batch_sharding(mesh),
+                                 seed=0, shuffle=False).get(0)
+    assert int((np.asarray(with_documents)[:, :-1] == SEPARATOR).sum()) > rows  # several documents a row
+    without = jax.device_put(np.random.default_rng(0).integers(1, 500, (rows, masked.model.seq_len + 1),
+                                                               dtype=np.int32), batch_sharding(mesh))
+    evaluate = eval_step_for(masked, ts, mesh, bytes_, separator=SEPARATOR)
+    plain = eval_step_for(unmasked, ts, mesh, bytes_)
+    evaluated = {name: float(evaluate(ts.state, b)["loss"]) for name, b in (("docs", with_documents),
+                                                                            ("none", without))}
+    across = float(plain(ts.state, with_documents)["loss"])
+    np.testing.assert_allclose(evaluated["none"], float(plain(ts.state, without)["loss"]), rtol=1e-6)
+    _, metrics = train_step_for(masked, ts, mesh, separator=SEPARATOR)(ts.state, with_documents)  # (donates)
+    np.testing.assert_allclose(evaluated["docs"], float(metrics["loss"]), rtol=1e-6)  # (float32 sums)
+    assert abs(evaluated["docs"] - across) > 1e-4  # what evaluating across documents measured instead

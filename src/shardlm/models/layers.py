@@ -139,11 +139,13 @@ class CausalLM(nnx.Module):
         most of a small model's FLOPs, and all the positions' logits of a long batch are gigabytes)."""
         return self._forward(tokens, rngs, at=at)[0]
 
-    def with_stats(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, dict]:
+    def with_stats(self, tokens: jax.Array, rngs: nnx.Rngs | None = None, segments=None, positions=None
+                   ) -> tuple[jax.Array, dict]:
         """(logits, the blocks' statistics): a mixture of experts' {"aux_loss" (its load-balancing loss, the mean
         over the sparse layers), "expert_tokens" ([experts]: token-assignments each expert received, summed over
-        them)}; {} for a dense model. What a training step reads."""
-        logits, _, stats = self._forward(tokens, rngs)
+        them)}; {} for a dense model. What an evaluation step reads. `segments` and `positions` as `loss` takes
+        them (evaluation attends as training did)."""
+        logits, _, stats = self._forward(tokens, rngs, segments=segments, positions=positions)
         return logits, self.mean_aux(stats)
 
     # The KV cache's logical axes, keys' and values' (`shardlm.generate` places the cache by them)

@@ -34,7 +34,7 @@ from shardlm.perf.timeline import step_estimate
 from shardlm.train.data import tokenizer_vocab
 from shardlm.train.source import model_flops_per_step, within_documents
 from shardlm.train.state import TrainState, abstract_train_state, check_batch, check_shardable
-from shardlm.train.step import batch_struct, step_compiler_options, train_step_for
+from shardlm.train.step import COST_ONLY_SEPARATOR, batch_struct, step_compiler_options, train_step_for
 from shardlm.units import fmt_bytes
 
 
@@ -115,7 +115,8 @@ def compile_train_step(cfg: Config, *, target: Target | None = None, n_devices: 
     with tracing_for(target) if target else contextlib.nullcontext():
         _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, vocab)
         with recording() as heads:
-            traced = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).trace(
+            traced = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh,
+                                    separator=COST_ONLY_SEPARATOR).trace(
                 abstract, batch_struct(cfg, mesh))
         lowered = traced.lower()
         attention = "" if is_py(cfg.model.preset) else attention_summary(

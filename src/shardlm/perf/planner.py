@@ -287,11 +287,12 @@ def _lower(cfg: Config, strategy: Strategy, vocab: int, devices, target: Target 
     from shardlm.flops import jaxpr_matmul_flops
     from shardlm.perf.targets import tracing_for
     from shardlm.train.state import TrainState
-    from shardlm.train.step import batch_struct, train_step_for
+    from shardlm.train.step import COST_ONLY_SEPARATOR, batch_struct, train_step_for
 
     mesh, (_, graphdef, abstract, shardings) = prepared or _abstract_state(cfg, strategy, vocab, devices, target)
     with tracing_for(target) if target else contextlib.nullcontext():
-        step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh, name)
+        step = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh, name,
+                              separator=COST_ONLY_SEPARATOR)
         traced = step.trace(abstract, batch_struct(cfg, mesh))
         lowered = traced.lower()
     return lowered, jaxpr_matmul_flops(traced.jaxpr), shard_bytes(abstract["model"]), \

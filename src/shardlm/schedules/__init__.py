@@ -35,11 +35,13 @@ def loss(model, tokens, targets, rngs, m, segments=None, z_loss: bool = False, p
     return schedule_named(m.pipeline_schedule).loss(model, tokens, targets, rngs, PipelineSettings.of(m, stages))
 
 
-def with_stats(model, tokens, rngs, m) -> tuple:
-    """(logits, the blocks' statistics) of an evaluation pass, as `loss` runs it."""
+def with_stats(model, tokens, rngs, m, segments=None, positions=None) -> tuple:
+    """(logits, the blocks' statistics) of an evaluation pass, as `loss` runs it: within documents where `segments`
+    are given (never on stages, as for `loss`)."""
     stages = active_degree(LAYERS)
     if stages <= 1:
-        return model.with_stats(tokens, rngs)
+        return model.with_stats(tokens, rngs, segments=segments, positions=positions)
+    assert segments is None and positions is None, "a pipeline's schedule takes no documents"
     return schedule_named(m.pipeline_schedule).forward(model, tokens, rngs, PipelineSettings.of(m, stages))
 
 

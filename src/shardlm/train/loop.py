@@ -332,7 +332,7 @@ class Training:
         self.first = next(self.batches)
         self.step_fn = train_step_for(cfg, ts, mesh, separator=self.tokenizer.eot_id).lower(
             ts.state, self.first).compile()
-        eval_step = eval_step_for(cfg, ts, mesh, self.tokenizer.token_bytes())
+        eval_step = eval_step_for(cfg, ts, mesh, self.tokenizer.token_bytes(), separator=self.tokenizer.eot_id)
         compiled = {size: eval_step.lower(ts.state, jax.ShapeDtypeStruct((size, *self.first.shape[1:]),
                                                                           self.first.dtype,
                                                                           sharding=self.first.sharding)).compile()

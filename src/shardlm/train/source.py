@@ -193,11 +193,22 @@ class OwnModel:
         """How far the routers' balancing biases move per step (`shardlm.train.balance`; 0: not at all)."""
         return self.cfg.model.moe_bias_rate if self.cfg.model.moe_experts else 0.0
 
-    def forward(self, model, tokens, mesh, *, train: bool, key=None):
-        """(logits, the blocks' statistics: `CausalLM.with_stats`)."""
+    def forward(self, model, tokens, mesh, *, train: bool, key=None, separator: int | None = None):
+        """(logits, the blocks' statistics: `CausalLM.with_stats`); with the documents' `separator`, attending
+        within each document as `loss` does (evaluation sees what training sees)."""
         dropout = train and key is not None and self.cfg.model.dropout > 0
+        segments, positions = self._documents(tokens, separator)
         with use_mesh_rules(mesh, self.rules()):
-            return schedules.with_stats(model, tokens, nnx.Rngs(dropout=key) if dropout else None, self.cfg.model)
+            return schedules.with_stats(model, tokens, nnx.Rngs(dropout=key) if dropout else None, self.cfg.model,
+                                        segments, positions)
+
+    def _documents(self, tokens, separator: int | None) -> tuple:
+        """(each token's document id, its position in its document where `data.document_positions`, else None)
+        for attention within the documents of `tokens` that `separator` delimits; (None, None) without one."""
+        if separator is None:
+            return None, None
+        segments = document_ids(tokens, separator)
+        return segments, document_positions(segments) if self.cfg.data.document_positions else None
 
     def logits(self, model, tokens, mesh, *, train: bool, key=None):
         return self.forward(model, tokens, mesh, train=train, key=key)[0]
@@ -209,9 +220,7 @@ class OwnModel:
         document of a row (`models.documents`), and with `data.document_positions` positions restart at each."""
         dropout = key is not None and self.cfg.model.dropout > 0
         tokens = batch[:, :-1]
-        segments = None if separator is None else document_ids(tokens, separator)
-        positions = document_positions(segments) if segments is not None and self.cfg.data.document_positions \
-            else None
+        segments, positions = self._documents(tokens, separator)
         with use_mesh_rules(mesh, self.rules(), storage=self.storage_rules(mesh)):
             return schedules.loss(model, tokens, batch[:, 1:], nnx.Rngs(dropout=key) if dropout else None,
                                   self.cfg.model, segments, self.cfg.train.z_loss > 0, positions)
