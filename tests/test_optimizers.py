@@ -158,7 +158,7 @@ def test_a_run_whose_updates_keep_spiking_stops_in_one_line_with_its_skips_logge
     cfg = load_config(None, MICRO + ["model.n_layers=1", "train.batch_size=4", "train.steps=12",
                                      "train.log_interval=1", "train.eval_interval=12", "train.eval_batches=1",
                                      "train.sample_tokens=0", "train.max_skips=3", "checkpoint.every=4",
-                                     "data.tokenizer=bytes"])
+                                     "data.tokenizer=bytes", "train.z_loss=1e-4"])
     step_module.LOSS_HOOK = lambda index: jnp.where(index >= 5, jnp.nan, 1.0)  # step 6 on: a non-finite loss
     try:
         with pytest.raises(ShardlmError, match=r"^3 updates in a row were skipped by step 8 \(train.max_skips=3\)"):
@@ -167,7 +167,13 @@ def test_a_run_whose_updates_keep_spiking_stops_in_one_line_with_its_skips_logge
         step_module.LOSS_HOOK = None
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows if "skipped" in r] == [0, 0, 0, 0, 0, 1, 2, 3]
-    assert "step 6: 1 update(s) skipped since the last log" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step 6: 1 update(s) skipped since the last log" in out
+    # each logged term weighted as it joins the objective, or named unweighted: the z-loss is 1e-4 x log^2 Z
+    first = next(r for r in rows if "z_loss" in r)
+    assert first["z_loss"] == pytest.approx(1e-4 * first["log_z_squared"], rel=1e-5) and first["log_z_squared"] > 20
+    assert first["objective"] == pytest.approx(first["loss"] + first["z_loss"], rel=1e-6)
+    assert f"z-loss {first['z_loss']:.4f} (0.0001 x log^2 Z {first['log_z_squared']:.1f})" in out
     assert local_steps(tmp_path / "run") == [4]  # step 8's checkpoint would hold the halted guard: not written
 
 
@@ -182,9 +188,13 @@ def test_qk_norm_and_z_loss_train_a_gpt_alike_on_a_mesh():
     one, one_metrics = _spiky_run(cfg, {"fsdp": 1}, batches)
     _, metrics = _spiky_run(cfg, {"fsdp": 2, "tensor": 2}, batches)
     assert "q_norm" in one.state["model"]["blocks"]["attn"]
-    z = [float(m["z_loss"]) for m in metrics]
+    z = [float(m["log_z_squared"]) for m in metrics]
     assert all(v > 1.0 for v in z)  # log^2 Z of a 500-token vocabulary's logits: about ln(500)^2 at the start
-    np.testing.assert_allclose(z, [float(m["z_loss"]) for m in one_metrics], rtol=1e-5)
+    np.testing.assert_allclose(z, [float(m["log_z_squared"]) for m in one_metrics], rtol=1e-5)
+    # the logged z-loss is the term as it joins the objective, train.z_loss times log^2 Z
+    np.testing.assert_allclose([float(m["z_loss"]) for m in metrics], np.multiply(z, 1e-2), rtol=1e-6)
+    np.testing.assert_allclose([float(m["objective"]) for m in metrics],
+                               [float(m["loss"]) + float(m["z_loss"]) for m in metrics], rtol=1e-6)
     np.testing.assert_allclose([float(m["loss"]) for m in metrics], [float(m["loss"]) for m in one_metrics],
                                rtol=1e-5)
 

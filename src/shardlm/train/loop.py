@@ -445,9 +445,9 @@ class Training:
         row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
                "tflops_per_device": flops_per_dev / 1e12, "mfu": flops_per_dev / self.peak}
-        # a mixture of experts', multi-token prediction's (`step.model_metrics`)
-        for key in ("aux_loss", "expert_load_max", "expert_load_min", "moe_dropped", "moe_overflow", "mtp_loss",
-                    "z_loss"):
+        # the objective; a mixture of experts', multi-token prediction's, the z-loss's (`step.model_metrics`)
+        for key in ("objective", "aux_loss", "expert_load_max", "expert_load_min", "moe_dropped", "moe_overflow",
+                    "mtp_loss", "z_loss", "log_z_squared"):
             if key in metrics:
                 row[key] = float(metrics[key])
         if "skipped" in metrics:
@@ -466,13 +466,17 @@ class Training:
         self.last_row = row
         self.check_skips(step, metrics)
         if not self.progress:
+            m = self.cfg.model
             _log(f"step {step} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm {row['grad_norm']:.3f} | "
                  f"{tokens_per_s:,.0f} tok/s | MFU {row['mfu']:.1%}"
-                 + (f" | aux {row['aux_loss']:.3f}, expert load {row['expert_load_min']:.2f}-"
-                    f"{row['expert_load_max']:.2f}x" if "aux_loss" in row else "")
+                 + (f" | aux {row['aux_loss']:.3f} unweighted (x{m.moe_aux_loss_weight:g}), expert load "
+                    f"{row['expert_load_min']:.2f}-{row['expert_load_max']:.2f}x" if "aux_loss" in row else "")
                  + (f", {row['moe_dropped']:.1%} dropped" if row.get("moe_dropped") else "")
                  + (f", {row['moe_overflow']:.1%} in later rounds" if row.get("moe_overflow") else "")
-                 + (f" | MTP loss {row['mtp_loss']:.4f}" if "mtp_loss" in row else "")
+                 + (f" | MTP loss {row['mtp_loss']:.4f} unweighted (x{m.mtp_loss_weight:g})" if "mtp_loss" in row
+                    else "")
+                 + (f" | z-loss {row['z_loss']:.4f} ({self.cfg.train.z_loss:g} x log^2 Z {row['log_z_squared']:.1f})"
+                    if "z_loss" in row else "")
                  + (f" | eval loss {row['eval_loss']:.4f}, {row['eval_bpb']:.3f} bpb{per_source(row)}"
                     if "eval_loss" in row else ""))
         bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{row['mfu']:.1%}")

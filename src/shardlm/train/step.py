@@ -64,7 +64,7 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
         with jax.named_scope("loss"):
             objective = loss + sum(w * stats[k] for k, w in (loss_weights or {}).items() if k in stats)
         loads = {LAYER_LOADS: stats[LAYER_LOADS]} if bias_rate and LAYER_LOADS in stats else {}
-        return objective, {"loss": loss, **model_metrics(stats), **loads}
+        return objective, {"loss": loss, "objective": objective, **model_metrics(stats, loss_weights), **loads}
 
     def step(state, batch):
         objects = nnx.merge(graphdef, state)
@@ -115,13 +115,19 @@ def step_compiler_options(cfg, platform: str | None = None) -> dict:
     return dict(SEQUENCE_PARALLEL_GPU_OPTIONS) if cfg.mesh.sequence_parallel and platform == "gpu" else {}
 
 
-def model_metrics(stats: dict) -> dict:
-    """What a training step logs of the model's statistics: a mixture of experts' load-balancing loss (per sparse
-    layer, 1.0 when perfectly balanced), its busiest and idlest expert's load over the mean load (1.0 each
+def model_metrics(stats: dict, loss_weights: dict | None = None) -> dict:
+    """What a training step logs of the model's statistics, each term either weighted as it enters the objective
+    or named as unweighted: the z-loss as it joins the objective (`z_loss`: train.z_loss x the mean of log^2 Z)
+    beside its unweighted statistic (`log_z_squared`); multi-token prediction's cross entropy (`mtp_loss`,
+    unweighted: a loss per token like `loss`, times model.mtp_loss_weight in the objective); a mixture of experts'
+    load-balancing loss (`aux_loss`, unweighted: per sparse layer, 1.0 when perfectly balanced; times
+    model.moe_aux_loss_weight in the objective), its busiest and idlest expert's load over the mean load (1.0 each
     when balanced; summed over the sparse layers), the share of its assignments dropped past the exchange's
     capacity (`model.moe_capacity_factor`; 0 when dropless), and the share a dropless exchange sent in rounds
     after its first (`model.moe_dropless=rounds`); nothing for a dense model."""
-    extra = {k: stats[k] for k in ("mtp_loss", "z_loss") if k in stats}
+    extra = {"mtp_loss": stats["mtp_loss"]} if "mtp_loss" in stats else {}
+    if "z_loss" in stats:
+        extra.update(z_loss=(loss_weights or {}).get("z_loss", 0.0) * stats["z_loss"], log_z_squared=stats["z_loss"])
     if "expert_tokens" not in stats:
         return extra
     tokens = stats["expert_tokens"]
