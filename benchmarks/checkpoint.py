@@ -50,7 +50,7 @@ def main() -> None:
     from shardlm.checkpoint import RunCheckpoints
     from shardlm.train import stored
     from shardlm.train.state import abstract_train_state, create_train_state
-    from shardlm.train.step import train_step_for
+    from shardlm.train.step import COST_ONLY_SEPARATOR, train_step_for
 
     cfg = load_config(None, args.overrides)
     n = args.devices or len(jax.devices())
@@ -63,7 +63,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     seq, bsz = cfg.model.seq_len, cfg.train.batch_size
     batches = [jax.device_put(rng.integers(0, vocab, (bsz, seq + 1)).astype(np.int32), bsh) for _ in range(4)]
-    step = train_step_for(cfg, ts, mesh).lower(ts.state, batches[0]).compile()
+    step = train_step_for(cfg, ts, mesh, separator=COST_ONLY_SEPARATOR).lower(ts.state, batches[0]).compile()
     state = ts.state
 
     def timed_step(i):

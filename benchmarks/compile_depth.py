@@ -39,7 +39,7 @@ def measure(n_layers: int, n_devices: int, scan: bool) -> dict:
     from shardlm.config import load_config
     from shardlm.mesh import make_mesh
     from shardlm.train.state import TrainState, abstract_train_state
-    from shardlm.train.step import batch_struct, train_step_for
+    from shardlm.train.step import COST_ONLY_SEPARATOR, batch_struct, train_step_for
 
     cfg = load_config(None, [f"model.n_layers={n_layers}", "model.d_model=64", "model.n_heads=4", "model.d_mlp=256",
                              "model.seq_len=64", f"train.batch_size={8 * n_devices}",
@@ -47,7 +47,8 @@ def measure(n_layers: int, n_devices: int, scan: bool) -> dict:
     mesh = make_mesh(1, n_devices, 1, devices=jax.devices()[:n_devices])
     t0 = time.perf_counter()
     _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, 512)
-    lowered = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh).lower(abstract,
+    lowered = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh,
+                             separator=COST_ONLY_SEPARATOR).lower(abstract,
                                                                                          batch_struct(cfg, mesh))
     t1 = time.perf_counter()
     compiled = lowered.compile()

@@ -67,7 +67,7 @@ def main() -> int:
     from shardlm.mesh import make_mesh
     from shardlm.sharding import batch_sharding
     from shardlm.train.state import create_train_state
-    from shardlm.train.step import train_step_for
+    from shardlm.train.step import COST_ONLY_SEPARATOR, train_step_for
 
     quiet = {"progress": False, "log": lambda msg: None}
     work = Path(tempfile.mkdtemp(prefix="shardlm-bench-data-"))
@@ -120,7 +120,7 @@ def main() -> int:
 
     ts = create_train_state(cfg, mesh, data.tokenizer.vocab_size)
     batches = [loader.get(i) for i in range(4)]
-    step = train_step_for(cfg, ts, mesh).lower(ts.state, batches[0]).compile()
+    step = train_step_for(cfg, ts, mesh, separator=COST_ONLY_SEPARATOR).lower(ts.state, batches[0]).compile()
     state = ts.state
     for i in range(3):
         state, m = step(state, batches[i % 4])

@@ -37,14 +37,14 @@ def run_shardlm(preset: str, batches, vocab: int) -> dict:
     from shardlm.mesh import mesh_from_config
     from shardlm.sharding import batch_sharding
     from shardlm.train.state import create_train_state
-    from shardlm.train.step import train_step_for
+    from shardlm.train.step import COST_ONLY_SEPARATOR, train_step_for
 
     batch, width = batches[0].shape
     cfg = load_config(None, [f"model={preset}", f"model.vocab_size={vocab}", f"model.seq_len={width - 1}",
                              f"train.batch_size={batch}", "model.dropout=0", f"train.steps={len(batches)}"])
     mesh = mesh_from_config(cfg.mesh, jax.devices()[:1])
     state = create_train_state(cfg, mesh, vocab)
-    step = train_step_for(cfg, state, mesh)
+    step = train_step_for(cfg, state, mesh, separator=COST_ONLY_SEPARATOR)
     params, times, losses = state.state, [], []
     for tokens in batches:
         t0 = time.perf_counter()

@@ -81,7 +81,8 @@ def shardlm_worker(shape: str):
     layers, heads, d, vocab = SHAPES[shape]
     cfg = load_config(None, ["model=tiny", f"model.n_layers={layers}", f"model.n_heads={heads}",
                              f"model.d_model={d}", f"model.d_mlp={4 * d}", f"model.vocab_size={vocab}",
-                             f"model.seq_len={SEQ}", f"train.batch_size={BATCH}", "model.dropout=0.0"])
+                             f"model.seq_len={SEQ}", f"train.batch_size={BATCH}", "model.dropout=0.0",
+                             "data.document_mask=false"])  # nanoGPT attends across documents: the same program
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     ts = create_train_state(cfg, mesh, vocab)
     rng = np.random.default_rng(0)

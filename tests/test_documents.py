@@ -107,8 +107,10 @@ def test_where_document_masks_cannot_run_is_one_line():
     with pytest.raises(ShardlmError, match="a pipeline's microbatches .* carry no documents' ids") as e:
         model_source(cfg).check(make_mesh(stage=2, devices=jax.devices()[:2]))
     assert "\n" not in str(e.value)
-    assert model_source(load_config(None, MICRO + ["model.n_layers=2"])).documents(
-        make_mesh(stage=2, devices=jax.devices()[:2])) is False  # auto: off on stages
+    auto = model_source(load_config(None, MICRO + ["model.n_layers=2", "data.document_mask=auto"]))
+    assert auto.documents(make_mesh(stage=2, devices=jax.devices()[:2])) is False  # auto: off on stages
+    assert auto.documents(make_mesh(fsdp=2, devices=jax.devices()[:2])) is True  # and on where XLA's kernel runs
+    assert load_config(None, []).data.document_mask == "auto"  # the default (docs/recipe.md: what was measured)
 
 
 def test_evaluation_attends_within_documents_as_training_does():

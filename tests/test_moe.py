@@ -11,7 +11,7 @@ from conftest import structured_tokens
 VOCAB = 500
 MOE = ["model=moe-tiny", "model.n_layers=2", "model.d_model=64", "model.d_mlp=64", "model.seq_len=32",
        "model.moe_experts=8", "model.moe_top_k=2", "train.batch_size=16", "train.steps=20", "train.warmup_steps=5",
-       "train.lr=1e-2"]
+       "train.lr=1e-2", "data.document_mask=false"]  # (synthetic streams: no documents)
 _reference: dict = {}
 
 

@@ -79,9 +79,9 @@ class DataConfig:
     sources: list = dataclasses.field(default_factory=list)
     # Attention within each document packed in a window, as the separator tokens delimit them
     # (`shardlm.models.documents`): true asks for it (refused where it cannot run: pipeline stages, a model from a
-    # py: file); "auto" = wherever the kernel the step runs takes documents' ids (not cuDNN's: off on GPUs) and off
-    # pipeline stages; false (the default) attends across documents.
-    document_mask: bool | str = False
+    # py: file); "auto" (the default: measured in docs/recipe.md) = wherever the kernel the step runs takes
+    # documents' ids (not cuDNN's: off on GPUs) and off pipeline stages; false attends across documents.
+    document_mask: bool | str = "auto"
     # With document masks: positions restart at each document (each token's offset in its document), not 0..T-1
     document_positions: bool = False
 
