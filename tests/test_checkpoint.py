@@ -5,11 +5,13 @@ must hit a whole process) on the built-in corpus with a byte tokenizer."""
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -225,8 +227,14 @@ def test_a_resume_that_would_change_the_run_is_refused(reference, tmp_path):
     for extra, message in [(["model.d_model=128"], "model.d_model=128 differs from the run's 64 (checkpoint step 6)"),
                            (["train.batch_size=32"], "train.batch_size=32 differs from the run's 16"),
                            (["seed=1"], "seed=1 differs from the run's 0"),
-                           (["data.val_fraction=0.1"], "the training data")]:
-        with pytest.raises(ShardlmError, match=message.replace("(", r"\(").replace(")", r"\)")):
+                           (["data.val_fraction=0.1"], "the training data"),
+                           # another optimizer: with the route docs/recipe.md gives, which keeps the weights
+                           (["train.optimizer=lion"], "train.optimizer=lion differs from the run's adamw (checkpoint "
+                            "step 6); the checkpoint holds the state of the run's optimizer, which another cannot "
+                            f"read: drop the override to resume, or continue the run's weights in a new run: shardlm "
+                            f"export {run_dir} --out DIR, then shardlm train init.from=hf:DIR train.optimizer=lion "
+                            "... (docs/recipe.md)")]:
+        with pytest.raises(ShardlmError, match=re.escape(message)):
             train(cfg_for(*FSDP8, *extra), run_dir, progress=False)
     assert (run_dir / "metrics.jsonl").read_bytes() == before and steps(run_dir) == [6]
 
@@ -378,3 +386,15 @@ def test_checkpoints_dir_that_is_not_shardlms_is_never_written_or_deleted(refere
     run_dir = copy_run(reference, tmp_path, keep_steps=[6])  # the run's own: --overwrite replaces it
     summary = train(cfg_for(*FSDP8, "train.steps=3"), run_dir, progress=False, overwrite=True)
     assert summary["resumed_from"] == 0 and steps(run_dir) == [3] and sorted(losses(run_dir)) == [1, 2, 3]
+
+
+def test_a_muon_run_saved_before_its_adamw_half_was_fixed_is_refused_in_one_line():
+    """Its optimizer state is optax.contrib.muon's own AdamW branch (another layout, and it decayed norms and
+    biases): the refusal names the way on, an export and a new run from it; other runs pass."""
+    from shardlm.train.rundir import check_optimizer_layout
+
+    with pytest.raises(ShardlmError, match=r"^runs/old's checkpoint step 40 holds Muon's state from before .* "
+                                           r"shardlm export runs/old --out DIR, then shardlm train init.from=hf:DIR"):
+        check_optimizer_layout({"train": {"optimizer": "muon", "lr": 3e-3}}, 40, Path("runs/old"))
+    check_optimizer_layout({"train": {"optimizer": "muon", "muon_nesterov": True}}, 40, Path("runs/new"))
+    check_optimizer_layout({"train": {"optimizer": "adamw"}}, 40, Path("runs/adamw"))

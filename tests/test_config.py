@@ -108,3 +108,29 @@ def test_mesh_auto_and_remat_auto_are_the_planners_to_resolve():
     ]:
         with pytest.raises(ShardlmError, match=re.escape(fragment)):
             load_config(None, overrides)
+
+
+def test_an_expert_degree_must_split_the_models_experts_and_says_so_first():
+    """mesh.expert on a dense model is refused (it was once taken silently, as FSDP under another name), and a degree
+    that does not divide the experts is said in their terms, before the batch of 32 it does not divide either. A
+    degree of -1 is known with the devices: the mesh's checks say the same, before the batch's and the
+    parameters'."""
+    import jax
+
+    from shardlm.mesh import make_mesh
+    from shardlm.train.state import check_batch, check_shardable
+
+    for overrides, message in [
+        (["mesh.expert=2"], "mesh.expert=2 splits a mixture of experts' experts, and model tiny is dense "
+                            "(model.moe_experts=0): drop mesh.expert, or set model.moe_experts"),
+        (["model=moe-tiny", "mesh.expert=3"], "mesh.expert=3 does not divide model.moe_experts=8; choose a divisor: "
+                                              "1, 2, 4, 8"),
+    ]:
+        with pytest.raises(ShardlmError, match=f"^{re.escape(message)}$"):
+            load_config(None, overrides)
+    assert load_config(None, ["model=moe-tiny", "mesh.expert=4"]).mesh.expert == 4
+    cfg = load_config(None, ["model=moe-tiny", "mesh.expert=-1"])
+    mesh = make_mesh(1, expert=3, devices=jax.devices()[:3])
+    for check in (check_batch, check_shardable):
+        with pytest.raises(ShardlmError, match=r"^mesh.expert=3 does not divide model.moe_experts=8; choose a divisor"):
+            check(cfg, mesh)

@@ -159,3 +159,47 @@ def test_shard_your_own_model_example_runs_and_its_plan_file_applies(tmp_path):
     losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "compiles: 1" in out and "plan file ok" in out
+
+
+def test_the_configuration_page_lists_every_key_with_its_default_and_meaning_and_every_preset():
+    """docs/configuration.md against the config's dataclasses: each field as `section.key` (or a top-level key) in
+    its YAML block, with the dataclass's default and a comment saying what it means; every family in the family
+    key's comment; every preset in the presets' table. A key the code adds and the page lacks fails here."""
+    import dataclasses
+
+    import yaml
+
+    from shardlm.config import FIELD_KEYS, Config
+    from shardlm.families import FAMILIES, preset_names
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    (block,) = [body for lang, body in code_blocks(page) if lang == "yaml"]
+    listed, lines, section = yaml.safe_load(block), {}, None
+    for line in block.splitlines():
+        m = re.match(r"( *)(\w+):", line)
+        if m:
+            section = m.group(2) if not m.group(1) else section
+            lines[f"{section}.{m.group(2)}" if m.group(1) else m.group(2)] = line
+    want = {}
+    for f in dataclasses.fields(Config):
+        if not dataclasses.is_dataclass(f.type):
+            want[f.name] = f.default
+            continue
+        for g in dataclasses.fields(f.type):
+            want[f"{f.name}.{FIELD_KEYS.get(g.name, g.name)}"] = (
+                g.default if g.default is not dataclasses.MISSING else g.default_factory())
+
+    def documented(key):
+        tree = listed
+        for part in key.split("."):
+            if not isinstance(tree, dict) or part not in tree:
+                return "missing"
+            tree = tree[part]
+        return tree
+
+    assert len(want) > 100
+    assert [k for k in want if documented(k) == "missing"] == []
+    assert {k: (documented(k), v) for k, v in want.items() if documented(k) != v} == {}  # the defaults
+    assert [k for k in want if "#" not in lines[k]] == []  # each with its meaning
+    assert [f for f in FAMILIES if not re.search(rf"\b{re.escape(f)}\b", lines["model.family"].split("#", 1)[1])] == []
+    assert [p for p in preset_names() if f"| `{p}` |" not in page] == []

@@ -9,6 +9,7 @@ from flax import nnx
 
 from conftest import MICRO
 from shardlm.config import load_config
+from shardlm.errors import ShardlmError
 from shardlm.models.gpt import padded_vocab_size
 from shardlm.flops import flops_per_token, matmul_params, table_peak
 from shardlm.train.source import model_source
@@ -108,3 +109,75 @@ def test_eval_step_bits_per_byte_by_hand():
     assert float(out["loss"]) == pytest.approx(nll.mean(), rel=1e-5)
     assert float(out["nats"]) == pytest.approx(nll[b > 0].sum(), rel=1e-5)
     assert int(out["bytes"]) == b.sum()
+
+
+def test_the_opening_lines_name_the_optimizer_and_each_recipe_setting():
+    """What `recipe_lines` says of a recipe with every setting on, and of the defaults (each named as off): the
+    optimizer with its summary, the spike guard with its numbers, document masks, QK-norm and the z-loss's
+    weight."""
+    from shardlm.train.loop import recipe_lines
+    from shardlm.train.source import within_documents
+
+    cfg = load_config(None, MICRO + ["train.optimizer=muon", "train.muon_nesterov=false", "data.document_mask=true",
+                                     "data.document_positions=true", "model.qk_norm=true", "train.z_loss=1e-4",
+                                     "train.spike_sigmas=5", "train.spike_window=64", "train.max_skips=4"])
+    assert within_documents(cfg)
+    optimizer, recipe = recipe_lines(cfg, within_documents(cfg))
+    assert optimizer == ("optimizer: muon (train.optimizer): Muon on the hidden matrices (one momentum each), AdamW "
+                         "on the rest; Muon's momentum heavy-ball (train.muon_nesterov=false)")
+    assert recipe == ("recipe: spike guard on (skips an update beyond 5 sigmas of the last 64, stops after 4 skips in "
+                      "a row) | document masks on (data.document_mask=true, positions restarting at each document) | "
+                      "QK-norm on | z-loss 0.0001 x log^2 Z")
+    cfg = load_config(None, MICRO + ["train.skip_spikes=false", "data.document_mask=false"])
+    assert recipe_lines(cfg, within_documents(cfg)) == [
+        "optimizer: adamw (train.optimizer): AdamW (two moments per parameter)",
+        "recipe: spike guard off (train.skip_spikes=false) | document masks off (data.document_mask=false): attention "
+        "across documents | QK-norm off | z-loss off"]
+
+
+def test_a_run_halted_before_any_checkpoint_says_none_was_written_after_opening_lines_naming_its_recipe(
+        tmp_path, capsys):
+    """The spike guard's stop names the newest checkpoint only where one exists (tests/test_optimizers.py halts a run
+    that has one); here none was written, and the line says so and how to start again, which is what re-running
+    the directory does. The run's opening lines name its optimizer and recipe. (The configuration is
+    test_optimizers' halted run's, checkpoints apart: the same compiled step.)"""
+    from shardlm.checkpoint import local_steps
+    from shardlm.train import step as step_module
+    from shardlm.train.loop import recipe_lines, train
+    from shardlm.train.rundir import plan_start
+    from shardlm.train.source import within_documents
+
+    cfg = load_config(None, MICRO + ["model.n_layers=1", "train.batch_size=4", "train.steps=12",
+                                     "train.log_interval=1", "train.eval_interval=12", "train.eval_batches=1",
+                                     "train.sample_tokens=0", "train.max_skips=3", "checkpoint.every=0",
+                                     "data.tokenizer=bytes", "train.z_loss=1e-4"])
+    run_dir = tmp_path / "run"
+    step_module.LOSS_HOOK = lambda index: jnp.where(index >= 5, jnp.nan, 1.0)  # step 6 on: a non-finite loss
+    try:
+        with pytest.raises(ShardlmError) as err:
+            train(cfg, run_dir, progress=False, devices=jax.devices()[:1])
+    finally:
+        step_module.LOSS_HOOK = None
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("3 updates in a row were skipped by step 8 (train.max_skips=3)")
+    assert ("no checkpoint was written before them, so there is none to resume from: start the run again (shardlm "
+            f"train --run-dir {run_dir} restarts a run without checkpoints from step 0) with a lower train.lr") in message
+    assert "checkpoint step" not in message and local_steps(run_dir) == []
+    assert plan_start(run_dir, cfg, False, lambda line: None).reset  # as the line says: it starts again
+    out = capsys.readouterr().out
+    optimizer, recipe = recipe_lines(cfg, within_documents(cfg))  # (whichever way data.document_mask's default is)
+    assert f"\n{optimizer}\n" in out and f"\n{recipe}\n" in out
+    assert optimizer == "optimizer: adamw (train.optimizer): AdamW (two moments per parameter)"
+    assert recipe.startswith("recipe: spike guard on (skips an update beyond 6 sigmas of the last 128, stops after 3 "
+                             "skips in a row) | document masks ")
+    assert recipe.endswith(" | QK-norm off | z-loss 0.0001 x log^2 Z")
+    assert out.index("optimizer: ") < out.index("step 0 | eval loss")  # opening lines, before the first evaluation
+
+
+def test_the_spike_guards_stop_names_the_newest_checkpoint_where_there_is_one(tmp_path):
+    from shardlm.train.loop import spikes_halted
+
+    message = str(spikes_halted(load_config(None, ["train.max_skips=5"]), 40, tmp_path / "run", 30))
+    assert message.startswith("5 updates in a row were skipped by step 40 (train.max_skips=5)")
+    assert (f"checkpoint step 30 ({tmp_path / 'run' / 'checkpoints' / '30'}) holds the weights from before them: "
+            f"resume from it (shardlm train --run-dir {tmp_path / 'run'}) with a lower train.lr") in message

@@ -536,6 +536,8 @@ def _check_mesh(cfg: Config) -> None:
         v = getattr(cfg.mesh, axis)
         if v is not None and v != -1 and v < 1:
             raise ShardlmError(f"mesh.{axis} must be a positive degree or -1 (the rest), got {v}")
+    if cfg.mesh.expert != -1:  # (-1 is known only with the devices: `train.state` checks the resolved degree)
+        check_expert_degree(cfg.model, cfg.mesh.expert)
     if cfg.mesh.auto:
         fixed = [f"mesh.{a}={getattr(cfg.mesh, a)}" for a in MESH_AXES
                  if getattr(cfg.mesh, a) != getattr(MeshConfig(), a)]
@@ -544,6 +546,23 @@ def _check_mesh(cfg: Config) -> None:
         if is_py(cfg.model.preset):
             raise ShardlmError("mesh=auto plans shardlm's own models; a model from a py: file is placed by its plan "
                                "(plan=FILE or a preset): drop mesh=auto")
+
+
+def check_expert_degree(m: ModelConfig, expert: int) -> None:
+    """A one-line error if the expert degree `expert` cannot split shardlm's model `m`'s experts. A dense model has
+    none: the axis would only be FSDP under another name, so asking for it is refused rather than taken silently.
+    A degree that does not divide the experts is said in the experts' terms, before the batch's split (which the
+    expert axis joins) or a parameter's could report it in theirs. A model from a py: file is left to its plan,
+    whose specs may name the axis."""
+    if expert <= 1 or is_py(m.preset):
+        return
+    if not m.moe_experts:
+        raise ShardlmError(f"mesh.expert={expert} splits a mixture of experts' experts, and model {m.preset} is dense "
+                           "(model.moe_experts=0): drop mesh.expert, or set model.moe_experts")
+    if m.moe_experts % expert:
+        divisors = ", ".join(str(d) for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0)
+        raise ShardlmError(f"mesh.expert={expert} does not divide model.moe_experts={m.moe_experts}; choose a "
+                           f"divisor: {divisors}")
 
 
 def check_resolved(cfg: Config) -> None:

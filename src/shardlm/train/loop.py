@@ -76,7 +76,7 @@ from shardlm.train.state import (
     vocab_sizes,
 )
 from shardlm.train import stored
-from shardlm.train.optimizers import effective_warmup
+from shardlm.train.optimizers import effective_warmup, optimizer_summary
 from shardlm.train.source import model_source
 from shardlm.train.spikes import skipped_updates
 from shardlm.train.step import eval_step_for, train_step_for
@@ -120,6 +120,44 @@ def model_file(cfg: Config) -> dict:
     if not is_py(cfg.model.preset):
         return {}
     return {"model_file": {"spec": cfg.model.preset, "sha256": file_sha256(cfg.model.preset)}}
+
+
+def recipe_lines(cfg: Config, documents: bool) -> list[str]:
+    """The opening lines' account of the training recipe (docs/recipe.md): the optimizer, then each setting that
+    changes what a step does besides the model's shape (the spike guard, document masks, QK-norm, z-loss), on or
+    off, so that a run's log says which recipe it ran. `documents`: whether the step attends within documents
+    (`source.within_documents`, which also weighs the mesh and the kernel against `data.document_mask=auto`)."""
+    t, d, m = cfg.train, cfg.data, cfg.model
+    optimizer = f"optimizer: {t.optimizer} (train.optimizer): {optimizer_summary(cfg)}"
+    if t.optimizer == "muon":
+        optimizer += (f"; Muon's momentum {'Nesterov' if t.muon_nesterov else 'heavy-ball'} "
+                      f"(train.muon_nesterov={str(t.muon_nesterov).lower()})")
+    guard = (f"spike guard on (skips an update beyond {t.spike_sigmas:g} sigmas of the last {t.spike_window}, stops "
+             f"after {t.max_skips} skips in a row)" if t.skip_spikes else "spike guard off (train.skip_spikes=false)")
+    mask = str(d.document_mask).lower()
+    masks = (f"document masks on (data.document_mask={mask}"
+             + (", positions restarting at each document)" if d.document_positions else ")") if documents else
+             f"document masks off (data.document_mask={mask}): attention across documents")
+    settings = [guard, masks]
+    if not is_py(m.preset):  # a model from a py: file has its own attention, which model.qk_norm does not reach
+        settings.append(f"QK-norm {'on' if m.qk_norm else 'off'}")
+    settings.append(f"z-loss {t.z_loss:g} x log^2 Z" if t.z_loss else "z-loss off")
+    return [optimizer, "recipe: " + " | ".join(settings)]
+
+
+def spikes_halted(cfg: Config, step: int, run_dir: Path, newest: int | None) -> ShardlmError:
+    """The one line that stops a run the spike guard has halted at `step`: where to go on from, which is the newest
+    checkpoint (`newest`) if the run wrote one, else a run started again, since there is nothing to resume."""
+    k = cfg.train.max_skips
+    what = (f"{k} updates in a row were skipped by step {step} (train.max_skips={k}): the loss or gradient norm kept "
+            "spiking or was not finite; ")
+    fixes = "a lower train.lr, more train.warmup_steps, or a larger train.spike_sigmas or train.max_skips"
+    if newest is None:
+        return ShardlmError(what + "no checkpoint was written before them, so there is none to resume from: start "
+                            f"the run again (shardlm train --run-dir {run_dir} restarts a run without checkpoints "
+                            f"from step 0) with {fixes}")
+    return ShardlmError(what + f"checkpoint step {newest} ({checkpoint_dir(run_dir) / str(newest)}) holds the "
+                        f"weights from before them: resume from it (shardlm train --run-dir {run_dir}) with {fixes}")
 
 
 def check_same_run(meta: dict, mesh, data: PreparedData, vocab: tuple[int, int], run_dir: Path, stream: str) -> None:
@@ -218,6 +256,7 @@ class Training:
         self.progress, self.on_step = progress, on_step
         self.primary = distributed.is_primary()
         self.resumed = start.resume_step or 0
+        self.newest = start.resume_step  # the newest checkpoint of this run (None: none yet), which `save` updates
         self.source = model_source(cfg)
         self.state = None
 
@@ -316,6 +355,8 @@ class Training:
             _log(format_explanation(ex))
         _log(f"model: {describe(cfg)} | {ex.param_count:,} parameters | per device: params "
              f"{fmt_bytes(ex.max_param_bytes)}, optimizer {fmt_bytes(ex.max_opt_bytes)}")
+        for line in recipe_lines(cfg, self.source.documents(self.mesh)):
+            _log(line)
         for note in split_notes(cfg, self.mesh):
             _log(note)
         for note in ex.notes:  # a plan's (a model from a py: file)
@@ -374,6 +415,7 @@ class Training:
         meta = {**self.meta, "step": step, "reason": reason, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         stored.save_state(self.ckpts, step, self.state, self.batches.position, meta, self.source.stacks_blocks,
                           self.source.stack_repeats)
+        self.newest = step  # (written in the background: a run that stops waits for it, `loop`)
         _log(f"checkpoint step {step}: writing in the background (training blocked {time.perf_counter() - t:.2f}s)")
 
     def open_metrics(self) -> None:
@@ -485,11 +527,7 @@ class Training:
         """Stop the run, in one line, once the spike guard has skipped `train.max_skips` updates in a row
         (`shardlm.train.spikes`): it then skips every update, and no checkpoint is written of it."""
         if "skip_halted" in metrics and bool(jax.device_get(metrics["skip_halted"])):
-            k = self.cfg.train.max_skips
-            raise ShardlmError(f"{k} updates in a row were skipped by step {step} (train.max_skips={k}): the loss or "
-                               "gradient norm kept spiking or was not finite; the last checkpoint holds the state "
-                               "before them: resume from it with a lower train.lr, more train.warmup_steps or a "
-                               "larger train.spike_sigmas")
+            raise spikes_halted(self.cfg, step, self.run_dir, self.newest)
 
     def write_samples(self) -> None:
         """Two unconditional samples (the prompt is the document separator) in samples.txt, the first logged. A

@@ -38,6 +38,7 @@ from shardlm.config import (
 )
 from shardlm.models.config import AUTO_REMAT
 from shardlm.errors import ShardlmError
+from shardlm.foreign.modules import is_py
 from shardlm.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir, incomplete_steps
 
 FINISHED_MARKER = "summary.json"
@@ -54,12 +55,11 @@ CHANGEABLE_MODEL_KEYS = ("dropout", "dtype", "remat", "remat_offload", "grad_red
                          # training coefficients, not the architecture: DeepSeek-V3 stopped moving its balancing
                          # bias for the last 500B tokens of its pretraining
                          "moe_aux_loss_weight", "moe_bias_rate", "mtp_loss_weight")
+# the optimizer's state is in the checkpoint, in its shape: another optimizer (or none of the spike guard's window)
+# cannot read it; the weights go on with another by export and init.from (docs/recipe.md)
+OPTIMIZER_KEYS = ("train.optimizer", "train.skip_spikes", "train.spike_window")
 FIXED_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
-                   if f.name not in CHANGEABLE_MODEL_KEYS) + (
-    "seed", "train.batch_size",
-    # the optimizer's state is in the checkpoint, in its shape: another optimizer (or none of the spike guard's
-    # window) cannot read it
-    "train.optimizer", "train.skip_spikes", "train.spike_window")
+                   if f.name not in CHANGEABLE_MODEL_KEYS) + ("seed", "train.batch_size", *OPTIMIZER_KEYS)
 # Settings whose default changed: a run saved before they existed resumes with what it trained with.
 EARLIER_DEFAULTS = {"train": {"skip_spikes": False}}
 
@@ -161,15 +161,37 @@ class RunStart:
     finished: bool = False
 
 
-def config_changes(cfg: Config, saved: Config, step: int) -> list[str]:
-    """Raise if a fixed key differs from the checkpoint's config; else the changed keys as 'key old -> new'."""
+def check_optimizer_layout(saved: dict, step: int, run_dir: Path) -> None:
+    """Refuse, in one line, a Muon run saved before its AdamW half became `train.optimizer=adamw`'s (its saved
+    config has no `train.muon_nesterov`, which came with the change): its optimizer state holds optax.contrib.muon's
+    own AdamW branch, laid out otherwise, and that branch decayed its norms and biases. Its weights go on in a new
+    run."""
+    train = saved.get("train", {})
+    if train.get("optimizer") == "muon" and "muon_nesterov" not in train:
+        raise ShardlmError(
+            f"{run_dir}'s checkpoint step {step} holds Muon's state from before its AdamW half became plain AdamW with "
+            "the decay mask (docs/recipe.md), laid out otherwise; continue its weights in a new run: shardlm export "
+            f"{run_dir} --out DIR, then shardlm train init.from=hf:DIR train.optimizer=muon ...")
+
+
+def config_changes(cfg: Config, saved: Config, step: int, run_dir: Path | None = None) -> list[str]:
+    """Raise if a fixed key differs from the checkpoint's config; else the changed keys as 'key old -> new'. Another
+    optimizer is refused with the way to it that keeps the weights: the run exported (`shardlm export`) and a new
+    run started from the export (`init.from=hf:`), which docs/recipe.md recommends; a model from a py: file does not
+    export, so for it the refusal says only to start over."""
     new, old = dict(flatten(cfg.to_dict())), dict(flatten(saved.to_dict()))
     for key in FIXED_KEYS:  # a model from a py: file has no architecture fields: absent on both sides
         if new.get(key) != old.get(key):
+            problem = f"{key}={new[key]} differs from the run's {old[key]} (checkpoint step {step})"
+            if key in OPTIMIZER_KEYS and not is_py(cfg.model.preset):
+                run = run_dir or "RUN"
+                raise ShardlmError(
+                    f"{problem}; the checkpoint holds the state of the run's optimizer, which another cannot read: "
+                    f"drop the override to resume, or continue the run's weights in a new run: shardlm export {run} "
+                    f"--out DIR, then shardlm train init.from=hf:DIR {key}={new[key]} ... (docs/recipe.md)")
             raise ShardlmError(
-                f"{key}={new[key]} differs from the run's {old[key]} (checkpoint step {step}); a run's model, seed, "
-                f"batch size and optimizer cannot change when it resumes: drop that override, or pass another "
-                "--run-dir"
+                f"{problem}; a run's model, seed, batch size and optimizer cannot change when it resumes: drop that "
+                "override, or pass another --run-dir"
             )
     skip = {"data.tokenizer"} if cfg.data.tokenizer == "auto" else set()  # resolved only once the data is read
     return [f"{k} {old[k]} -> {new[k]}" for k in new if k not in skip and new[k] != old.get(k)]
@@ -230,9 +252,10 @@ def plan_start(run_dir: Path, cfg: Config, overwrite: bool, log) -> RunStart:
             raise unreadable(run_dir, e, [s for s in steps if s < step], reader) from None
     finally:
         reader.close()
+    check_optimizer_layout(meta["config"], step, run_dir)
     # (compared as `decide_start` will make it on every process; process 0 alone may be deciding here)
     resumed = adopt_earlier_defaults(copy.deepcopy(cfg), meta["config"])
-    changes = config_changes(resumed, config_from_dict(with_earlier_defaults(meta["config"])), step)
+    changes = config_changes(resumed, config_from_dict(with_earlier_defaults(meta["config"])), step, run_dir)
     if step >= cfg.train.steps:
         log(f"{run_dir} has already trained to step {step} (train.steps={cfg.train.steps}): nothing to do; raise "
             "train.steps to train it further")

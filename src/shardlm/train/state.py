@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardlm.config import Config
+from shardlm.config import Config, check_expert_degree
 from shardlm.errors import ShardlmError
 from shardlm.foreign.modules import is_py
 from shardlm.schedules.gpipe import microbatch_count
@@ -73,6 +73,7 @@ def check_shardable(cfg: Config, mesh, vocab_size: int | None = None) -> None:
     not match the model): shapes only, no data, no compile. shardlm's models pad the vocabulary for the tensor
     degree, so any vocabulary gives the verdict before the data is read; a model from a py: file is checked for
     its real vocabulary (`vocab_size`, or `model.vocab_size`), and without one only in what does not depend on it."""
+    check_expert_degree(cfg.model, mesh.shape.get("expert", 1))  # in the experts' terms, before a parameter's
     source = model_source(cfg)
     source.check(mesh, vocab_size)
     vocab = vocab_size or source.placeholder_vocab
@@ -97,7 +98,9 @@ def batch_unit(cfg: Config, mesh) -> int:
 
 def check_batch(cfg: Config, mesh) -> None:
     """Raise if the global batch (or each of its `train.grad_accum` microbatches) does not split over data x fsdp,
-    or over the processes."""
+    or over the processes. An expert degree that cannot split the model's experts is said first, in their terms:
+    the expert axis splits the batch too, and a batch it does not divide is not the problem to fix."""
+    check_expert_degree(cfg.model, mesh.shape.get("expert", 1))
     dp, axes = batch_split(cfg, mesh)
     if cfg.train.batch_size % dp:
         raise ShardlmError(
