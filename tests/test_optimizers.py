@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from conftest import MICRO, run_steps, structured_tokens
 from shardlm.config import load_config
@@ -244,3 +245,77 @@ def _model_concrete(cfg):
     with nnx.use_eager_sharding(False):
         from shardlm.train.source import model_source
         return model_source(cfg).factory(500, 1)()
+
+
+def _compiled_step(overrides, degrees):
+    """The train step `shardlm plan` compiles for `overrides` on the local CPU devices of `degrees`: its
+    collectives and the tensors XLA's partitioner replicated to reshard them (read from its native stderr)."""
+    from shardlm.perf.compiled import compile_step
+    from shardlm.train.state import TrainState
+    from shardlm.train.step import COST_ONLY_SEPARATOR, batch_struct
+
+    cfg = load_config(None, overrides)
+    n = int(np.prod(list(degrees.values())))
+    mesh = make_mesh(**degrees, devices=jax.devices()[:n])
+    _, graphdef, abstract, shardings = abstract_train_state(cfg, mesh, 500)
+    lowered = train_step_for(cfg, TrainState(graphdef, abstract, shardings), mesh, separator=COST_ONLY_SEPARATOR
+                             ).trace(abstract, batch_struct(cfg, mesh)).lower()
+    return compile_step(lowered, n), shard_bytes(abstract["optimizer"])
+
+
+def test_muon_on_fsdp_and_tensor_moves_each_matrix_to_its_owners_by_all_to_all_and_replicates_none():
+    """Muon's step on fsdp 2 x tensor 2, a 4-layer Llama: each gradient, momentum and weight moves to its owners
+    (whole matrices, a layer per device, the layers split over fsdp x tensor) and the update and momentum back, by
+    one all-to-all each (`sharding.exchange`). XLA replicates nothing to reshard (before: 25 tensors, each whole on
+    every device, its "Involuntary full rematerialization" warning printed), gathers what AdamW's step gathers (the
+    weights, for the forward and backward passes), and moves Muon's matrices five times, their share per device
+    each time."""
+    from shardlm.perf import hlo
+
+    llama4 = LLAMA + ["model.n_layers=4"]
+    muon, muon_state = _compiled_step(llama4 + ["train.optimizer=muon"], {"fsdp": 2, "tensor": 2})
+    adamw, _ = _compiled_step(llama4 + ["train.optimizer=adamw"], {"fsdp": 2, "tensor": 2})
+    assert muon.rematerialisations == [], [x.describe() for x in muon.rematerialisations]
+
+    def by_kind(step) -> dict:
+        return {c["kind"]: c["bytes"] for c in hlo.summarize(step.collectives)}
+
+    got, want = by_kind(muon), by_kind(adamw)
+    assert got["all-gather"] == pytest.approx(want["all-gather"], rel=0.1), (got, want)
+    matrices = sum(np.prod(shape) for d, _, shape in muon_plan(_model(llama4)).values() if d is not None) * 4 / 4
+    exchanged = got.get("all-to-all", 0) - want.get("all-to-all", 0)
+    assert exchanged == pytest.approx(5 * matrices, rel=0.01), (exchanged, matrices)
+
+
+@pytest.mark.parametrize("degrees, stored, names, shape", [
+    ({"fsdp": 4, "tensor": 2}, P(None, "fsdp", "tensor"), ("layers", "embed", "mlp"), (16, 8, 6)),  # one all-to-all
+    ({"fsdp": 4, "tensor": 2}, P(None, "tensor", None, "fsdp"), ("layers", "heads", "head_dim", "embed"),
+     (8, 4, 3, 8)),
+    ({"fsdp": 2, "context": 2, "tensor": 2}, P(None, ("fsdp", "context"), "tensor"), ("layers", "embed", "mlp"),
+     (8, 8, 6)),  # two axes leave one dimension
+    ({"data": 2, "fsdp": 2, "tensor": 2}, P(None, "fsdp", "tensor"), ("layers", "embed", "mlp"), (2, 4, 6)),  # copies
+])
+def test_the_exchange_lays_every_matrix_whole_on_its_owners_and_brings_it_back(degrees, stored, names, shape):
+    """`sharding.exchange` moves an array from its stored layout to its owners' (whole matrices, the layers split
+    over the mesh axes that divide them; `sharding.owner_spec`) and back: every device's block there is the global
+    array's at its index (copies along the axes the layers could not take), and the way back is exact."""
+    from jax.sharding import NamedSharding
+
+    from shardlm.sharding import owner_spec
+    from shardlm.sharding.exchange import exchange, exchange_back, exchange_plan
+
+    mesh = make_mesh(**degrees, devices=jax.devices()[:8])
+    moves, there = exchange_plan(stored, owner_spec(names, shape, mesh, ("layers",), stored), len(shape), mesh)
+    assert all(m.kind != "all-gather" for m in moves) or shape[0] < 8
+    x = jax.device_put(np.arange(np.prod(shape), dtype=np.float32).reshape(shape), NamedSharding(mesh, stored))
+
+    def run(f, out):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=stored, out_specs=out, check_vma=False))
+
+    owned = run(lambda b: exchange(b, moves, mesh), there)(x)
+    for shard in owned.addressable_shards:
+        assert shard.data.shape[1:] == shape[1:]  # whole matrices
+        np.testing.assert_array_equal(shard.data, np.asarray(x)[shard.index])
+    back = run(lambda b: exchange_back(2 * exchange(b, moves, mesh), moves, mesh), stored)(x)
+    assert back.sharding.is_equivalent_to(x.sharding, len(shape))
+    np.testing.assert_array_equal(np.asarray(back), 2 * np.asarray(x))

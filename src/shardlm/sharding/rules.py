@@ -539,16 +539,30 @@ def generation_rules(rules: Rules | None = None) -> Rules:
                  for name, axes in (LOGICAL_AXIS_RULES if rules is None else rules))
 
 
-def owner_spec(names: tuple, shape: tuple, mesh, batch_names: tuple[str, ...]) -> P:
+def owner_spec(names: tuple, shape: tuple, mesh, batch_names: tuple[str, ...], stored: P | None = None) -> P:
     """A layout of whole matrices, each on the devices that own it: the dimensions named in `batch_names` (a
-    stack's layers, a mixture's experts) split over as many of the mesh's axes as divide them, the largest axes
-    first, and every other dimension whole. Where the batch dimensions cannot take every axis, the matrices are
-    copied over the rest (all of them, for a weight with no batch dimension). What an optimizer that needs whole
-    matrices (Muon's Newton-Schulz iterations) computes in, with no collective inside."""
-    free = sorted((a for a in mesh.axis_names if mesh.shape[a] > 1), key=lambda a: -mesh.shape[a])
+    stack's layers, a mixture's experts) split over as many of the mesh's axes as divide them, and every other
+    dimension whole. Where the batch dimensions cannot take every axis, the matrices are copied over the rest (all
+    of them, for a weight with no batch dimension). What an optimizer that needs whole matrices (Muon's
+    Newton-Schulz iterations) computes in, with no collective inside.
+
+    Which axes (given how the array is `stored`): a batch dimension keeps the axes that already split it (a
+    pipeline's stages, an expert axis: nothing moves); then come the axes that split its other dimensions (each
+    moves to the batch dimensions by an all-to-all of the array's share; one left out must be gathered, the array
+    n times over on every device), then the rest; the largest first within each (fewest matrices per device). An
+    axis that did not split the stored array costs nothing to split the matrices over (each device keeps its
+    slice of them), and the owners' results are gathered along it afterwards."""
+    entries = tuple(stored or P()) + (None,) * len(shape)
+    stored_axes = [as_axes(entry) for entry in entries[:len(shape)]]
+    splitting = {a for axes in stored_axes for a in axes}
+    free = sorted((a for a in mesh.axis_names if mesh.shape[a] > 1),
+                  key=lambda a: (a not in splitting, -mesh.shape[a]))
+    kept = [[a for a in axes if a in free] if name in batch_names else []
+            for name, axes in zip(names, stored_axes)]
+    free = [a for a in free if not any(a in axes for axes in kept)]
     spec = []
-    for name, size in zip(names, shape):
-        taken = []
+    for name, size, taken in zip(names, shape, kept):
+        size //= math.prod(mesh.shape[a] for a in taken)
         if name in batch_names:
             for axis in list(free):
                 if size % mesh.shape[axis] == 0:
