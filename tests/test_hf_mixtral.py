@@ -190,7 +190,12 @@ def test_a_sliding_window_shorter_than_the_context_is_a_one_line_error(mixtral_d
     ({"moe_every": 2, "scan_layers": False}, "(model.moe_every=2), which MixtralForCausalLM cannot hold"),
     ({"moe_shared_expert": True}, "shared expert (model.moe_shared_expert=true), which MixtralForCausalLM cannot"),
     ({"moe_top_k": 1}, "(model.moe_top_k=1, Switch's), which MixtralForCausalLM would weigh 1.0"),
-], ids=["moe_every 2", "shared expert", "top 1"])
+    # DeepSeek's routing in a Llama block (aux-free balancing): written as Mixtral or Qwen3-MoE, the sigmoid and
+    # its bias would be dropped
+    ({"moe_router": "sigmoid", "moe_bias_rate": 0.01}, "(model.moe_router=sigmoid), which MixtralForCausalLM"),
+    ({"family": "qwen", "qk_norm": True, "moe_router": "sigmoid", "moe_groups": 2},
+     "(model.moe_router=sigmoid, model.moe_groups=2), which Qwen3MoeForCausalLM cannot hold"),
+], ids=["moe_every 2", "shared expert", "top 1", "sigmoid as Mixtral", "sigmoid as Qwen3-MoE"])
 def test_exporting_what_mixtral_cannot_hold_is_a_one_line_error(tmp_path, model, message):
     run = tmp_path / "run"
     run.mkdir()

@@ -112,12 +112,13 @@ def check_import(model, tree: dict, directory: Path) -> None:
 def exportable(m, where: str) -> None:
     """Raise if `m` has no Hugging Face counterpart: Llama has no q/k norms nor q/k/v-only biases (Qwen's: export
     a qwen-family model), and a mixture of experts is exported as Mixtral, whose every layer is sparse, with one
-    expert size, no shared expert, and its top-k weights renormalised."""
+    expert size, no shared expert, its top-k weights renormalised, and softmax routing (`softmax_routing_only`)."""
     if m.qk_norm or m.qkv_bias:
         raise ShardlmError(f"{where} has {'q/k norms' if m.qk_norm else 'q/k/v biases'} (Qwen's), which "
                            "LlamaForCausalLM cannot hold; train it as model.family=qwen to export it as Qwen")
     if not m.moe_experts:
         return
+    softmax_routing_only(m, where, "MixtralForCausalLM")
     if m.moe_every != 1:
         raise ShardlmError(f"{where} trained a mixture of experts in every {m.moe_every}-th layer "
                            f"(model.moe_every={m.moe_every}), which MixtralForCausalLM cannot hold (every layer of "
@@ -133,6 +134,20 @@ def exportable(m, where: str) -> None:
         raise ShardlmError(f"{where} weighs its top-k experts by their raw router probabilities "
                            "(model.moe_norm_topk=false), which MixtralForCausalLM renormalises; train it as "
                            "model.family=qwen to export it as Qwen3-MoE")
+
+
+def softmax_routing_only(m, where: str, architecture: str) -> None:
+    """Raise if `m`'s mixture routes otherwise than by softmax over every expert from the first layer on, which is
+    all `architecture` (Mixtral's, Qwen3-MoE's) holds: a sigmoid router and its balancing bias, routing groups, a
+    routed scale and dense first layers are DeepSeek-V3's, and written as either they would be silently dropped."""
+    deepseek = [f"model.{key}={value}" for key, value, plain in (
+        ("moe_router", m.moe_router, "softmax"), ("moe_groups", m.moe_groups, 1),
+        ("moe_routed_scale", m.moe_routed_scale, 1.0), ("moe_first_dense", m.moe_first_dense, 0)) if value != plain]
+    if deepseek:
+        raise ShardlmError(f"{where} routes its experts as DeepSeek-V3 does ({', '.join(deepseek)}), which "
+                           f"{architecture} cannot hold (softmax over every expert, from the first layer on): a "
+                           "Llama-family mixture exports only routed by softmax (model.moe_router=softmax, balanced "
+                           "by model.moe_aux_loss_weight)")
 
 
 def llama_shaped_config(m, common: dict) -> dict:

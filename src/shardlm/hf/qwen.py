@@ -26,7 +26,7 @@ from shardlm.errors import ShardlmError
 from shardlm.hf.config import refuse, round_float
 from shardlm.hf.format import HfFormat
 from shardlm.hf.llama import (attention_tensors, attention_views, embedding_views, expert_tensors, expert_views,
-                              llama_shaped_config, llama_shaped_fields, mlp_tensors, mlp_views)
+                              llama_shaped_config, llama_shaped_fields, mlp_tensors, mlp_views, softmax_routing_only)
 
 QWEN_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": None}
 QWEN_EXPERTS = ("gate_proj", "up_proj", "down_proj")
@@ -74,6 +74,8 @@ def exportable(m, where: str) -> None:
     if m.moe_experts and not m.qk_norm:
         raise ShardlmError(f"{where} is a mixture of experts without q/k norms, which Qwen3MoeForCausalLM cannot "
                            "hold; set model.qk_norm=true")
+    if m.moe_experts:
+        softmax_routing_only(m, where, "Qwen3MoeForCausalLM")
     if m.moe_experts and m.moe_shared_expert:
         raise ShardlmError(f"{where} trained a shared expert (model.moe_shared_expert=true), which "
                            "Qwen3MoeForCausalLM cannot hold")
