@@ -139,8 +139,9 @@ def main() -> None:
     print(f"{cpu_name()}; the default GPT, byte-level tokens, {a.steps} steps, eval loss (nats per byte) over "
           f"{a.eval_batches} validation batches")
     print(f"{'corpus':<18} {'trained':<10} {'as trained':>11} {'within docs':>12}")
+    # the model and the schedule (the data come from `corpora`: the config's data.path is not read)
+    cfgs = {masked: load_config(None, overrides("shakespeare", a.steps, masked)) for masked in (True, False)}
     for name, parts in corpora.items():
-        cfgs = {masked: load_config(None, overrides("shakespeare", a.steps, masked)) for masked in (True, False)}
         rows = {masked: train_and_evaluate(parts, cfgs, masked, a.steps, a.eval_batches) for masked in (True, False)}
         for masked in (True, False):
             r = rows[masked]

@@ -86,13 +86,13 @@ def make_train_step(train_state, mesh, batch_sharding, schedule, seed: int, loss
         with jax.named_scope("optimizer"):
             metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(step_index)}
             # the spike guard (`shardlm.train.spikes`) reads the loss and the norm before clipping
-            skipped_before = guard_metrics(nnx.as_pure(optimizer.opt_state)).get("skipped")
             optimizer.update(model, grads, loss=metrics["loss"], grad_norm=metrics["grad_norm"])
             metrics.update(guard_metrics(nnx.as_pure(optimizer.opt_state)))
         if LAYER_LOADS in metrics:
             # Only an applied update moves the balancing biases: a step the guard skipped leaves the run as the
-            # run that never saw its batch, the biases (and so the next routing) included.
-            applied = True if skipped_before is None else metrics["skipped"] == skipped_before
+            # run that never saw its batch, the biases (and so the next routing) included. The guard's streak of
+            # skips is 0 exactly after an applied update.
+            applied = metrics["skip_streak"] == 0 if "skip_streak" in metrics else True
             with jax.named_scope("balance"):
                 balance_experts(model, metrics.pop(LAYER_LOADS), bias_rate, applied)
         return nnx.state(objects), metrics
