@@ -54,6 +54,9 @@ def test_what_a_deepseek_model_cannot_do_is_a_one_line_error():
     for overrides, message in (
             (["model.moe_first_dense=3"], "model.moe_first_dense=3 must leave a sparse layer"),
             (["model.mla_kv_rank=0"], "the deepseek family computes latent attention"),
+            # (a wider value head once reached jnp.pad with a negative width: a traceback)
+            (["model.mla_nope_dim=4", "model.mla_rope_dim=2", "model.mla_v_dim=8"],
+             r"model.mla_v_dim=8 is wider than the query/key head \(model.mla_nope_dim \+ model.mla_rope_dim = 6\)"),
             (["model.moe_router=softmax"], "model.moe_bias_rate=0.001 moves the sigmoid router's per-expert bias"),
             (["model.moe_groups=3"], "model.moe_groups=3 must divide model.moe_experts=4"),
             (["model.moe_group_top_k=1", "model.moe_top_k=3"], "model.moe_top_k=3 experts cannot be chosen")):

@@ -226,8 +226,10 @@ def _setting(overrides: list[str], key: str, default):
 
 @st.composite
 def recipe(draw) -> list[str]:
-    """The training recipe's settings: the optimizer, the spike guard, z-loss and document masks."""
+    """The training recipe's settings: the optimizer (Muon's momentum Nesterov or not), the spike guard, z-loss and
+    document masks."""
     return [f"train.optimizer={draw(st.sampled_from(['adamw', 'adamw', 'muon', 'lion', 'adafactor']))}",
+            f"train.muon_nesterov={draw(st.booleans())}",
             f"train.skip_spikes={draw(st.booleans())}", f"train.spike_window={draw(st.sampled_from([2, 128]))}",
             f"train.z_loss={draw(st.sampled_from([0.0, 0.0, 1e-4]))}",
             f"data.document_mask={draw(st.sampled_from(['auto', 'auto', 'true', 'false']))}"]

@@ -47,6 +47,10 @@ def check(m: ModelConfig) -> None:
                            "model.n_kv_heads")
     if m.mla_rope_dim % 2 or min(m.mla_rope_dim, m.mla_nope_dim, m.mla_v_dim, m.mla_q_rank) < 0:
         raise ShardlmError(f"model.mla_rope_dim={m.mla_rope_dim} must be even (rotary pairs) and the MLA sizes >= 0")
+    if m.mla_v_dim > m.mla_nope_dim + m.mla_rope_dim:  # values are padded to the query/key head, never the reverse
+        raise ShardlmError(f"model.mla_v_dim={m.mla_v_dim} is wider than the query/key head (model.mla_nope_dim + "
+                           f"model.mla_rope_dim = {m.mla_nope_dim + m.mla_rope_dim}), which the attention kernels take "
+                           "as their one head size; choose mla_v_dim <= it (DeepSeek-V3: 128 <= 192)")
     if m.mtp_depth < 0 or m.mtp_loss_weight < 0:
         raise ShardlmError("model.mtp_depth and model.mtp_loss_weight must be >= 0")
 
